@@ -1,0 +1,32 @@
+"""Errors a user can act on, each carrying the exit code of product.md section 6."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_INPUT = 2
+EXIT_CONFLICT = 3
+
+
+class RabbitRetryError(Exception):
+    """An error shown to the user as one line; ``exit_code`` is what the CLI returns."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class InputError(RabbitRetryError):
+    """The file, the arguments or the usage are wrong; nothing was touched."""
+
+    exit_code = EXIT_INPUT
+
+
+class BrokerError(RabbitRetryError):
+    """The broker is unreachable, refused us, or failed while we worked."""
+
+    exit_code = EXIT_RUNTIME
+
+
+class ConflictError(RabbitRetryError):
+    """The live broker disagrees with the file in a way we will not overwrite."""
+
+    exit_code = EXIT_CONFLICT

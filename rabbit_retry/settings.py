@@ -1,0 +1,134 @@
+"""Connection settings: AMQP and management URLs, the vhost they name, TLS files, and password
+masking."""
+
+from __future__ import annotations
+
+import os
+import re
+import ssl
+from dataclasses import dataclass, field, replace
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+from rabbit_retry.errors import InputError
+from rabbit_retry.tls import client_context
+
+DEFAULT_URL = "amqp://guest:guest@localhost:5672/"
+DEFAULT_MANAGEMENT_URL = "http://guest:guest@localhost:15672"
+URL_ENV = "RABBIT_RETRY_URL"
+MANAGEMENT_URL_ENV = "RABBIT_RETRY_MANAGEMENT_URL"
+CA_FILE_ENV = "RABBIT_RETRY_CA_FILE"
+CERT_FILE_ENV = "RABBIT_RETRY_CERT_FILE"
+KEY_FILE_ENV = "RABBIT_RETRY_KEY_FILE"
+KEY_PASSWORD_ENV = "RABBIT_RETRY_KEY_PASSWORD"
+
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]*)@")
+
+
+def mask(text: str) -> str:
+    """Replace the password of every URL in ``text`` with ``***``."""
+    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Where the broker is. The vhost always comes from the AMQP URL, never from a topology file.
+
+    ``ca_file``, ``cert_file`` and ``key_file`` (PEM) are used for ``amqps://`` and for an
+    ``https://`` management URL; without them both fall back to the libraries' defaults (the
+    system trust store, and for ``amqps://`` any ``cafile=...`` options in the URL's query).
+    """
+
+    url: str = DEFAULT_URL
+    management_url: str = DEFAULT_MANAGEMENT_URL
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    key_password: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(
+        cls,
+        url: str | None = None,
+        management_url: str | None = None,
+        *,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        key_password: str | None = None,
+    ) -> Settings:
+        settings = cls(
+            url=url or os.environ.get(URL_ENV) or DEFAULT_URL,
+            management_url=management_url
+            or os.environ.get(MANAGEMENT_URL_ENV)
+            or DEFAULT_MANAGEMENT_URL,
+            ca_file=ca_file or os.environ.get(CA_FILE_ENV) or None,
+            cert_file=cert_file or os.environ.get(CERT_FILE_ENV) or None,
+            key_file=key_file or os.environ.get(KEY_FILE_ENV) or None,
+            key_password=key_password or os.environ.get(KEY_PASSWORD_ENV) or None,
+        )
+        settings.vhost  # noqa: B018 - validates the URL early, before anything touches the broker
+        if settings.has_tls_files:
+            settings.check_tls()
+        return settings
+
+    @property
+    def has_tls_files(self) -> bool:
+        return bool(self.ca_file or self.cert_file or self.key_file)
+
+    def check_tls(self) -> None:
+        """Fails (``InputError``, exit 2) on TLS files that are missing or unreadable, or that
+        nothing would use: the user meant to encrypt, so silently talking plain is wrong."""
+        if not (urlsplit(self.url).scheme == "amqps" or self._management_https):
+            raise InputError(
+                "--ca-file / --cert-file / --key-file given, but neither --url "
+                f"({self.safe_url}) is amqps:// nor --management-url "
+                f"({self.safe_management_url}) is https://"
+            )
+        self.tls_context()
+
+    def tls_context(self) -> ssl.SSLContext:
+        """A fresh client context from the TLS files (re-read each time, so a reconnecting
+        worker picks up rotated certificates)."""
+        return client_context(self.ca_file, self.cert_file, self.key_file, self.key_password)
+
+    def amqp_tls(self) -> ssl.SSLContext | None:
+        """The context for an ``amqps://`` URL when TLS files were given, else None (aiormq's
+        own handling of the URL, as before)."""
+        if urlsplit(self.url).scheme != "amqps" or not self.has_tls_files:
+            return None
+        return self.tls_context()
+
+    def management_tls(self) -> ssl.SSLContext | None:
+        """The context for an ``https://`` management URL when TLS files were given, else None
+        (httpx's default verification)."""
+        if not self._management_https or not self.has_tls_files:
+            return None
+        return self.tls_context()
+
+    @property
+    def _management_https(self) -> bool:
+        return urlsplit(self.management_url).scheme == "https"
+
+    @property
+    def vhost(self) -> str:
+        """The vhost of the AMQP URL: an empty path means ``/``, as the AMQP URI spec says."""
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("amqp", "amqps"):
+            raise InputError(f"--url: expected an amqp:// or amqps:// URL, got {mask(self.url)!r}")
+        path = parts.path
+        if path in ("", "/"):
+            return "/"
+        return unquote(path[1:])
+
+    def for_vhost(self, vhost: str) -> Settings:
+        """The same broker, another vhost (tests use this for their throwaway vhosts)."""
+        parts = urlsplit(self.url)
+        return replace(self, url=urlunsplit(parts._replace(path="/" + quote(vhost, safe=""))))
+
+    @property
+    def safe_url(self) -> str:
+        return mask(self.url)
+
+    @property
+    def safe_management_url(self) -> str:
+        return mask(self.management_url)

@@ -1,0 +1,358 @@
+"""Rules a schema cannot express: references, reserved and derived names, queue arguments.
+
+Pure: takes the parsed file, returns problems with the key path where each one lives, so the
+loader can point at the line. Every rule here stops something the broker would refuse halfway
+through ``apply``, or something that would quietly break the retry wiring.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rabbit_retry.topology import naming
+from rabbit_retry.topology.model import QueueConfig, TopologySpec, resolve
+
+Path = tuple[str | int, ...]
+
+MAX_NAME_BYTES = 255  # AMQP short strings: routing keys
+# The AMQP 0-9-1 name domain, which pamqp (under aio-pika) enforces on every frame that names a
+# queue or an exchange: RabbitMQ takes more, but the provisioner and the worker could not use it.
+AMQP_NAME_CHARACTERS = frozenset(string.ascii_letters + string.digits + "-_.:@#,/+ ")
+MAX_EXCHANGE_NAME = 127
+# Q.retry must fit MAX_EXCHANGE_NAME; tier and parking names stay far below 255 after that.
+MAX_QUEUE_NAME = MAX_EXCHANGE_NAME - len(naming.RETRY_SUFFIX)
+BUILTIN_EXCHANGES = frozenset(
+    {"amq.direct", "amq.fanout", "amq.headers", "amq.match", "amq.topic", "amq.rabbitmq.trace"}
+)
+
+# Arguments the compiler sets itself; a file that sets them would break the retry wiring.
+MANAGED_QUEUE_ARGUMENTS = {
+    "x-queue-type": "set queue_type instead",
+    "x-dead-letter-exchange": "rabbit-retry routes dead letters to the retry exchange",
+    "x-dead-letter-routing-key": "rabbit-retry routes dead letters to the retry exchange",
+    "x-dead-letter-strategy": "rabbit-retry sets at-least-once on quorum queues",
+    "x-message-ttl": "expired messages would loop through the retry tiers; use retry.delays",
+    "x-expires": "an expiring main queue would take its messages with it",
+}
+QUORUM_MANAGED = {"x-overflow": "quorum queues need reject-publish for at-least-once dead letters"}
+
+# Arguments RabbitMQ refuses for one queue type (PRECONDITION_FAILED, checked on 3.10): caught
+# here so the file is rejected before apply has created anything.
+UNSUPPORTED_ARGUMENTS: dict[str, frozenset[str]] = {
+    "quorum": frozenset(
+        {"x-max-priority", "x-queue-mode", "x-queue-master-locator", "x-queue-version", "x-max-age"}
+    ),
+    "classic": frozenset(
+        {
+            "x-delivery-limit",
+            "x-quorum-initial-group-size",
+            "x-max-in-memory-length",
+            "x-max-in-memory-bytes",
+            "x-max-age",
+        }
+    ),
+}
+# The value rules the broker applies to well-known arguments, so a typo fails validation.
+_NON_NEGATIVE_INT = frozenset(
+    {
+        "x-max-length",
+        "x-max-length-bytes",
+        "x-delivery-limit",
+        "x-max-in-memory-length",
+        "x-max-in-memory-bytes",
+    }
+)
+_ENUM_ARGUMENTS = {
+    "x-overflow": ("drop-head", "reject-publish", "reject-publish-dlx"),
+    "x-queue-mode": ("default", "lazy"),
+}
+_INT64 = range(-(2**63), 2**63)
+# Derived queue name -> the main queue it belongs to: (parking queues, tier queues).
+_Owners = tuple[dict[str, str], dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: Path
+    message: str
+
+
+def check(spec: TopologySpec) -> list[Problem]:
+    """Every problem in ``spec``, in file order as far as the key paths allow."""
+    topology = resolve(spec)
+    queues = {q.name: q for q in topology.queues}
+    problems: list[Problem] = []
+    for ename, exchange in spec.exchanges.items():
+        path: Path = ("exchanges", ename)
+        problems += _name_problems(path, "exchange", ename)
+        owner = _owner_of_retry_exchange(ename, queues)
+        if owner is not None:
+            problems.append(
+                Problem(
+                    path,
+                    f"exchange {_n(ename)} collides with the retry exchange of queue "
+                    f"{_n(owner)}, which rabbit-retry declares itself",
+                )
+            )
+        problems += _argument_problems((*path, "arguments"), exchange.arguments)
+        alternate = exchange.arguments.get("alternate-exchange")
+        if alternate is not None and not isinstance(alternate, str):
+            problems.append(
+                Problem((*path, "arguments", "alternate-exchange"), "must be an exchange name")
+            )
+    owners: _Owners = ({}, {})
+    for queue in queues.values():
+        owners[0][naming.parking_queue(queue.name)] = queue.name
+        owners[1].update((tier, queue.name) for tier in _tier_names(queue))
+    for queue in queues.values():
+        problems += _queue_problems(queue, queues, spec, owners)
+    return problems
+
+
+def _queue_problems(
+    queue: QueueConfig, queues: Mapping[str, QueueConfig], spec: TopologySpec, owners: _Owners
+) -> list[Problem]:
+    path: Path = ("queues", queue.name)
+    problems = _name_problems(path, "queue", queue.name)
+    if not problems:
+        problems += _derived_name_problems(path, queue, queues, owners)
+    seen: dict[tuple[str, str, str], int] = {}
+    for i, binding in enumerate(queue.bindings):
+        bpath: Path = (*path, "bindings", i)
+        problems += _exchange_reference_problems(
+            (*bpath, "exchange"), binding.exchange, spec, queues
+        )
+        if len(binding.routing_key.encode()) > MAX_NAME_BYTES:
+            problems.append(
+                Problem(
+                    (*bpath, "routing_key"),
+                    f"routing key is "
+                    f"{len(binding.routing_key.encode())} bytes; AMQP allows at most 255",
+                )
+            )
+        problems += _argument_problems((*bpath, "arguments"), binding.arguments)
+        identity = (binding.exchange, binding.routing_key, repr(sorted(binding.arguments.items())))
+        if identity in seen:
+            problems.append(Problem(bpath, f"the same binding as bindings[{seen[identity]}]"))
+        seen.setdefault(identity, i)
+    problems += _queue_argument_problems((*path, "arguments"), queue)
+    return problems
+
+
+def _name_problems(path: Path, kind: str, name: str) -> list[Problem]:
+    if not name.strip():
+        return [Problem(path, f"a {kind} name must not be empty or blank")]
+    bad = sorted({ch for ch in name if ch not in AMQP_NAME_CHARACTERS})
+    if bad:
+        shown = " ".join(repr(ch) for ch in bad[:5])
+        return [
+            Problem(
+                path,
+                f"{kind} name {_n(name)} has characters AMQP clients cannot send ({shown}); "
+                "names may hold letters A-Z a-z, digits, spaces and - _ . : @ # , / +",
+            )
+        ]
+    if name.startswith("amq."):
+        return [
+            Problem(
+                path, f"{kind} name {_n(name)}: names starting with amq. are reserved by RabbitMQ"
+            )
+        ]
+    if kind == "exchange" and len(name) > MAX_EXCHANGE_NAME:
+        return [
+            Problem(
+                path,
+                f"exchange name is {len(name)} characters long; AMQP allows at most "
+                f"{MAX_EXCHANGE_NAME}",
+            )
+        ]
+    if kind == "queue" and len(naming.retry_exchange(name)) > MAX_EXCHANGE_NAME:
+        return [
+            Problem(
+                path,
+                f"queue name is {len(name)} characters long; at most {MAX_QUEUE_NAME} fit, so "
+                f"that its retry exchange (name + {naming.RETRY_SUFFIX!r}) stays within the "
+                f"{MAX_EXCHANGE_NAME} characters AMQP allows for an exchange name",
+            )
+        ]
+    return []
+
+
+def _derived_name_problems(
+    path: Path, queue: QueueConfig, queues: Mapping[str, QueueConfig], owners: _Owners
+) -> list[Problem]:
+    name = queue.name
+    problems: list[Problem] = []
+    parking_of, tier_of = owners
+    if name in parking_of:
+        problems.append(
+            Problem(
+                path,
+                f"queue {_n(name)} collides with the parking queue of queue {_n(parking_of[name])}",
+            )
+        )
+    elif name in tier_of:
+        problems.append(
+            Problem(
+                path, f"queue {_n(name)} collides with a retry tier of queue {_n(tier_of[name])}"
+            )
+        )
+    elif name.endswith(naming.RETRY_SUFFIX) and name[: -len(naming.RETRY_SUFFIX)] in queues:
+        problems.append(
+            Problem(
+                path,
+                f"queue {_n(name)} would own names under {_n(name + '.')}, which are reserved "
+                f"for the retry tiers of queue {_n(name[: -len(naming.RETRY_SUFFIX)])}",
+            )
+        )
+    else:
+        owner = _tier_namespace_owner(name, queues)
+        if owner is not None:
+            # Names under Q.retry. belong to Q's tiers: apply --prune deletes the unlisted ones.
+            problems.append(
+                Problem(
+                    path,
+                    f"queue {_n(name)} is inside the names reserved for the retry tiers of queue "
+                    f"{_n(owner)} ({owner}.retry.*)",
+                )
+            )
+    return problems
+
+
+def _tier_namespace_owner(name: str, queues: Mapping[str, QueueConfig]) -> str | None:
+    """The queue ``Q`` when ``name`` starts with ``Q.retry.`` (``Q`` may itself contain dots)."""
+    marker = naming.RETRY_SUFFIX + "."
+    start = name.find(marker)
+    while start > 0:
+        if name[:start] in queues:
+            return name[:start]
+        start = name.find(marker, start + 1)
+    return None
+
+
+def _tier_names(queue: QueueConfig) -> list[str]:
+    return [naming.tier_queue(queue.name, ms) for ms in queue.retry.tiers_ms]
+
+
+def _owner_of_retry_exchange(name: str, queues: Mapping[str, QueueConfig]) -> str | None:
+    suffix = naming.RETRY_SUFFIX
+    if name.endswith(suffix) and name[: -len(suffix)] in queues:
+        return name[: -len(suffix)]
+    return None
+
+
+def _exchange_reference_problems(
+    path: Path, exchange: str, spec: TopologySpec, queues: Mapping[str, QueueConfig]
+) -> list[Problem]:
+    if exchange in spec.exchanges or exchange in BUILTIN_EXCHANGES:
+        return []
+    if exchange.startswith("amq."):
+        builtins = ", ".join(sorted(BUILTIN_EXCHANGES))
+        return [Problem(path, f"{_n(exchange)} is not a built-in exchange ({builtins})")]
+    owner = _owner_of_retry_exchange(exchange, queues)
+    if owner is not None:
+        return [
+            Problem(
+                path,
+                f"{_n(exchange)} is the retry exchange of queue {_n(owner)}; "
+                "rabbit-retry binds it itself",
+            )
+        ]
+    return [
+        Problem(
+            path,
+            f"binding to exchange {_n(exchange)}, which the file does not declare under exchanges",
+        )
+    ]
+
+
+def _queue_argument_problems(path: Path, queue: QueueConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    for key, value in queue.arguments.items():
+        apath: Path = (*path, key)
+        why = MANAGED_QUEUE_ARGUMENTS.get(key) or (
+            QUORUM_MANAGED.get(key) if queue.queue_type == "quorum" else None
+        )
+        if why:
+            problems.append(Problem(apath, f"argument {key!r} is managed: {why}"))
+        elif key in UNSUPPORTED_ARGUMENTS[queue.queue_type]:
+            problems.append(
+                Problem(apath, f"argument {key!r} is not supported by {queue.queue_type} queues")
+            )
+        elif queue.queue_type == "classic" and key == "x-overflow" and value == "reject-publish":
+            # Checked on 3.10: a message coming back from a classic tier to a full classic queue
+            # that rejects publishes is dropped without a trace (at-most-once dead-lettering).
+            problems.append(
+                Problem(
+                    apath,
+                    "reject-publish on a classic queue silently drops retried messages that "
+                    "return while the queue is full; leave x-overflow unset (drop-head sends the "
+                    "oldest message to the retry tier) or use queue_type: quorum",
+                )
+            )
+        elif _is_argument_value(value):
+            problems += _known_argument_problems(apath, key, value)
+    problems += _argument_problems(path, queue.arguments)
+    return problems
+
+
+def _known_argument_problems(path: Path, key: str, value: Any) -> list[Problem]:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if key in _NON_NEGATIVE_INT and not (is_int and value >= 0):
+        return [Problem(path, f"argument {key!r} must be a whole number >= 0, got {_v(value)}")]
+    if key == "x-max-priority" and not (is_int and 0 <= value <= 255):
+        return [Problem(path, f"argument {key!r} must be a whole number 0-255, got {_v(value)}")]
+    if key == "x-quorum-initial-group-size" and not (is_int and value >= 1):
+        return [Problem(path, f"argument {key!r} must be a whole number >= 1, got {_v(value)}")]
+    if key == "x-single-active-consumer" and not isinstance(value, bool):
+        return [Problem(path, f"argument {key!r} must be true or false, got {_v(value)}")]
+    allowed = _ENUM_ARGUMENTS.get(key)
+    if allowed and value not in allowed:
+        return [
+            Problem(path, f"argument {key!r} must be one of {', '.join(allowed)}, got {_v(value)}")
+        ]
+    return []
+
+
+def _argument_problems(path: Path, arguments: Mapping[str, Any]) -> list[Problem]:
+    return [
+        Problem(
+            (*path, key),
+            f"argument {key!r} must be a string, a number, true/false or a list "
+            f"of those, got {_v(value)}",
+        )
+        for key, value in arguments.items()
+        if not _is_argument_value(value)
+    ]
+
+
+def _is_argument_value(value: Any) -> bool:
+    """What an AMQP field table carries and a YAML file can say unambiguously."""
+    if isinstance(value, bool | str | float):
+        return True
+    if isinstance(value, int):
+        return value in _INT64
+    if isinstance(value, list):
+        return all(_is_argument_value(v) for v in value)
+    return False
+
+
+def _n(name: str) -> str:
+    """A name as messages quote it, shortened so a 255-byte name keeps the line readable."""
+    text = repr(name)
+    return text if len(text) <= 72 else text[:60] + "..." + text[-9:]
+
+
+def _v(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, int) and value not in _INT64:
+        return "a number too large for AMQP"
+    return _n(value) if isinstance(value, str) else repr(value)

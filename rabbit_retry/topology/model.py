@@ -1,0 +1,183 @@
+"""The topology schema (product.md section 2) as pydantic models.
+
+Two layers: ``*Spec`` models mirror the file exactly (every key optional where the file may omit
+it, unknown keys rejected); ``Topology`` is the resolved form, with ``defaults`` merged into every
+queue, that the compiler and the worker read.
+
+In the file, a key written with no value (YAML null) means the same as leaving it out, and a
+queue written with no body takes every default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from rabbit_retry.topology.durations import parse_duration
+
+QueueType = Literal["quorum", "classic"]
+ExchangeType = Literal["direct", "topic", "fanout", "headers"]
+DurationMs = Annotated[int, BeforeValidator(parse_duration)]
+
+# Built-in policy for a queue whose file says nothing about retries.
+DEFAULT_DELAYS_MS = (5_000, 30_000, 300_000)
+DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_QUEUE_TYPE: QueueType = "quorum"
+SUPPORTED_VERSION = 1
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # ``key:`` with nothing after it is YAML for null; read it as "not set" rather than
+        # as a type error, for every key that has a default.
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, field in cls.model_fields.items() if not field.is_required()}
+        return {k: v for k, v in data.items() if not (v is None and k in optional)}
+
+
+class RetrySpec(_Spec):
+    delays: list[DurationMs] | None = Field(default=None, min_length=1)
+    max_attempts: int | None = Field(default=None, ge=1)
+
+
+class BindingSpec(_Spec):
+    exchange: str = Field(min_length=1)
+    routing_key: str = ""
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ExchangeSpec(_Spec):
+    type: ExchangeType
+    durable: bool = True
+    auto_delete: bool = False
+    internal: bool = False
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class QueueSpec(_Spec):
+    queue_type: QueueType | None = None
+    bindings: list[BindingSpec] = Field(default_factory=list)
+    retry: RetrySpec | None = None
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class DefaultsSpec(_Spec):
+    queue_type: QueueType | None = None
+    retry: RetrySpec | None = None
+
+
+class TopologySpec(_Spec):
+    version: int
+    defaults: DefaultsSpec = Field(default_factory=DefaultsSpec)
+    exchanges: dict[str, ExchangeSpec] = Field(default_factory=dict)
+    queues: dict[str, QueueSpec] = Field(min_length=1)
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, version: int) -> int:
+        if version != SUPPORTED_VERSION:
+            raise ValueError(f"unsupported version {version}")
+        return version
+
+    @field_validator("queues", mode="before")
+    @classmethod
+    def _bare_queue_is_all_defaults(cls, queues: Any) -> Any:
+        # ``queues: {work: }``: a queue with every setting at its default.
+        if isinstance(queues, dict):
+            return {name: {} if body is None else body for name, body in queues.items()}
+        return queues
+
+
+class RetryPolicy(BaseModel):
+    """How often and how late a queue's handler is tried again."""
+
+    model_config = ConfigDict(frozen=True)
+
+    delays_ms: tuple[Annotated[int, Field(gt=0)], ...] = Field(min_length=1)
+    max_attempts: int = Field(ge=1)
+
+    @property
+    def tiers_ms(self) -> tuple[int, ...]:
+        """Distinct delays in the order they first appear: one tier queue each."""
+        return tuple(dict.fromkeys(self.delays_ms))
+
+    def delay_for(self, failures: int) -> int:
+        """The delay before the next attempt, after ``failures`` failed ones (>= 1)."""
+        return self.delays_ms[min(max(failures, 1), len(self.delays_ms)) - 1]
+
+
+class QueueConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    queue_type: QueueType
+    bindings: tuple[BindingSpec, ...]
+    retry: RetryPolicy
+    arguments: Mapping[str, Any]
+
+
+class ExchangeConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    type: ExchangeType
+    durable: bool
+    auto_delete: bool
+    internal: bool
+    arguments: Mapping[str, Any]
+
+
+class Topology(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    exchanges: tuple[ExchangeConfig, ...]
+    queues: tuple[QueueConfig, ...]
+    source: str = "<topology>"
+
+    def queue(self, name: str) -> QueueConfig:
+        for queue in self.queues:
+            if queue.name == name:
+                return queue
+        raise KeyError(name)
+
+    @property
+    def queue_names(self) -> tuple[str, ...]:
+        return tuple(q.name for q in self.queues)
+
+
+def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
+    """Merge ``defaults`` (and the built-in defaults under them) into every queue."""
+    default_retry = spec.defaults.retry or RetrySpec()
+    queues = []
+    for name, queue in spec.queues.items():
+        retry = queue.retry or RetrySpec()
+        delays = retry.delays or default_retry.delays or DEFAULT_DELAYS_MS
+        max_attempts = retry.max_attempts or default_retry.max_attempts or DEFAULT_MAX_ATTEMPTS
+        queues.append(
+            QueueConfig(
+                name=name,
+                queue_type=queue.queue_type or spec.defaults.queue_type or DEFAULT_QUEUE_TYPE,
+                bindings=tuple(queue.bindings),
+                retry=RetryPolicy(delays_ms=tuple(delays), max_attempts=max_attempts),
+                arguments=dict(queue.arguments),
+            )
+        )
+    exchanges = tuple(
+        ExchangeConfig(
+            name=name,
+            type=ex.type,
+            durable=ex.durable,
+            auto_delete=ex.auto_delete,
+            internal=ex.internal,
+            arguments=dict(ex.arguments),
+        )
+        for name, ex in spec.exchanges.items()
+    )
+    return Topology(exchanges=exchanges, queues=tuple(queues), source=source)

@@ -1,0 +1,83 @@
+"""The example topologies users copy: each loads, compiles, and says what its comments say."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rabbit_retry.topology import Topology, compile_topology, load_topology
+from rabbit_retry.topology.export import to_definitions, to_mermaid
+
+EXAMPLES = Path(__file__).parents[2] / "topologies"
+
+
+def load(name: str) -> Topology:
+    return load_topology(EXAMPLES / name)
+
+
+@pytest.mark.parametrize("name", ["orders.yml", "notifications.yml", "audit.yml"])
+def test_example_loads_compiles_and_exports(name: str) -> None:
+    plan = compile_topology(load(name))
+    assert plan.main_queues
+    definitions = to_definitions(plan)
+    assert len(definitions["queues"]) == len(plan.queues)
+    assert to_mermaid(plan).startswith("flowchart LR\n")
+
+
+def test_every_example_is_tested() -> None:
+    assert sorted(p.name for p in EXAMPLES.glob("*.yml")) == [
+        "audit.yml",
+        "notifications.yml",
+        "orders.yml",
+    ]
+
+
+def test_orders() -> None:
+    topology = load("orders.yml")
+    assert [(e.name, e.type) for e in topology.exchanges] == [("orders", "topic")]
+    fraud = topology.queue("orders.fraud-check")
+    assert fraud.queue_type == "quorum"
+    assert fraud.retry.delays_ms == (5_000, 30_000, 300_000)
+    assert fraud.retry.max_attempts == 5
+    # the comment's promise: after 5s, 30s, 5m and 5m again, then the 5th failure parks
+    assert [fraud.retry.delay_for(f) for f in range(1, 5)] == [5_000, 30_000, 300_000, 300_000]
+    assert [(b.exchange, b.routing_key) for b in fraud.bindings] == [("orders", "order.created")]
+    inventory = topology.queue("orders.inventory")
+    assert {b.routing_key for b in inventory.bindings} == {"order.created", "order.cancelled"}
+    plan = compile_topology(topology)
+    assert [q.name for q in plan.queues_of("orders.fraud-check")] == [
+        "orders.fraud-check",
+        "orders.fraud-check.retry.5s",
+        "orders.fraud-check.retry.30s",
+        "orders.fraud-check.retry.5m",
+        "orders.fraud-check.parking",
+    ]
+
+
+def test_notifications() -> None:
+    topology = load("notifications.yml")
+    [email] = topology.queues
+    assert (email.name, email.queue_type) == ("notifications.email", "classic")
+    assert (email.retry.delays_ms, email.retry.max_attempts) == ((30_000,), 3)
+    assert "x-overflow" not in email.arguments
+
+
+def test_audit_fans_out_to_independent_queues() -> None:
+    topology = load("audit.yml")
+    assert [(e.name, e.type) for e in topology.exchanges] == [("audit", "fanout")]
+    assert [q.name for q in topology.queues] == [
+        "audit.archive",
+        "audit.search-index",
+        "audit.alerts",
+    ]
+    for queue in topology.queues:
+        assert [b.exchange for b in queue.bindings] == ["audit"]
+    assert topology.queue("audit.archive").retry.max_attempts == 8
+    total = sum(topology.queue("audit.archive").retry.delay_for(f) for f in range(1, 8))
+    assert 4 * 3_600_000 < total < 4.5 * 3_600_000  # "about four hours in all"
+    plan = compile_topology(topology)
+    # a tier returns a message to its own queue only, never through the fanout exchange
+    for tier in (q for q in plan.queues if q.role == "tier"):
+        assert tier.arguments["x-dead-letter-exchange"] == ""
+        assert tier.arguments["x-dead-letter-routing-key"] == tier.owner
