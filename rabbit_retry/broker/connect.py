@@ -1,0 +1,83 @@
+"""Opening an AMQP connection, with each way it can fail turned into one clear line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import AbstractConnection
+
+from rabbit_retry.errors import BrokerError
+from rabbit_retry.settings import Settings, mask
+from rabbit_retry.tls import cause_of, describe_tls_error, tls_cause
+
+
+def describe_connect_error(exc: BaseException, settings: Settings) -> str:
+    """One line for the user; never contains the password."""
+    where = settings.safe_url
+    tls_error = tls_cause(exc)
+    if tls_error is not None:
+        return f"TLS handshake with {where} failed: {mask(describe_tls_error(tls_error))}"
+    closed = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, EOFError)
+    if settings.url.startswith("amqps:") and cause_of(exc, closed):
+        # A TLS 1.3 server refuses a client certificate (or its absence) after the client
+        # thinks the handshake is done; its alert is often lost to the reset that follows.
+        hint = (
+            "did it refuse the client certificate of --cert-file?"
+            if settings.cert_file
+            else "does it require a client certificate? give --cert-file and --key-file"
+        )
+        return f"broker at {where} closed the connection right after the TLS handshake: {hint}"
+    if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
+        return f"broker at {where} refused the credentials (wrong user or password)"
+    text = mask(str(exc))
+    refused = aiormq.exceptions.ChannelAccessRefused | aiormq.exceptions.ConnectionNotAllowed
+    if isinstance(exc, refused):
+        return f"broker at {where} refused access: {text}"
+    vhost_missing = "vhost" in text and "not found" in text
+    # aiormq reports the broker's Connection.Close in answer to Connection.Open (which RabbitMQ
+    # sends only to refuse the vhost) as an unexpected frame, without the broker's reason.
+    vhost_missing = vhost_missing or ("Connection.OpenOk" in text and "Connection.Close" in text)
+    if "NOT_ALLOWED" in text or "access to vhost" in text or vhost_missing:
+        return (
+            f"broker at {where} refused the vhost {settings.vhost!r}: it does not exist or the "
+            "user has no access to it"
+        )
+    if isinstance(exc, ConnectionRefusedError) or "Connection refused" in text:
+        return f"broker at {where} is unreachable: connection refused"
+    if isinstance(exc, TimeoutError):
+        if settings.url.startswith("amqps:"):
+            # A plain AMQP listener never answers a TLS hello: say so, it is the usual cause.
+            return f"broker at {where} did not answer in time (is that port a TLS listener?)"
+        return f"broker at {where} did not answer in time"
+    if isinstance(exc, OSError):
+        return f"broker at {where} is unreachable: {text or type(exc).__name__}"
+    return f"cannot connect to {where}: {type(exc).__name__}: {text}"
+
+
+async def connect(
+    settings: Settings,
+    *,
+    connect_timeout: float = 10.0,
+    name: str = "rabbit-retry",
+    **kwargs: Any,
+) -> AbstractConnection:
+    """A plain (not robust) connection; the caller owns reconnect policy.
+
+    For ``amqps://`` with TLS files in ``settings`` the connection uses their context (an
+    unreadable file is an ``InputError`` before anything is sent).
+    """
+    tls = settings.amqp_tls()
+    if tls is not None:
+        kwargs["ssl_context"] = tls
+    try:
+        connection: AbstractConnection = await aio_pika.connect(
+            settings.url,
+            timeout=connect_timeout,
+            client_properties={"connection_name": name},
+            **kwargs,
+        )
+    except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+        raise BrokerError(describe_connect_error(exc, settings)) from exc
+    return connection

@@ -1,0 +1,345 @@
+"""Carrying out a diff over AMQP: declare what is missing, rewire, prune obsolete tiers.
+
+Declarations run concurrently over a small pool of channels: an AMQP channel has one
+synchronous method in flight at a time, and a quorum queue declaration waits for its Raft
+cluster to start, so one channel would spend most of its time waiting. Objects that already
+match are never redeclared, so a no-op apply sends nothing at all.
+
+Order matters for correctness, not only for the broker: exchanges and queues first, then
+bindings (the new first tier is bound with key ``Q`` before the old one is unbound, so no dead
+letter is ever unroutable), then unbinds, then pruning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiormq
+import aiormq.exceptions
+from aio_pika.abc import AbstractConnection
+from pamqp import commands
+
+from rabbit_retry.broker.connect import connect
+from rabbit_retry.broker.diff import Change
+from rabbit_retry.errors import BrokerError, InputError
+from rabbit_retry.settings import Settings, mask
+from rabbit_retry.topology.plan import Binding, Exchange, Queue
+
+DEFAULT_CONCURRENCY = 16
+# After unbinding a quorum tier, how long to let publishes already routed to it land before
+# its message count is read (quorum queues cannot delete with if-empty; see _prune_one).
+SETTLE_SECONDS = 0.5
+# A broker that cannot create a queue (RabbitMQ 3.x out of file handles, a stuck node) never
+# answers; better one clear line than a hang.
+OPERATION_TIMEOUT = 60.0
+
+Progress = Callable[[int], None]
+_Op = Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
+
+
+@dataclass
+class ApplyReport:
+    created: list[Change] = field(default_factory=list)
+    unbound: list[Change] = field(default_factory=list)
+    pruned: list[str] = field(default_factory=list)
+    kept: list[tuple[str, int]] = field(default_factory=list)  # (tier, messages still in it)
+
+
+def _describe(change: Change) -> str:
+    return f"{change.object} {change.name}"
+
+
+def _fail(what: str, exc: BaseException) -> BrokerError:
+    if isinstance(exc, TimeoutError):
+        return BrokerError(f"{what}: no answer from the broker in {OPERATION_TIMEOUT:.0f}s")
+    reason = mask(str(exc)) or type(exc).__name__
+    return BrokerError(f"{what} failed: {reason}")
+
+
+class ChannelPool:
+    """Runs AMQP operations on up to ``size`` channels at once; the first failure stops the
+    run and becomes one ``BrokerError`` naming its object."""
+
+    def __init__(self, connection: AbstractConnection, size: int) -> None:
+        self._connection = connection
+        self._size = max(1, size)
+
+    async def run(
+        self, ops: Sequence[tuple[str, _Op]], progress: Progress | None = None
+    ) -> None:
+        if not ops:
+            return
+        work: asyncio.Queue[tuple[str, _Op]] = asyncio.Queue()
+        for op in ops:
+            work.put_nowait(op)
+
+        async def worker() -> None:
+            what = "opening a channel"
+            try:
+                channel = await _open(self._connection)
+                while True:
+                    try:
+                        what, op = work.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                    await op(channel)
+                    if progress is not None:
+                        progress(1)
+                await channel.close()
+            except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+                raise _fail(what, exc) from exc
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(min(self._size, len(ops))):
+                    group.create_task(worker())
+        except BaseExceptionGroup as group_error:
+            # The first failure is the one to report; the others are its echoes (cancelled
+            # workers, a connection closing under them).
+            raise _first(group_error) from None
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first(exc)
+        if isinstance(exc, BrokerError):
+            return exc
+    inner = group.exceptions[0]
+    return _first(inner) if isinstance(inner, BaseExceptionGroup) else inner
+
+
+def _declare_exchange(exchange: Exchange) -> _Op:
+    async def op(channel: aiormq.abc.AbstractChannel) -> None:
+        await channel.exchange_declare(
+            exchange.name,
+            exchange_type=exchange.type,
+            durable=exchange.durable,
+            auto_delete=exchange.auto_delete,
+            internal=exchange.internal,
+            arguments=dict(exchange.arguments),
+            timeout=OPERATION_TIMEOUT,
+        )
+
+    return op
+
+
+def _declare_queue(queue: Queue) -> _Op:
+    async def op(channel: aiormq.abc.AbstractChannel) -> None:
+        await channel.queue_declare(
+            queue.name,
+            durable=queue.durable,
+            arguments=dict(queue.arguments),
+            timeout=OPERATION_TIMEOUT,
+        )
+
+    return op
+
+
+def _bind(binding: Binding) -> _Op:
+    async def op(channel: aiormq.abc.AbstractChannel) -> None:
+        await channel.queue_bind(
+            binding.destination,
+            binding.source,
+            routing_key=binding.routing_key,
+            arguments=dict(binding.arguments),
+            timeout=OPERATION_TIMEOUT,
+        )
+
+    return op
+
+
+def _unbind(binding: Binding) -> _Op:
+    async def op(channel: aiormq.abc.AbstractChannel) -> None:
+        await channel.queue_unbind(
+            binding.destination,
+            binding.source,
+            routing_key=binding.routing_key,
+            arguments=dict(binding.arguments),
+            timeout=OPERATION_TIMEOUT,
+        )
+
+    return op
+
+
+def _refusal(kind: str, name: str) -> str | None:
+    try:
+        if kind == "exchange":
+            commands.Exchange.Declare(exchange=name)
+        else:
+            commands.Queue.Declare(queue=name)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def unsendable(changes: Sequence[Change]) -> list[str]:
+    """Names the AMQP client will not put in a frame, one line each (derived names of a
+    refused queue are not repeated).
+
+    pamqp follows the AMQP 0-9-1 name rules, stricter than RabbitMQ's: names of letters,
+    digits and ``-_.:@#,/+`` or space, exchange names of at most 127 characters. The same rules
+    apply to consuming and publishing, so such a queue would be useless to the worker anyway.
+    """
+    names: dict[str, str] = {}  # name -> "exchange" | "queue", in the order met
+    for change in changes:
+        item = change.item
+        if change.kind not in ("create", "unbind", "prune", "keep") or item is None:
+            continue
+        if isinstance(item, Exchange):
+            names.setdefault(item.name, "exchange")
+        elif isinstance(item, Queue):
+            names.setdefault(item.name, "queue")
+        else:
+            names.setdefault(item.source, "exchange")
+            names.setdefault(item.destination, "queue")
+    refused: list[tuple[str, str, str]] = []
+    for name, kind in sorted(names.items(), key=lambda item: len(item[0])):  # Q before Q.retry
+        reason = _refusal(kind, name)
+        if reason and not any(name.startswith(r + ".") for _, r, _ in refused):
+            refused.append((kind, name, reason))
+    return [
+        f"{kind} {name!r}: AMQP clients cannot use this name ({reason.lower()}); names may hold "
+        "letters, digits, - _ . : @ # , / + and spaces, exchange names at most 127 characters"
+        for kind, name, reason in refused
+    ]
+
+
+def _with_kind(changes: Sequence[Change], kind: str, object_kind: str) -> list[Change]:
+    return [c for c in changes if c.kind == kind and c.object == object_kind]
+
+
+def work_count(changes: Sequence[Change], *, prune: bool) -> int:
+    """How many broker operations ``apply_changes`` will make (for a progress bar)."""
+    kinds = {"create", "unbind"} | ({"prune", "keep"} if prune else set())
+    return sum(1 for c in changes if c.kind in kinds)
+
+
+async def apply_changes(
+    settings: Settings,
+    changes: Sequence[Change],
+    live_bindings: Sequence[Binding] = (),
+    *,
+    prune: bool = False,
+    concurrency: int = DEFAULT_CONCURRENCY,
+    progress: Progress | None = None,
+) -> ApplyReport:
+    """Carry out ``changes`` (a conflict-free diff) on the broker of ``settings``.
+
+    ``live_bindings`` are the bindings read with the diff; pruning a quorum tier unbinds them
+    first and restores them if the tier turns out not to be empty.
+    """
+    if any(c.kind == "conflict" for c in changes):
+        raise AssertionError("apply_changes called with conflicts; check the diff first")
+    report = ApplyReport()
+    if work_count(changes, prune=prune) == 0:
+        return report
+    problems = unsendable(changes)
+    if problems:
+        raise InputError("\n".join(problems))
+    connection = await connect(settings, name="rabbit-retry apply")
+    try:
+        pool = ChannelPool(connection, concurrency)
+        objects: list[tuple[str, _Op]] = []
+        for change in _with_kind(changes, "create", "exchange"):
+            assert isinstance(change.item, Exchange)
+            objects.append((f"declaring {_describe(change)}", _declare_exchange(change.item)))
+        for change in _with_kind(changes, "create", "queue"):
+            assert isinstance(change.item, Queue)
+            objects.append((f"declaring {_describe(change)}", _declare_queue(change.item)))
+        await pool.run(objects, progress)
+
+        binds = _with_kind(changes, "create", "binding")
+        await pool.run(
+            [(f"binding {c.name}", _bind(_binding_of(c))) for c in binds], progress
+        )
+        report.created = [c for c in changes if c.kind == "create"]
+
+        unbinds = _with_kind(changes, "unbind", "binding")
+        await pool.run(
+            [(f"unbinding {c.name}", _unbind(_binding_of(c))) for c in unbinds], progress
+        )
+        report.unbound = unbinds
+
+        if prune:
+            # A kept quorum tier gets back the bindings it had, but never one just removed.
+            gone = {_binding_of(c).key for c in unbinds}
+            remaining = [b for b in live_bindings if b.key not in gone]
+            for change in changes:
+                if change.kind not in ("prune", "keep"):
+                    continue
+                assert isinstance(change.item, Queue)
+                left = await _prune_one(connection, change.item, remaining)
+                if left is None:
+                    report.pruned.append(change.name)
+                else:
+                    report.kept.append((change.name, left))
+                if progress is not None:
+                    progress(1)
+    finally:
+        await connection.close()
+    return report
+
+
+def _binding_of(change: Change) -> Binding:
+    assert isinstance(change.item, Binding)
+    return change.item
+
+
+async def _prune_one(
+    connection: AbstractConnection, tier: Queue, live_bindings: Sequence[Binding]
+) -> int | None:
+    """Delete ``tier`` if it is empty (None); otherwise leave it as it was, return its count.
+
+    Classic queues delete with if-empty, which the broker checks atomically. Quorum queues
+    refuse if-empty (RabbitMQ answers NOT_IMPLEMENTED and closes the connection), so a quorum
+    tier is first cut off from routing, then counted, then deleted only if empty; a non-empty
+    one gets its bindings back. Nothing but routing puts messages into a tier, so once it is
+    unbound its count can only fall.
+    """
+    channel = await _open(connection)
+    try:
+        if tier.queue_type != "quorum":
+            try:
+                await channel.queue_delete(tier.name, if_empty=True, timeout=OPERATION_TIMEOUT)
+                return None
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                # The broker closed the channel to say "not empty"; count on a new one.
+                channel = await _open(connection)
+                return await _count(channel, tier.name)
+        bindings = [b for b in live_bindings if b.destination == tier.name]
+        for binding in bindings:
+            await _unbind(binding)(channel)
+        await asyncio.sleep(SETTLE_SECONDS if bindings else 0)
+        left = await _count(channel, tier.name)
+        if left is None:
+            return None
+        if left == 0:
+            await channel.queue_delete(tier.name, timeout=OPERATION_TIMEOUT)
+            return None
+        for binding in bindings:
+            await _bind(binding)(channel)
+        return left
+    except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+        raise _fail(f"pruning queue {tier.name}", exc) from exc
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def _open(connection: AbstractConnection) -> aiormq.abc.AbstractChannel:
+    channel = await connection.channel(publisher_confirms=False)
+    return await channel.get_underlay_channel()
+
+
+async def _count(channel: aiormq.abc.AbstractChannel, queue: str) -> int | None:
+    """Messages in ``queue`` as the broker counts them now; None if it is already gone."""
+    try:
+        ok = await channel.queue_declare(queue, passive=True, timeout=OPERATION_TIMEOUT)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return None
+    assert ok is not None
+    return int(ok.message_count or 0)

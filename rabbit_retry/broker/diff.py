@@ -1,0 +1,292 @@
+"""Plan vs live broker -> the list of changes ``apply`` would make; pure.
+
+Like Terraform's plan, but it never proposes to destroy data to converge: a live object that
+differs from the file is a ``conflict`` for a human to resolve, and the only deletions it ever
+proposes are retry tiers that left the file (``prune``), which ``apply`` deletes only with
+``--prune`` and only while empty. Main queues, parking queues and anything the file does not
+derive are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState, NodeCapacity
+from rabbit_retry.topology import naming
+from rabbit_retry.topology.durations import label, parse_duration
+from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
+
+ChangeKind = Literal["create", "unchanged", "conflict", "unbind", "prune", "keep"]
+ObjectKind = Literal["exchange", "queue", "binding"]
+KINDS: tuple[ChangeKind, ...] = ("create", "unchanged", "conflict", "unbind", "prune", "keep")
+
+# The queue type lives in LiveQueue.type: a classic queue declared without the argument is
+# still classic, so the argument itself is never compared.
+_TYPE_ARGUMENT = "x-queue-type"
+
+
+@dataclass(frozen=True)
+class Change:
+    kind: ChangeKind
+    object: ObjectKind
+    name: str
+    detail: str = ""
+    item: Exchange | Queue | Binding | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "object": self.object, "name": self.name}
+        if isinstance(self.item, Binding):
+            out |= {
+                "source": self.item.source,
+                "destination": self.item.destination,
+                "routing_key": self.item.routing_key,
+                "arguments": dict(self.item.arguments),
+            }
+        out["detail"] = self.detail
+        return out
+
+
+def binding_name(binding: Binding) -> str:
+    """How a binding is named to users: ``source -> destination [routing key]``."""
+    text = f"{binding.source} -> {binding.destination} [{binding.routing_key}]"
+    if binding.arguments:
+        text += " " + json.dumps(dict(binding.arguments), sort_keys=True, default=str)
+    return text
+
+
+def messages(n: int) -> str:
+    return f"{n} message" if n == 1 else f"{n} messages"
+
+
+def show(value: Any) -> str:
+    """A value as the user wrote it in YAML (true, 5000, orders.retry, "")."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value if value else '""'
+    return json.dumps(value, default=str)
+
+
+def _same(a: Any, b: Any) -> bool:
+    # Python calls True == 1; the broker does not, so compare booleans by type as well.
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _argument_differences(live: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
+    out = []
+    for key in sorted(set(live) | set(file)):
+        if key == _TYPE_ARGUMENT:
+            continue
+        if key not in live:
+            out.append(f"{key}: live absent, file {show(file[key])}")
+        elif key not in file:
+            out.append(f"{key}: live {show(live[key])}, file absent")
+        elif not _same(live[key], file[key]):
+            out.append(f"{key}: live {show(live[key])}, file {show(file[key])}")
+    return out
+
+
+def _field(name: str, live: Any, file: Any) -> list[str]:
+    return [] if _same(live, file) else [f"{name}: live {show(live)}, file {show(file)}"]
+
+
+def queue_differences(live: LiveQueue, queue: Queue) -> list[str]:
+    return [
+        *_field("type", live.type, queue.queue_type),
+        *_field("durable", live.durable, queue.durable),
+        *_field("auto_delete", live.auto_delete, False),
+        *_argument_differences(live.arguments, queue.arguments),
+    ]
+
+
+def exchange_differences(live: LiveExchange, exchange: Exchange) -> list[str]:
+    return [
+        *_field("type", live.type, exchange.type),
+        *_field("durable", live.durable, exchange.durable),
+        *_field("auto_delete", live.auto_delete, exchange.auto_delete),
+        *_field("internal", live.internal, exchange.internal),
+        *_argument_differences(live.arguments, exchange.arguments),
+    ]
+
+
+def _queue_summary(queue: Queue) -> str:
+    parts = [queue.queue_type, queue.role]
+    if queue.delay_ms is not None:
+        parts.append(f"ttl {label(queue.delay_ms)}")
+    return ", ".join(parts)
+
+
+def _compare(
+    object_kind: ObjectKind,
+    name: str,
+    item: Exchange | Queue,
+    differences: list[str] | None,
+    created: str,
+) -> Change:
+    if differences is None:
+        return Change("create", object_kind, name, created, item)
+    if differences:
+        return Change("conflict", object_kind, name, "; ".join(differences), item)
+    return Change("unchanged", object_kind, name, "", item)
+
+
+def tier_label_of(name: str, owner: str) -> str | None:
+    """``5s`` for ``Q.retry.5s`` of ``owner`` Q; None if ``name`` is not shaped like its tier."""
+    prefix = naming.tier_prefix(owner)
+    if not name.startswith(prefix):
+        return None
+    suffix = name[len(prefix) :]
+    try:
+        ms = parse_duration(suffix)
+    except ValueError:
+        return None
+    return suffix if label(ms) == suffix else None
+
+
+def _looks_like_tier(live: LiveQueue, owner: str) -> bool:
+    # Only a queue this tool made is ever proposed for deletion: its name and its wiring
+    # (TTL, dead-lettering straight back to its main queue) must both say it is a tier.
+    args = live.arguments
+    return (
+        tier_label_of(live.name, owner) is not None
+        and "x-message-ttl" in args
+        and args.get("x-dead-letter-exchange") == ""
+        and args.get("x-dead-letter-routing-key") == owner
+    )
+
+
+def _obsolete(plan: Plan, live: LiveState) -> Iterable[Change]:
+    planned = {q.name for q in plan.queues} | {e.name for e in plan.exchanges}
+    for main in plan.main_queues:
+        for name in sorted(live.queues):
+            queue = live.queues[name]
+            if name in planned or not _looks_like_tier(queue, main.name):
+                continue
+            tier_label = tier_label_of(name, main.name)
+            assert tier_label is not None
+            item = Queue(
+                name=name,
+                role="tier",
+                owner=main.name,
+                arguments=dict(queue.arguments),
+                durable=queue.durable,
+                delay_ms=parse_duration(tier_label),
+            )
+            if queue.messages:
+                detail = f"obsolete, {messages(queue.messages)} still in it"
+                yield Change("keep", "queue", name, detail, item)
+            else:
+                yield Change("prune", "queue", name, "obsolete, empty", item)
+
+
+def _misrouting(plan: Plan, live: LiveState) -> Iterable[Change]:
+    """Live ``Q`` keys on ``Q.retry`` to tiers that are no longer first.
+
+    Dead letters from ``Q`` are routed with key ``Q``; left bound, an old first tier would get a
+    copy of every one of them and each message would come back twice.
+    """
+    wanted = {b.key for b in plan.bindings}
+    mains = {q.name for q in plan.main_queues}
+    for binding in live.bindings:
+        owner = binding.routing_key
+        if (
+            owner in mains
+            and binding.source == naming.retry_exchange(owner)
+            and binding.key not in wanted
+            and tier_label_of(binding.destination, owner) is not None
+        ):
+            yield Change(
+                "unbind",
+                "binding",
+                binding_name(binding),
+                f"{binding.destination} is no longer the first tier of {owner}",
+                binding,
+            )
+
+
+def diff(plan: Plan, live: LiveState) -> list[Change]:
+    """Every planned object as create / unchanged / conflict, then unbinds, then prune / keep.
+
+    Obsolete tiers are always reported (``prune`` if the statistics say empty, ``keep`` with the
+    message count if not); ``apply`` deletes them only when asked to, and only if the broker
+    finds them empty at that moment.
+    """
+    changes: list[Change] = []
+    for exchange in plan.exchanges:
+        live_exchange = live.exchanges.get(exchange.name)
+        differences = None if live_exchange is None else exchange_differences(
+            live_exchange, exchange
+        )
+        changes.append(_compare("exchange", exchange.name, exchange, differences, exchange.type))
+    for queue in plan.queues:
+        live_queue = live.queues.get(queue.name)
+        differences = None if live_queue is None else queue_differences(live_queue, queue)
+        changes.append(
+            _compare("queue", queue.name, queue, differences, _queue_summary(queue))
+        )
+    live_bindings = {b.key for b in live.bindings}
+    for binding in plan.bindings:
+        kind: ChangeKind = "unchanged" if binding.key in live_bindings else "create"
+        changes.append(Change(kind, "binding", binding_name(binding), "", binding))
+    changes += _misrouting(plan, live)
+    changes += _obsolete(plan, live)
+    return changes
+
+
+def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:
+    """How many changes of each kind, every kind present (zero when none)."""
+    totals: dict[ChangeKind, int] = dict.fromkeys(KINDS, 0)
+    for change in changes:
+        totals[change.kind] += 1
+    return totals
+
+
+def nothing_to_do(changes: Iterable[Change], *, prune: bool = False) -> bool:
+    """True when ``apply`` (with ``--prune`` if ``prune``) would not touch the broker.
+
+    With ``--prune`` a ``keep`` is work too: its count comes from statistics that lag, so the
+    broker is asked again and decides.
+    """
+    idle: set[ChangeKind] = {"unchanged"} if prune else {"unchanged", "keep", "prune"}
+    return all(c.kind in idle for c in changes)
+
+
+# RabbitMQ 3.x reserves file handles for every quorum queue in its file handle cache, out of
+# the node's open-file limit; once the cache is full, classic queue declarations and new vhosts
+# wait forever for a handle, on every vhost of the node, until quorum queues are deleted.
+# RabbitMQ 4.0 removed these reservations. Measured on 3.10: 3 per quorum queue.
+QUORUM_FILE_HANDLES = 3
+
+
+def new_quorum_queues(changes: Iterable[Change]) -> int:
+    return sum(
+        1
+        for c in changes
+        if c.kind == "create" and isinstance(c.item, Queue) and c.item.queue_type == "quorum"
+    )
+
+
+def capacity_problem(capacity: NodeCapacity, new_quorum: int) -> str | None:
+    """Why declaring ``new_quorum`` more quorum queues could stall the whole broker, or None."""
+    major = capacity.version.split(".", 1)[0]
+    if new_quorum <= 0 or capacity.fd_total is None or not major.isdigit() or int(major) >= 4:
+        return None
+    # Keep a fifth of the handles, and some more, for connections and classic queues.
+    allowed = max(0, (capacity.fd_total * 4 // 5 - 50) // QUORUM_FILE_HANDLES)
+    total = capacity.quorum_queues + new_quorum
+    if total <= allowed:
+        return None
+    return (
+        f"refusing to declare {new_quorum} quorum queues: the broker would hold {total}, and "
+        f"RabbitMQ {capacity.version} with an open-file limit of {capacity.fd_total} holds "
+        f"about {allowed} before every queue declaration on the node stalls; raise the "
+        "broker's open-file limit (ulimit -n, LimitNOFILE) or use classic queues for some; "
+        "nothing was changed"
+    )

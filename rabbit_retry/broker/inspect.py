@@ -1,0 +1,141 @@
+"""Live broker state of one vhost, read through the management API, as plain values.
+
+The diff compares these values with the plan; nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from rabbit_retry.broker.management import Management, NotFound
+from rabbit_retry.errors import BrokerError
+from rabbit_retry.topology.plan import Binding
+
+
+@dataclass(frozen=True)
+class LiveQueue:
+    name: str
+    type: str  # 'classic' | 'quorum' | 'stream'
+    durable: bool
+    auto_delete: bool
+    arguments: Mapping[str, Any]
+    # Counts come from the management statistics, which lag by a few seconds: good enough to
+    # report, never to decide a delete (declare.py deletes with broker-side checks).
+    messages: int = 0
+    messages_ready: int = 0
+    messages_unacknowledged: int = 0
+    consumers: int = 0
+
+
+@dataclass(frozen=True)
+class LiveExchange:
+    name: str
+    type: str
+    durable: bool
+    auto_delete: bool
+    internal: bool
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LiveState:
+    queues: Mapping[str, LiveQueue]
+    exchanges: Mapping[str, LiveExchange]  # the default exchange ("") is left out
+    bindings: tuple[Binding, ...]  # queue-destination bindings from non-default exchanges
+
+    @classmethod
+    def empty(cls) -> LiveState:
+        return cls(queues={}, exchanges={}, bindings=())
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """What limits how many quorum queues the broker can hold (see diff.capacity_problem)."""
+
+    version: str  # RabbitMQ version, e.g. "3.10.8"
+    fd_total: int | None  # the smallest open-file limit of the cluster's nodes
+    quorum_queues: int  # quorum queues on the broker, every vhost
+
+
+def _count(raw: Mapping[str, Any], key: str) -> int:
+    # Fresh quorum queues report no statistics until the first emission: absent means zero.
+    value = raw.get(key)
+    return int(value) if isinstance(value, int | float) else 0
+
+
+def parse_queue(raw: Mapping[str, Any]) -> LiveQueue:
+    arguments = dict(raw.get("arguments") or {})
+    return LiveQueue(
+        name=str(raw["name"]),
+        type=str(raw.get("type") or arguments.get("x-queue-type") or "classic"),
+        durable=bool(raw.get("durable", False)),
+        auto_delete=bool(raw.get("auto_delete", False)),
+        arguments=arguments,
+        messages=_count(raw, "messages"),
+        messages_ready=_count(raw, "messages_ready"),
+        messages_unacknowledged=_count(raw, "messages_unacknowledged"),
+        consumers=_count(raw, "consumers"),
+    )
+
+
+def parse_exchange(raw: Mapping[str, Any]) -> LiveExchange:
+    return LiveExchange(
+        name=str(raw["name"]),
+        type=str(raw["type"]),
+        durable=bool(raw.get("durable", False)),
+        auto_delete=bool(raw.get("auto_delete", False)),
+        internal=bool(raw.get("internal", False)),
+        arguments=dict(raw.get("arguments") or {}),
+    )
+
+
+def parse_bindings(raw: Iterable[Mapping[str, Any]]) -> tuple[Binding, ...]:
+    return tuple(
+        Binding(
+            str(b["source"]),
+            str(b["destination"]),
+            str(b.get("routing_key", "")),
+            dict(b.get("arguments") or {}),
+        )
+        for b in raw
+        if b.get("source") and b.get("destination_type") == "queue"
+    )
+
+
+_QUEUE_COLUMNS = ",".join(
+    ("name", "type", "durable", "auto_delete", "arguments", "messages", "messages_ready",
+     "messages_unacknowledged", "consumers")
+)
+_EXCHANGE_COLUMNS = "name,type,durable,auto_delete,internal,arguments"
+
+
+def read_live(api: Management, vhost: str) -> LiveState:
+    """Every queue, exchange and queue binding of ``vhost``; ``BrokerError`` if it is missing."""
+    api.require_vhost(vhost)
+    where = quote(vhost, safe="")
+    try:
+        # Only the fields the diff reads: a queue's full statistics are most of the payload,
+        # and on a big vhost the management API's answer is most of a no-op apply's time.
+        raw_queues = api.get(f"/queues/{where}", columns=_QUEUE_COLUMNS)
+        raw_exchanges = api.get(f"/exchanges/{where}", columns=_EXCHANGE_COLUMNS)
+        raw_bindings = api.bindings(vhost)
+    except NotFound:  # deleted while we read
+        raise BrokerError(f"vhost {vhost!r} does not exist on the broker") from None
+    queues = {q.name: q for q in map(parse_queue, raw_queues)}
+    exchanges = {e.name: e for e in map(parse_exchange, raw_exchanges) if e.name}
+    return LiveState(queues=queues, exchanges=exchanges, bindings=parse_bindings(raw_bindings))
+
+
+def read_capacity(api: Management) -> NodeCapacity:
+    overview = api.overview()
+    version = str(overview.get("rabbitmq_version") or overview.get("management_version") or "")
+    limits = [n["fd_total"] for n in api.get("/nodes") if isinstance(n.get("fd_total"), int)]
+    queues = api.get("/queues", columns="type")
+    return NodeCapacity(
+        version=version,
+        fd_total=min(limits) if limits else None,
+        quorum_queues=sum(1 for q in queues if q.get("type") == "quorum"),
+    )

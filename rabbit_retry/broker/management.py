@@ -1,0 +1,188 @@
+"""A small client for RabbitMQ's HTTP management API (read live state, admin a vhost)."""
+
+from __future__ import annotations
+
+import ssl
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import httpx
+
+from rabbit_retry.errors import BrokerError
+from rabbit_retry.settings import Settings, mask
+from rabbit_retry.tls import describe_tls_error, tls_cause
+
+
+def _q(name: str) -> str:
+    return quote(name, safe="")
+
+
+class Management:
+    """Synchronous management API client; every failure is a one-line ``BrokerError``."""
+
+    def __init__(
+        self, management_url: str, timeout: float = 30.0, *, tls: ssl.SSLContext | None = None
+    ) -> None:
+        parts = urlsplit(management_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BrokerError(
+                "management URL must be http(s)://user:pass@host:port, got "
+                f"{mask(management_url)!r}"
+            )
+        auth = (parts.username or "guest", parts.password or "guest")
+        self._user = unquote(auth[0])
+        netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+        base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+        self.safe_url = base
+        self._client = httpx.Client(
+            base_url=base + "/api",
+            auth=auth,
+            timeout=timeout,
+            verify=tls if tls is not None else True,
+        )
+
+    @classmethod
+    def for_settings(cls, settings: Settings, timeout: float = 30.0) -> Self:
+        """The management API of ``settings``, verified with its TLS files when https."""
+        return cls(settings.management_url, timeout, tls=settings.management_tls())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._client.close()
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            tls_error = tls_cause(exc)
+            if tls_error is not None:
+                raise BrokerError(
+                    f"TLS handshake with management API at {self.safe_url} failed: "
+                    f"{mask(describe_tls_error(tls_error))}"
+                ) from exc
+            raise BrokerError(
+                f"management API at {self.safe_url} unreachable ({type(exc).__name__}: "
+                f"{mask(str(exc)) or 'no detail'}); is the rabbitmq_management plugin enabled?"
+            ) from exc
+        if response.status_code == 401:
+            raise BrokerError(self._refusal(response))
+        return response
+
+    def _refusal(self, response: httpx.Response) -> str:
+        """A 401 in one line: wrong credentials, or a user the API does not admit."""
+        try:
+            reason = str(response.json().get("reason") or "")
+        except (ValueError, AttributeError):
+            reason = ""
+        if reason and reason != "Login failed":
+            # The password was right; the user lacks a tag the API asks for.
+            hint = (
+                "; it needs the management or monitoring tag"
+                if reason == "Not management user"
+                else ""
+            )
+            return (
+                f"management API at {self.safe_url} refused user {self._user!r}: {mask(reason)}"
+                f" (401){hint}"
+            )
+        return f"management API at {self.safe_url} refused the credentials (401)"
+
+    def get(self, path: str, **params: Any) -> Any:
+        response = self.request("GET", path, params=params or None)
+        if response.status_code == 404:
+            raise NotFound(path)
+        self._raise_for(response, "GET", path)
+        return response.json()
+
+    def _raise_for(self, response: httpx.Response, method: str, path: str) -> None:
+        if response.status_code >= 400:
+            try:
+                reason = response.json().get("reason", response.text)
+            except ValueError:
+                reason = response.text
+            raise BrokerError(
+                f"management API {method} {path} failed: {response.status_code} {reason}"
+            )
+
+    # --- vhosts -------------------------------------------------------------------------------
+
+    def vhost_exists(self, vhost: str) -> bool:
+        try:
+            self.get(f"/vhosts/{_q(vhost)}")
+        except NotFound:
+            return False
+        return True
+
+    def require_vhost(self, vhost: str) -> None:
+        if not self.vhost_exists(vhost):
+            raise BrokerError(f"vhost {vhost!r} does not exist on the broker")
+
+    def create_vhost(self, vhost: str, user: str = "guest") -> None:
+        self._raise_for(self.request("PUT", f"/vhosts/{_q(vhost)}"), "PUT", "/vhosts")
+        perms = {"configure": ".*", "write": ".*", "read": ".*"}
+        path = f"/permissions/{_q(vhost)}/{_q(user)}"
+        self._raise_for(self.request("PUT", path, json=perms), "PUT", path)
+
+    def delete_vhost(self, vhost: str) -> None:
+        response = self.request("DELETE", f"/vhosts/{_q(vhost)}")
+        if response.status_code != 404:
+            self._raise_for(response, "DELETE", "/vhosts")
+
+    # --- objects ------------------------------------------------------------------------------
+
+    def overview(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.get("/overview")
+        return result
+
+    def queues(self, vhost: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.get(f"/queues/{_q(vhost)}")
+        return result
+
+    def queue(self, vhost: str, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = self.get(f"/queues/{_q(vhost)}/{_q(name)}")
+        except NotFound:
+            return None
+        return result
+
+    def exchanges(self, vhost: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.get(f"/exchanges/{_q(vhost)}")
+        return result
+
+    def bindings(self, vhost: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.get(f"/bindings/{_q(vhost)}")
+        return result
+
+    def definitions(self, vhost: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.get(f"/definitions/{_q(vhost)}")
+        return result
+
+    def import_definitions(self, vhost: str, definitions: dict[str, Any]) -> None:
+        path = f"/definitions/{_q(vhost)}"
+        self._raise_for(self.request("POST", path, json=definitions), "POST", path)
+
+    def connections(self, vhost: str | None = None) -> list[dict[str, Any]]:
+        path = f"/vhosts/{_q(vhost)}/connections" if vhost else "/connections"
+        result: list[dict[str, Any]] = self.get(path)
+        return result
+
+    def close_connection(self, name: str, reason: str = "closed by rabbit-retry") -> None:
+        path = f"/connections/{_q(name)}"
+        response = self.request("DELETE", path, headers={"X-Reason": reason})
+        if response.status_code != 404:
+            self._raise_for(response, "DELETE", path)
+
+
+class NotFound(Exception):
+    """A management API object that does not exist (404)."""

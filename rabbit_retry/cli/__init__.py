@@ -1,0 +1,106 @@
+"""The ``rabbit-retry`` command: a click group; each verb lives in a sibling module."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+
+import click
+
+from rabbit_retry.errors import EXIT_INPUT, EXIT_RUNTIME, RabbitRetryError
+from rabbit_retry.settings import Settings, mask
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--url", envvar="RABBIT_RETRY_URL", help="AMQP URL; its path is the vhost.")
+@click.option(
+    "--management-url",
+    envvar="RABBIT_RETRY_MANAGEMENT_URL",
+    help="HTTP management API URL.",
+)
+@click.option(
+    "--ca-file",
+    envvar="RABBIT_RETRY_CA_FILE",
+    type=click.Path(dir_okay=False),
+    help="PEM CA certificate that signed the broker's (amqps:// and https://).",
+)
+@click.option(
+    "--cert-file",
+    envvar="RABBIT_RETRY_CERT_FILE",
+    type=click.Path(dir_okay=False),
+    help="PEM client certificate, for brokers that require one.",
+)
+@click.option(
+    "--key-file",
+    envvar="RABBIT_RETRY_KEY_FILE",
+    type=click.Path(dir_okay=False),
+    help="PEM private key of --cert-file (password, if any: RABBIT_RETRY_KEY_PASSWORD).",
+)
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.version_option(package_name="rabbit-retry")
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    url: str | None,
+    management_url: str | None,
+    ca_file: str | None,
+    cert_file: str | None,
+    key_file: str | None,
+    debug: bool,
+) -> None:
+    """Broker-native retries for RabbitMQ: provision, consume, review what was parked."""
+    ctx.obj = Settings.from_env(
+        url, management_url, ca_file=ca_file, cert_file=cert_file, key_file=key_file
+    )
+
+
+def settings_of(ctx: click.Context) -> Settings:
+    obj = ctx.find_root().obj
+    assert isinstance(obj, Settings)
+    return obj
+
+
+def _register() -> None:
+    # Verbs register themselves on import; kept in one place so `main` sees them all.
+    from rabbit_retry.cli import operate, provision, worker  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: exit codes and one-line errors of product.md section 6."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    if not debug:
+        # The AMQP client logs each failed connect itself; we already say it in one line.
+        for name in ("aiormq", "aio_pika"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    _register()
+    try:
+        cli.main(args=args, prog_name="rabbit-retry", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(EXIT_INPUT)
+    except click.ClickException as exc:
+        if debug:
+            traceback.print_exc()
+        exc.show()
+        sys.exit(EXIT_INPUT if exc.exit_code in (1, 2) else exc.exit_code)
+    except RabbitRetryError as exc:
+        if debug:
+            traceback.print_exc()
+        for line in str(exc).splitlines() or [type(exc).__name__]:
+            click.echo(f"error: {mask(line)}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # the last line of defence: one line, never a traceback
+        if debug:
+            traceback.print_exc()
+        click.echo(
+            f"error: unexpected {type(exc).__name__}: {mask(str(exc))} (run with --debug for "
+            "details)",
+            err=True,
+        )
+        sys.exit(EXIT_RUNTIME)
+    sys.exit(0)

@@ -1,0 +1,250 @@
+"""The provisioner's verbs: ``validate``, ``plan``, ``apply`` and ``export``.
+
+Each command loads the file (nothing touches the broker before the file is known to be good),
+then hands over to the pure core and the broker modules; this module only prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from rabbit_retry.broker.declare import ApplyReport, apply_changes, unsendable, work_count
+from rabbit_retry.broker.declare import Progress as Advance
+from rabbit_retry.broker.diff import (
+    Change,
+    capacity_problem,
+    count,
+    diff,
+    messages,
+    new_quorum_queues,
+    nothing_to_do,
+)
+from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live
+from rabbit_retry.broker.management import Management
+from rabbit_retry.cli import cli, settings_of
+from rabbit_retry.errors import BrokerError, ConflictError, InputError
+from rabbit_retry.settings import Settings
+from rabbit_retry.topology import Plan, compile_topology, load_topology
+from rabbit_retry.topology.export import to_definitions, to_mermaid
+
+_STYLE = {
+    "create": "green",
+    "unchanged": "dim",
+    "conflict": "bold red",
+    "unbind": "yellow",
+    "prune": "yellow",
+    "keep": "cyan",
+}
+
+
+def _load(file: str) -> Plan:
+    return compile_topology(load_topology(file))
+
+
+def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
+    with Management.for_settings(settings) as api:
+        live = read_live(api, settings.vhost)
+    return diff(plan, live), live
+
+
+def _capacity(settings: Settings, changes: Sequence[Change]) -> str | None:
+    """Why the broker cannot take the new quorum queues (RabbitMQ 3.x only), or None."""
+    new_quorum = new_quorum_queues(changes)
+    if not new_quorum:
+        return None
+    with Management.for_settings(settings) as api:
+        return capacity_problem(read_capacity(api), new_quorum)
+
+
+def _line(change: Change) -> str:
+    detail = f"  ({change.detail})" if change.detail else ""
+    return f"{change.kind:<9} {change.object:<8} {change.name}{detail}"
+
+
+def _summary(changes: Sequence[Change], vhost: str) -> str:
+    totals = count(changes)
+    parts = [
+        f"{totals['create']} to create",
+        f"{totals['unchanged']} unchanged",
+        f"{totals['conflict']} in conflict",
+        f"{totals['unbind']} to unbind",
+        f"{totals['prune']} to prune",
+        f"{totals['keep']} obsolete but not empty",
+    ]
+    return f"vhost {vhost!r}: " + ", ".join(parts)
+
+
+def _print_changes(changes: Sequence[Change], vhost: str) -> None:
+    console = Console()
+    if console.is_terminal:
+        table = Table("change", "object", "name", "detail", box=None, pad_edge=False)
+        for c in changes:
+            style = _STYLE[c.kind]
+            table.add_row(f"[{style}]{c.kind}[/]", c.object, c.name, c.detail)
+        console.print(table)
+    else:  # piped: one plain line per object, easy to grep
+        for c in changes:
+            click.echo(_line(c))
+    click.echo(_summary(changes, vhost))
+
+
+def _conflict_error(changes: Sequence[Change], vhost: str) -> ConflictError:
+    lines = [
+        f"{c.object} {c.name} in vhost {vhost!r} differs from the file: {c.detail}"
+        for c in changes
+        if c.kind == "conflict"
+    ]
+    lines.append(
+        "nothing was changed; fix the file or the live objects (a changed queue must be "
+        "deleted and redeclared by hand, with its messages moved first)"
+    )
+    return ConflictError("\n".join(lines))
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[Advance | None]:
+    console = Console(stderr=True)
+    if not console.is_terminal or total < 20:
+        yield None
+        return
+    columns = (TextColumn("applying"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("apply", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: bool) -> None:
+    if report.created:
+        made = {"exchange": 0, "queue": 0, "binding": 0}
+        for c in report.created:
+            made[c.object] += 1
+        click.echo(
+            f"created {_plural(made['exchange'], 'exchange')}, {_plural(made['queue'], 'queue')}"
+            f" and {_plural(made['binding'], 'binding')} in vhost {vhost!r}"
+        )
+    for c in report.unbound:
+        click.echo(f"unbound {c.name}: {c.detail}")
+    if prune:
+        for name in report.pruned:
+            click.echo(f"pruned {name} (obsolete, empty)")
+        for name, left in report.kept:
+            click.echo(
+                f"kept {name} (obsolete, {messages(left)} still in it); prune again once it "
+                "has drained"
+            )
+        return
+    for c in changes:
+        if c.kind in ("prune", "keep"):
+            click.echo(f"left {c.name} ({c.detail}); apply --prune deletes it once empty")
+
+
+@cli.command()
+@click.argument("file")
+def validate(file: str) -> None:
+    """Check FILE and print what it would create; touches no broker."""
+    compiled = _load(file)
+    click.echo(
+        f"{file}: valid; {_plural(len(compiled.exchanges), 'exchange')}, "
+        f"{_plural(len(compiled.queues), 'queue')}, {_plural(len(compiled.bindings), 'binding')}"
+    )
+    for c in diff(compiled, LiveState.empty()):
+        click.echo(f"  {c.object:<8} {c.name}" + (f"  ({c.detail})" if c.detail else ""))
+
+
+@cli.command()
+@click.argument("file")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def plan(ctx: click.Context, file: str, as_json: bool) -> None:
+    """Compare FILE with the live broker; exit 3 if anything conflicts."""
+    settings = settings_of(ctx)
+    changes, _ = _read(settings, _load(file))
+    if as_json:
+        document = {
+            "file": file,
+            "vhost": settings.vhost,
+            "summary": count(changes),
+            "changes": [c.to_json() for c in changes],
+        }
+        click.echo(json.dumps(document, indent=2, sort_keys=True))
+    else:
+        _print_changes(changes, settings.vhost)
+    conflicts = count(changes)["conflict"]
+    if conflicts:
+        raise ConflictError(f"{conflicts} object(s) conflict with {file}; apply would refuse")
+
+
+@cli.command()
+@click.argument("file")
+@click.option("--prune", is_flag=True, help="Delete obsolete retry tiers that are empty.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.pass_context
+def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
+    """Create what FILE needs on the broker; a second run changes nothing."""
+    settings = settings_of(ctx)
+    changes, live = _read(settings, _load(file))
+    if any(c.kind == "conflict" for c in changes):
+        raise _conflict_error(changes, settings.vhost)
+    names = unsendable(changes)
+    if names:
+        raise InputError("\n".join([*names, "nothing was changed"]))
+    problem = _capacity(settings, changes)
+    if dry_run:
+        _print_changes(changes, settings.vhost)
+        if problem:
+            click.echo(f"warning: apply would refuse: {problem}", err=True)
+        click.echo("dry run: nothing was changed")
+        return
+    if problem:
+        raise BrokerError(problem)
+    if nothing_to_do(changes, prune=prune):
+        click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
+        _report(ApplyReport(), changes, settings.vhost, prune)
+        return
+    with _progress(work_count(changes, prune=prune)) as advance:
+        report = asyncio.run(
+            apply_changes(settings, changes, live.bindings, prune=prune, progress=advance)
+        )
+    _report(report, changes, settings.vhost, prune)
+
+
+@cli.command()
+@click.argument("file")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["definitions", "mermaid"]),
+    required=True,
+    help="definitions: JSON for POST /api/definitions/{vhost}; mermaid: a diagram.",
+)
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), help="Write to a file.")
+def export(file: str, fmt: str, out: str | None) -> None:
+    """Print FILE as broker definitions JSON or as a Mermaid diagram; touches no broker."""
+    compiled = _load(file)
+    if fmt == "definitions":
+        text = json.dumps(to_definitions(compiled), indent=2, sort_keys=True) + "\n"
+    else:
+        text = to_mermaid(compiled).rstrip("\n") + "\n"
+    if out is None:
+        sys.stdout.write(text)
+        return
+    try:
+        Path(out).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"--out {out}: cannot write ({exc.strerror})") from None
+    click.echo(f"wrote {out}", err=True)
+
