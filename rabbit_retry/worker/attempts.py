@@ -1,0 +1,206 @@
+"""How many times a delivery has already failed, and where it was first published (pure).
+
+Every piece of knowledge about how RabbitMQ versions write dead-lettering headers lives in this
+module; nothing else in the worker reads ``x-death`` or its siblings.
+
+What the broker writes, by version (AMQP 0-9-1 view, as the ``dlx`` guide and the release notes
+describe it):
+
+- **3.10 / 3.12**: each dead-lettering adds or updates one ``x-death`` table per
+  ``(queue, reason)`` pair: ``count`` (a long), ``reason``, ``queue``, ``time``, ``exchange``,
+  ``routing-keys`` (and ``original-expiration`` when a per-message TTL was removed). A second
+  death for the same pair increments ``count`` and moves the table to the front, keeping the
+  ``exchange`` and ``routing-keys`` of the first death. The first death also sets
+  ``x-first-death-reason``/``-queue``/``-exchange``. The broker honours an ``x-death`` header
+  that a client republishes (and keeps counting on it).
+- **3.13.0 - 3.13.2**: the same shape, but a client-republished ``x-death`` is no longer
+  interpreted (counts restart); 3.13.3 restored the 3.12 behaviour. ``x-last-death-reason`` /
+  ``-queue`` / ``-exchange`` appear from 3.13 on.
+- **4.x**: ``x-death`` is rendered from broker-internal annotations, newest death first (by
+  last time), one entry per ``(queue, reason)`` with ``count``, ``reason``, ``queue``, ``time``
+  (of the first death), ``exchange`` and ``routing-keys`` of the first death. An ``x-death``
+  header set by a client is ignored. Quorum queues also add ``x-delivery-count`` (and have a
+  default delivery limit of 20, after which they dead-letter with reason ``delivery_limit``).
+
+Why we can ignore the differences: the worker strips ``x-death`` from every copy it publishes
+and carries its own count in ``retry-count`` (a plain header, which every version leaves
+alone), so the only ``x-death`` counts we read are ones the broker made itself while the
+message stayed inside the broker (the native ``nack`` path and quorum delivery limits), which
+all versions count the same way. ``x-delivery-count`` is deliberately not a failure: it also
+counts redeliveries after a worker crash or restart, which are not handler failures.
+
+Failures so far (product.md section 4) = max(``retry-count``, sum of ``count`` over ``x-death``
+entries for queue ``Q`` with reason ``rejected`` or ``delivery_limit``). Every value read here
+may be garbled by some client on the way; a garbled value counts as 0 and nothing here raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+RETRY_COUNT = "retry-count"
+ORIGINAL_EXCHANGE = "original-exchange"
+ORIGINAL_ROUTING_KEY = "original-routing-key"
+X_DEATH = "x-death"
+X_FIRST_DEATH_QUEUE = "x-first-death-queue"
+X_FIRST_DEATH_EXCHANGE = "x-first-death-exchange"
+
+# Reasons that mean "the handler (or the consumer process) failed on this queue". ``expired``
+# (a tier's TTL) and ``maxlen`` (overflow) are not failures.
+FAILURE_REASONS = frozenset({"rejected", "delivery_limit"})
+
+# Headers that only the broker may write: dropped from every copy the worker publishes, so
+# counts never double and 3.x / 4.x behave the same.
+BROKER_HEADERS = frozenset(
+    {
+        "x-death",
+        "x-first-death-reason",
+        "x-first-death-queue",
+        "x-first-death-exchange",
+        "x-last-death-reason",
+        "x-last-death-queue",
+        "x-last-death-exchange",
+        "x-delivery-count",
+    }
+)
+
+# Larger counts are not counts but garbage; capping also keeps every header we write back a
+# valid AMQP signed 32-bit integer.
+MAX_COUNT = 2**31 - 1
+
+
+def as_count(value: object) -> int:
+    """A non-negative count, or 0 for anything that is not one.
+
+    Accepts ints, integral floats and decimals (JavaScript clients send numbers as doubles) and
+    decimal digit strings or bytes; rejects bools, negatives, fractions, NaN and values above
+    ``MAX_COUNT``.
+    """
+    if isinstance(value, bool):
+        return 0
+    number: int | None = None
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            number = int(value)
+    elif isinstance(value, Decimal):
+        if value.is_finite() and value == value.to_integral_value():
+            number = int(value)
+    elif isinstance(value, str | bytes | bytearray):
+        text = as_text(value)
+        if text is not None:
+            text = text.strip()
+            if 0 < len(text) <= 10 and text.isascii() and text.isdigit():
+                number = int(text)
+    if number is None or number < 0 or number > MAX_COUNT:
+        return 0
+    return number
+
+
+def as_text(value: object) -> str | None:
+    """A header string: ``str`` as is, UTF-8 ``bytes`` decoded, anything else None."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes | bytearray):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def _death_entries(headers: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    deaths = headers.get(X_DEATH)
+    if not isinstance(deaths, list | tuple):
+        return []
+    return [entry for entry in deaths if isinstance(entry, Mapping)]
+
+
+def failures_so_far(headers: object, queue: str) -> int:
+    """Failed handler attempts on ``queue`` recorded in ``headers`` (product.md section 4)."""
+    if not isinstance(headers, Mapping) or not headers:
+        return 0
+    try:
+        counted = as_count(headers.get(RETRY_COUNT))
+        died = 0
+        for entry in _death_entries(headers):
+            if as_text(entry.get("queue")) != queue:
+                continue
+            if as_text(entry.get("reason")) not in FAILURE_REASONS:
+                continue
+            died += as_count(entry.get("count"))
+        return min(max(counted, died), MAX_COUNT)
+    except Exception:  # a hostile Mapping subclass: garbled, so 0; the worker must not crash
+        return 0
+
+
+def broker_can_dead_letter(headers: object) -> bool:
+    """Whether the broker may dead-letter this message itself (the native ``nack`` path).
+
+    RabbitMQ 3.x updates ``x-death`` in place when it dead-letters: it groups the entries as
+    tables and adds 1 to ``count``. An entry that is not a table, or a ``count`` that is not an
+    integer, crashes that step; on a quorum queue with at-least-once dead-lettering the message
+    then sits in the queue's dead-letter process, retried and crashing, instead of reaching the
+    tier. Only a client can have written such an ``x-death`` (the broker never does), so such a
+    message takes the publish path instead, whose copy carries no ``x-death`` at all. 4.x
+    ignores a client-set ``x-death``, so being strict here costs nothing there.
+    """
+    if not isinstance(headers, Mapping) or X_DEATH not in headers:
+        return True
+    try:
+        deaths = headers[X_DEATH]
+        if not isinstance(deaths, list):
+            return False
+        for entry in deaths:
+            if not isinstance(entry, Mapping):
+                return False
+            count = entry.get("count", 0)
+            if isinstance(count, bool) or not isinstance(count, int):
+                return False
+            if not 0 <= count <= MAX_COUNT:  # counting on from it, we would read 0 forever
+                return False
+            for key in ("queue", "reason", "exchange"):
+                if key in entry and not isinstance(entry[key], str | bytes):
+                    return False
+            keys = entry.get("routing-keys", [])
+            if not isinstance(keys, list) or not all(isinstance(k, str | bytes) for k in keys):
+                return False
+    except Exception:  # a hostile Mapping: not something to hand to the broker
+        return False
+    return True
+
+
+def original_source(
+    headers: object, queue: str, exchange: str, routing_key: str
+) -> tuple[str, str]:
+    """Where the message was first published: ``(exchange, routing_key)``.
+
+    In order: the ``original-*`` headers the worker puts on its copies; the ``x-death`` entry
+    for ``queue`` (every version keeps the first death's exchange and routing keys there), with
+    ``x-first-death-exchange`` standing in for a missing exchange when that first death was on
+    ``queue``; finally the delivery's own exchange and routing key (a first delivery).
+    """
+    if not isinstance(headers, Mapping) or not headers:
+        return exchange, routing_key
+    try:
+        ex = as_text(headers.get(ORIGINAL_EXCHANGE))
+        rk = as_text(headers.get(ORIGINAL_ROUTING_KEY))
+        if ex is not None and rk is not None:
+            return ex, rk
+        for entry in reversed(_death_entries(headers)):  # oldest last in every version
+            if as_text(entry.get("queue")) != queue:
+                continue
+            keys = entry.get("routing-keys")
+            first_key = as_text(keys[0]) if isinstance(keys, list | tuple) and keys else None
+            death_exchange = as_text(entry.get("exchange"))
+            if death_exchange is None and as_text(headers.get(X_FIRST_DEATH_QUEUE)) == queue:
+                death_exchange = as_text(headers.get(X_FIRST_DEATH_EXCHANGE))
+            if death_exchange is not None and first_key is not None:
+                return death_exchange, first_key
+    except Exception:  # garbled headers never crash the worker
+        pass
+    return exchange, routing_key

@@ -1,0 +1,164 @@
+"""What a service developer writes: a ``RetryConsumer`` subclass with one ``handle`` method.
+
+``Delivery.payload`` is decoded lazily when the consumer has no ``model``: a consumer that only
+reads ``body`` (protobuf, plain text) never pays for or trips over JSON decoding. The contract
+"a body that fails JSON decoding is parked ``invalid``" holds for every consumer that asks for
+the payload: reading ``payload`` of a body that is not JSON raises ``InvalidPayload``, and a
+handler that fails after such a read is parked ``invalid`` (never retried), whatever it raised.
+With a ``model``, the body is validated before the handler runs and an invalid body is parked
+without calling the handler at all.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from rabbit_retry.errors import InputError
+
+_UNSET: Any = object()
+
+
+class Permanent(Exception):
+    """Raise from ``handle`` to park the message at once, without retrying it."""
+
+
+class HandlerTimeout(TimeoutError):
+    """The handler ran longer than ``handler_timeout``: a transient failure."""
+
+
+class InvalidPayload(ValueError):
+    """The body is not JSON, so ``Delivery.payload`` has nothing to give."""
+
+
+class Delivery:
+    """One message as the handler sees it (product.md section 5).
+
+    ``exchange`` and ``routing_key`` are where the message was first published, on every
+    attempt: a retried message comes back through its queue's retry tiers, but a handler that
+    branches on the routing key sees the same one each time. ``headers`` is read-only.
+    """
+
+    __slots__ = (
+        "_payload",
+        "attempt",
+        "body",
+        "correlation_id",
+        "exchange",
+        "headers",
+        "invalid",
+        "max_attempts",
+        "message_id",
+        "queue",
+        "routing_key",
+    )
+
+    def __init__(
+        self,
+        *,
+        body: bytes,
+        headers: Mapping[str, Any],
+        message_id: str | None,
+        correlation_id: str | None,
+        routing_key: str,
+        exchange: str,
+        queue: str,
+        attempt: int,
+        max_attempts: int,
+        payload: Any = _UNSET,
+    ) -> None:
+        self.body = body
+        self.headers = headers
+        self.message_id = message_id
+        self.correlation_id = correlation_id
+        self.routing_key = routing_key
+        self.exchange = exchange
+        self.queue = queue
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self._payload = payload
+        # The decoding error, once ``payload`` was read and the body was not JSON.
+        self.invalid: InvalidPayload | None = None
+
+    @property
+    def payload(self) -> Any:
+        """The validated model instance, or the parsed JSON body when there is no model."""
+        if self._payload is _UNSET:
+            try:
+                self._payload = json.loads(self.body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                self.invalid = InvalidPayload(f"body is not JSON: {exc}")
+                raise self.invalid from exc
+        return self._payload
+
+    def __repr__(self) -> str:  # never the body: it may carry personal data
+        return (
+            f"<Delivery queue={self.queue!r} message_id={self.message_id!r} "
+            f"attempt={self.attempt}/{self.max_attempts}>"
+        )
+
+
+class RetryConsumer:
+    """Subclass, set ``queue``, write ``async def handle(self, delivery)``.
+
+    ``handle`` returning means success (ack). ``Permanent``, an exception type listed in
+    ``permanent_errors``, or a body that fails ``model`` parks the message at once. Any other
+    exception, or running longer than ``handler_timeout`` seconds, is a transient failure: the
+    message is retried through the queue's delay tiers until ``max_attempts``, then parked.
+    """
+
+    queue: str = ""
+    prefetch: int = 10
+    handler_timeout: float | None = 30.0
+    permanent_errors: tuple[type[BaseException], ...] = ()
+    model: Any = None
+
+    async def handle(self, delivery: Delivery) -> None:
+        raise NotImplementedError(f"{type(self).__qualname__} must define async def handle()")
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+
+def check_consumer(consumer: RetryConsumer) -> TypeAdapter[Any] | None:
+    """Refuse a misconfigured consumer with one line naming the attribute; the model adapter."""
+    name = consumer.name
+    if not isinstance(consumer, RetryConsumer):
+        raise InputError(f"{name} is not a RetryConsumer subclass instance")
+    if not isinstance(consumer.queue, str) or not consumer.queue:
+        raise InputError(f"{name}.queue: set it to the name of a queue in the topology file")
+    if type(consumer).handle is RetryConsumer.handle or not inspect.iscoroutinefunction(
+        consumer.handle
+    ):
+        raise InputError(f"{name}: define async def handle(self, delivery)")
+    prefetch = consumer.prefetch
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= 65535:
+        raise InputError(f"{name}.prefetch: expected an integer from 1 to 65535, got {prefetch!r}")
+    timeout = consumer.handler_timeout
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+    ):
+        raise InputError(
+            f"{name}.handler_timeout: expected a positive number of seconds or None, "
+            f"got {timeout!r}"
+        )
+    errors = consumer.permanent_errors
+    if not isinstance(errors, tuple) or not all(
+        isinstance(e, type) and issubclass(e, BaseException) for e in errors
+    ):
+        raise InputError(
+            f"{name}.permanent_errors: expected a tuple of exception classes, got {errors!r}"
+        )
+    if consumer.model is None:
+        return None
+    try:
+        return TypeAdapter(consumer.model)
+    except Exception as exc:
+        raise InputError(
+            f"{name}.model: pydantic cannot validate {consumer.model!r}: {exc}"
+        ) from exc

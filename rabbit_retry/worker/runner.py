@@ -1,0 +1,283 @@
+"""Running consumers: startup check, reconnects, graceful shutdown, the public entry points.
+
+- One plain connection per runner; everything that lives on it is a ``Session``: each
+  consumer's channel with QoS ``prefetch`` (also how many deliveries it handles at once) and
+  one confirming channel for retry and parked copies.
+- The first connection and topology check are not retried: a worker that cannot start says
+  why in one line and exits 1. After that, a lost connection or channel drops the stale
+  deliveries (the broker requeues them), reconnects with capped exponential backoff and
+  resumes consuming; an outage is logged when it starts and when it ends, not per attempt.
+- SIGTERM / SIGINT: cancel the consumers so nothing new arrives, let in-flight handlers finish
+  within the grace period, then close. Whatever did not finish is not acked and goes back to
+  the broker. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import aiormq.exceptions
+from aiormq.abc import AbstractConnection
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_never, wait_exponential_jitter
+
+from rabbit_retry.broker.connect import connect
+from rabbit_retry.errors import BrokerError, InputError
+from rabbit_retry.settings import Settings, mask
+from rabbit_retry.topology import load_topology, naming
+from rabbit_retry.topology.model import Topology
+from rabbit_retry.worker.consumer import RetryConsumer, check_consumer
+from rabbit_retry.worker.metrics import Metrics
+from rabbit_retry.worker.session import Bound, Session
+
+log = logging.getLogger("rabbit_retry.worker")
+
+DEFAULT_GRACE = 30.0
+RECONNECT_INITIAL = 0.5
+RECONNECT_MAX = 30.0
+
+_CONNECTION_ERRORS = (
+    BrokerError,
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+    OSError,
+    TimeoutError,
+    RuntimeError,  # aiormq: "connection closed" while opening a channel
+)
+
+
+def bind(consumers: Sequence[RetryConsumer], topology: Topology, metrics: Metrics) -> list[Bound]:
+    """Check every consumer and find its queue in the topology; ``InputError`` names the first
+    problem in one line."""
+    if not consumers:
+        raise InputError("no consumer to run")
+    bound = []
+    for consumer in consumers:
+        adapter = check_consumer(consumer)
+        try:
+            config = topology.queue(consumer.queue)
+        except KeyError:
+            known = ", ".join(topology.queue_names)
+            raise InputError(
+                f"{consumer.name}.queue = {consumer.queue!r} is not a queue in {topology.source}"
+                f" (it has: {known})"
+            ) from None
+        bound.append(
+            Bound(
+                consumer=consumer,
+                config=config,
+                adapter=adapter,
+                metrics=metrics.for_queue(config.name),
+                retry_exchange=naming.retry_exchange(config.name),
+                parking_queue=naming.parking_queue(config.name),
+            )
+        )
+    return bound
+
+
+async def check_objects(connection: AbstractConnection, bound: Sequence[Bound], hint: str) -> None:
+    """Passively declare everything the consumers need; one line naming what is missing."""
+    for b in bound:
+        wanted = [("queue", b.queue), ("exchange", b.retry_exchange)]
+        wanted += [("queue", naming.tier_queue(b.queue, ms)) for ms in b.config.retry.tiers_ms]
+        wanted.append(("queue", b.parking_queue))
+        for kind, name in wanted:
+            # A failed passive declare closes its channel, so each check gets a fresh one.
+            channel = await connection.channel(publisher_confirms=False)
+            try:
+                if kind == "queue":
+                    await channel.queue_declare(name, passive=True)
+                else:
+                    await channel.exchange_declare(name, passive=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                raise BrokerError(
+                    f"{kind} {name!r} does not exist on the broker; run `rabbit-retry apply "
+                    f"{hint}` first"
+                ) from None
+            except aiormq.exceptions.ChannelAccessRefused as exc:
+                raise BrokerError(f"{kind} {name!r}: access refused ({exc})") from None
+            finally:
+                if not channel.is_closed:
+                    await channel.close()
+
+
+class Runner:
+    """Runs consumers until stopped; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        consumers: Sequence[RetryConsumer],
+        *,
+        topology: Topology | str | Path,
+        settings: Settings | None = None,
+        grace: float = DEFAULT_GRACE,
+        metrics: Metrics | None = None,
+        metrics_port: int | None = None,
+        metrics_addr: str = "0.0.0.0",
+    ) -> None:
+        if isinstance(topology, str | Path):
+            self.hint = str(topology)
+            topology = load_topology(topology)
+        else:
+            self.hint = topology.source
+        self.settings = settings or Settings.from_env()
+        self.grace = grace
+        self.metrics = metrics or Metrics()
+        self.bound = bind(consumers, topology, self.metrics)
+        self.metrics_port = metrics_port
+        self.metrics_addr = metrics_addr
+        self.user = unquote(urlsplit(self.settings.url).username or "guest")
+        self.ready = asyncio.Event()  # consuming (cleared while reconnecting)
+        self._stop = asyncio.Event()
+        self._force = asyncio.Event()
+
+    def stop(self) -> None:
+        """Graceful stop; a second call stops without waiting for in-flight handlers."""
+        if self._stop.is_set():
+            self._force.set()
+        self._stop.set()
+
+    async def _open(self) -> Session:
+        connection = await connect(self.settings, name="rabbit-retry worker")
+        try:
+            session = Session(connection, self.bound, self.user)
+            await check_objects(session.amqp, self.bound, self.hint)
+            await session.start()
+        except BaseException:
+            with suppress(Exception):
+                await connection.close()
+            raise
+        return session
+
+    async def _sleep_unless_stopped(self, seconds: float) -> None:
+        with suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
+    async def _reconnect(self, why: str) -> Session | None:
+        log.warning(
+            "lost the broker (%s); reconnecting with backoff",
+            why,
+            extra={"event": "connection_lost"},
+        )
+        started = time.monotonic()
+        last_error = ""
+        attempts = 0
+        retrying = AsyncRetrying(
+            wait=wait_exponential_jitter(
+                multiplier=RECONNECT_INITIAL, max=RECONNECT_MAX, jitter=RECONNECT_INITIAL
+            ),
+            retry=retry_if_exception_type(_CONNECTION_ERRORS),
+            stop=stop_never,
+            sleep=self._sleep_unless_stopped,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                if self._stop.is_set():
+                    return None
+                attempts += 1
+                try:
+                    session = await self._open()
+                except _CONNECTION_ERRORS as exc:
+                    text = mask(str(exc)) or type(exc).__name__
+                    if text != last_error:  # once per distinct reason, never per attempt
+                        log.warning(
+                            "still reconnecting: %s", text, extra={"event": "reconnect_failed"}
+                        )
+                        last_error = text
+                    raise
+        log.warning(
+            "reconnected after %.1fs (%d attempt(s)); consuming again",
+            time.monotonic() - started,
+            attempts,
+            extra={"event": "reconnected"},
+        )
+        return session
+
+    async def run(self) -> None:
+        """Connect, check the topology, consume until ``stop()``; reconnect after losses.
+
+        The first connection and check are not retried: a worker that cannot start says why
+        and exits (``BrokerError``, exit code 1).
+        """
+        if self.metrics_port is not None:
+            port = self.metrics.serve(self.metrics_port, self.metrics_addr)
+            self.metrics_port = port
+            log.info("metrics on http://%s:%d/metrics", self.metrics_addr, port)
+        session: Session | None = None
+        try:
+            session = await self._open()
+            while session is not None:
+                self.ready.set()
+                stop_wait: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())
+                try:
+                    await asyncio.wait(
+                        {session.lost, stop_wait}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    stop_wait.cancel()
+                self.ready.clear()
+                if self._stop.is_set():
+                    await session.shutdown(self.grace, self._force)
+                    session = None
+                    break
+                why = session.lost.result()
+                await session.close()
+                session = None
+                session = await self._reconnect(why)
+        finally:
+            self.ready.clear()
+            if session is not None:  # cancelled from outside: close without waiting
+                await session.close()
+            self.metrics.close()
+        log.info("stopped")
+
+
+async def run_consumers(
+    consumers: Sequence[RetryConsumer],
+    *,
+    topology: Topology | str | Path,
+    settings: Settings | None = None,
+    grace: float = DEFAULT_GRACE,
+    metrics_port: int | None = None,
+    metrics_addr: str = "0.0.0.0",
+    handle_signals: bool = True,
+) -> None:
+    """Run ``consumers`` in this process until SIGTERM / SIGINT (or cancellation).
+
+    ``topology`` is the file the provisioner applied (or its loaded ``Topology``); each
+    consumer's retry policy comes from its queue there.
+    """
+    runner = Runner(
+        consumers,
+        topology=topology,
+        settings=settings,
+        grace=grace,
+        metrics_port=metrics_port,
+        metrics_addr=metrics_addr,
+    )
+    loop = asyncio.get_running_loop()
+    installed = []
+    if handle_signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with suppress(NotImplementedError, RuntimeError):  # not main thread / Windows
+                loop.add_signal_handler(sig, runner.stop)
+                installed.append(sig)
+    try:
+        await runner.run()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def run(consumers: Sequence[RetryConsumer], **kwargs: Any) -> None:
+    """Blocking form of :func:`run_consumers`, for a ``main()``."""
+    asyncio.run(run_consumers(consumers, **kwargs))

@@ -1,0 +1,184 @@
+"""The runner's broker-free parts: handler timeouts, consumer checks, lazy payloads."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from rabbit_retry.errors import InputError
+from rabbit_retry.topology import parse_topology
+from rabbit_retry.worker import Delivery, InvalidPayload, Permanent, RetryConsumer
+from rabbit_retry.worker.consumer import HandlerTimeout, check_consumer
+from rabbit_retry.worker.metrics import Metrics
+from rabbit_retry.worker.runner import bind
+from rabbit_retry.worker.session import Session
+
+TOPOLOGY = parse_topology(
+    """\
+version: 1
+queues:
+  q: {retry: {delays: [1s], max_attempts: 3}}
+""",
+    "t.yml",
+)
+
+
+def delivery(body: bytes = b"{}") -> Delivery:
+    return Delivery(
+        body=body,
+        headers={},
+        message_id="m",
+        correlation_id=None,
+        routing_key="k",
+        exchange="e",
+        queue="q",
+        attempt=1,
+        max_attempts=3,
+    )
+
+
+class Sleeper(RetryConsumer):
+    queue = "q"
+
+    def __init__(self, seconds: float, swallow: bool = False) -> None:
+        self.seconds = seconds
+        self.swallow = swallow
+
+    async def handle(self, delivery: Delivery) -> None:
+        try:
+            await asyncio.sleep(self.seconds)
+        except asyncio.CancelledError:
+            if not self.swallow:
+                raise
+
+
+async def test_a_slow_handler_times_out() -> None:
+    with pytest.raises(HandlerTimeout, match=r"did not finish within 0\.05s") as caught:
+        await Session._handle_within(Sleeper(10), delivery(), 0.05)
+    assert caught.value.__traceback__ is not None
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+
+
+async def test_a_fast_handler_is_untouched() -> None:
+    await Session._handle_within(Sleeper(0), delivery(), 5)
+
+    class Raises(RetryConsumer):
+        queue = "q"
+
+        async def handle(self, delivery: Delivery) -> None:
+            raise KeyError("sku")
+
+    with pytest.raises(KeyError):
+        await Session._handle_within(Raises(), delivery(), 5)
+
+
+async def test_a_shutdown_cancel_is_not_a_timeout() -> None:
+    task = asyncio.create_task(Session._handle_within(Sleeper(10), delivery(), 5))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_handler_that_swallows_the_timeout_keeps_its_result() -> None:
+    await Session._handle_within(Sleeper(10, swallow=True), delivery(), 0.05)
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+    await asyncio.sleep(0)  # no cancellation left pending for our own next await
+
+
+def test_lazy_payload_decodes_json_once_and_flags_a_body_that_is_not_json() -> None:
+    ok = delivery(b'{"a": [1, 2]}')
+    assert ok.payload == {"a": [1, 2]}
+    assert ok.payload is ok.payload
+    bad = delivery(b"\xff not json")
+    with pytest.raises(InvalidPayload, match="body is not JSON"):
+        bad.payload  # noqa: B018
+    assert isinstance(bad.invalid, InvalidPayload)
+    assert "body=" not in repr(bad)
+
+
+class Order(BaseModel):
+    id: int
+
+
+@pytest.mark.parametrize(
+    ("attributes", "message"),
+    [
+        ({"queue": ""}, "Bad.queue: set it to the name of a queue in the topology file"),
+        ({"prefetch": 0}, "Bad.prefetch: expected an integer from 1 to 65535, got 0"),
+        ({"prefetch": True}, "Bad.prefetch: expected an integer from 1 to 65535, got True"),
+        (
+            {"handler_timeout": -1},
+            "Bad.handler_timeout: expected a positive number of seconds or None, got -1",
+        ),
+        (
+            {"permanent_errors": KeyError},
+            "Bad.permanent_errors: expected a tuple of exception classes, got <class 'KeyError'>",
+        ),
+        ({"permanent_errors": (KeyError, "x")}, "Bad.permanent_errors: expected a tuple of"),
+    ],
+)
+def test_misconfigured_consumers_are_refused_in_one_line(
+    attributes: dict[str, Any], message: str
+) -> None:
+    bad = type("Bad", (Sleeper,), attributes)(0)
+    with pytest.raises(InputError) as caught:
+        check_consumer(bad)
+    assert str(caught.value).startswith(message)
+
+
+def test_a_consumer_without_handle_is_refused() -> None:
+    class NoHandle(RetryConsumer):
+        queue = "q"
+
+    with pytest.raises(InputError, match=r"NoHandle: define async def handle\(self, delivery\)"):
+        check_consumer(NoHandle())
+
+
+def test_model_gets_a_type_adapter() -> None:
+    class Typed(Sleeper):
+        model = Order
+
+    adapter = check_consumer(Typed(0))
+    assert adapter is not None
+    assert adapter.validate_json(b'{"id": 3}') == Order(id=3)
+    assert check_consumer(Sleeper(0)) is None
+
+
+def test_bind_names_the_queues_of_the_file() -> None:
+    class Elsewhere(Sleeper):
+        queue = "nope"
+
+    with pytest.raises(InputError) as caught:
+        bind([Elsewhere(0)], TOPOLOGY, Metrics())
+    assert str(caught.value) == "Elsewhere.queue = 'nope' is not a queue in t.yml (it has: q)"
+    with pytest.raises(InputError, match="no consumer to run"):
+        bind([], TOPOLOGY, Metrics())
+
+
+def test_consumers_of_one_queue_share_its_metrics() -> None:
+    metrics = Metrics()
+    first, second = bind([Sleeper(0), Sleeper(0)], TOPOLOGY, metrics)
+    assert first.metrics is second.metrics
+    first.metrics.in_flight = 3
+    assert metrics.registry.get_sample_value("rabbit_retry_in_flight", {"queue": "q"}) == 3
+
+
+def test_permanent_is_an_exception_users_can_raise() -> None:
+    assert issubclass(Permanent, Exception)
+
+
+def test_a_synchronous_handle_is_refused() -> None:
+    class Sync(RetryConsumer):
+        queue = "q"
+
+        def handle(self, delivery: Delivery) -> None:  # type: ignore[override]
+            pass
+
+    with pytest.raises(InputError, match=r"Sync: define async def handle"):
+        check_consumer(Sync())
