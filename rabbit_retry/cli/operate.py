@@ -1,0 +1,263 @@
+"""The operators' verbs: ``status`` and the ``parking`` group (show, replay, purge, export).
+
+Exit codes (product.md section 6): 0 done; 1 the broker is unreachable or failed, and for
+``status``, drift (so monitoring can alert on it); 2 bad input, including a queue that does not
+exist on the broker (the name given is what is wrong) and a replay or purge that has no terminal
+to confirm on and no ``--yes``; 3 the parking queue is not a classic queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rabbit_retry.cli import cli, settings_of
+from rabbit_retry.errors import EXIT_RUNTIME, InputError
+from rabbit_retry.parking import act, filters, peek, render
+from rabbit_retry.parking.message import group, summary_record
+from rabbit_retry.settings import Settings
+
+
+def _console(stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    # Piped output is for people reading logs, not an 80-column terminal: do not wrap cells.
+    width = None if stream.isatty() else 200
+    return Console(file=stream, width=width, soft_wrap=True)
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+def _selection(wheres: tuple[str, ...], older_than: str | None = None) -> filters.Selection:
+    try:
+        return filters.selection(wheres, older_than, now=datetime.now(UTC))
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+
+
+def _plural(n: int, noun: str = "parked message") -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+@cli.command("status")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def status(ctx: click.Context, file: str, as_json: bool) -> None:
+    """Per queue of FILE: ready, unacked, consumers, retrying, parked; then drift.
+
+    Exits 1 when the broker lacks or differs from any object FILE derives (a missing tier or
+    parking queue makes the broker drop messages silently).
+    """
+    from rabbit_retry.broker.management import Management
+    from rabbit_retry.status import read_status
+    from rabbit_retry.topology import compile_topology, load_topology
+
+    settings = settings_of(ctx)
+    plan = compile_topology(load_topology(file))
+    with Management.for_settings(settings) as api:
+        report = read_status(api, settings.vhost, plan, file)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
+    else:
+        _console().print(render.status_view(report))
+    if not report.ok:
+        sys.exit(EXIT_RUNTIME)
+
+
+@cli.group("parking")
+def parking() -> None:
+    """Review parked messages: show, replay, purge, export.
+
+    QUEUE names a main queue or its parking queue (orders or orders.parking).
+    """
+
+
+@parking.command("show", short_help="Peek at parked messages; they stay parked.")
+@click.argument("queue")
+@click.option("--limit", type=click.IntRange(min=1), help="Read at most N messages from the head.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--group", "grouped", is_flag=True,
+              help="Only the counts by exception type and reason.")
+@click.pass_context
+def show(ctx: click.Context, queue: str, limit: int | None, as_json: bool, grouped: bool) -> None:
+    """Peek at the parked messages of QUEUE; they stay parked, in their order."""
+    peeked, messages = asyncio.run(peek.collect(settings_of(ctx), queue, limit=limit))
+    groups = group(messages)
+    if as_json:
+        out = {
+            "queue": peeked.target.parking,
+            "main_queue": peeked.target.main,
+            "parked": peeked.ready,
+            "shown": peeked.seen,
+            "groups": groups.to_json(),
+        }
+        if not grouped:
+            out["messages"] = [summary_record(m) for m in messages]
+        click.echo(json.dumps(out, indent=2, ensure_ascii=False))
+        return
+    console = _console()
+    console.print(render.show_heading(peeked.target.parking, peeked.ready, peeked.seen))
+    if not messages:
+        return
+    if not grouped:
+        console.print(render.messages_table(messages))
+        console.print()
+    console.print(render.groups_line(groups, peeked.seen, peeked.ready))
+    console.print(render.groups_table(groups))
+
+
+@contextmanager
+def _progress(verb: str) -> Iterator[act.Progress | None]:
+    """A progress bar on a terminal; nothing otherwise (logs want the summary line only)."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("scanned"), TimeElapsedColumn())
+    with Progress(*columns, console=_console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"{verb} 0", total=None)
+
+        def update(scanned: int, acted: int, total: int) -> None:
+            bar.update(task, completed=scanned, total=total, description=f"{verb} {acted}")
+
+        yield update
+
+
+def _confirm(
+    settings: Settings,
+    queue: str,
+    selection: filters.Selection,
+    limit: int | None,
+    verb: str,
+    yes: bool,
+) -> int | None:
+    """With ``--yes``: None (no cap). Otherwise how many messages the operator agreed to act on,
+    after showing the count; refuses without a terminal, and returns 0 when nothing matches."""
+    if yes:
+        return None
+    if not _stdin_is_terminal():
+        raise InputError(
+            f"refusing to {verb} without confirmation: stdin is not a terminal; pass --yes"
+        )
+    peeked, matching = asyncio.run(peek.count_matching(settings, queue, selection, limit=limit))
+    target = peeked.target
+    if matching == 0:
+        click.echo(f"nothing to {verb}: none of the {_plural(peeked.ready)} in "
+                   f"{target.parking!r} matches {selection.describe()}")
+        return 0
+    where = f" to {target.main!r}" if verb == "replay" else ""
+    click.confirm(
+        f"{verb.capitalize()} {matching} of {_plural(peeked.ready)} in {target.parking!r}{where} "
+        f"({selection.describe()})?",
+        default=False,
+        abort=True,
+    )
+    return matching
+
+
+def _cap(limit: int | None, confirmed: int | None) -> int | None:
+    if confirmed is None:
+        return limit
+    return confirmed if limit is None else min(limit, confirmed)
+
+
+@parking.command("replay", short_help="Move parked messages back to their queue.")
+@click.argument("queue")
+@click.option("--limit", type=click.IntRange(min=1), help="Replay at most N messages.")
+@click.option("--where", "wheres", multiple=True, metavar="HEADER=VALUE",
+              help="Only messages whose header equals VALUE (as text); repeat to require all.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True),
+              help="At most N messages a second.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def replay(
+    ctx: click.Context,
+    queue: str,
+    limit: int | None,
+    wheres: tuple[str, ...],
+    rate: float | None,
+    yes: bool,
+) -> None:
+    """Move parked messages back to their main queue, headers reset and replay-count + 1.
+
+    Each copy is confirmed by the broker before the parked original is removed; messages that do
+    not match stay parked, in their order.
+    """
+    settings = settings_of(ctx)
+    selection = _selection(wheres)
+    confirmed = _confirm(settings, queue, selection, limit, "replay", yes)
+    if confirmed == 0:
+        return
+    with _progress("replayed") as progress:
+        outcome = asyncio.run(
+            act.replay(settings, queue, selection, limit=_cap(limit, confirmed), rate=rate,
+                       progress=progress)
+        )
+    click.echo(
+        f"replayed {outcome.acted} of {_plural(outcome.ready)} from {outcome.target.parking!r} "
+        f"to {outcome.target.main!r} ({selection.describe()}); {outcome.left} left parked"
+    )
+
+
+@parking.command("purge", short_help="Delete parked messages.")
+@click.argument("queue")
+@click.option("--where", "wheres", multiple=True, metavar="HEADER=VALUE",
+              help="Only messages whose header equals VALUE (as text); repeat to require all.")
+@click.option("--older-than", metavar="DURATION",
+              help="Only messages parked longer ago than this (90m, 2d).")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def purge(
+    ctx: click.Context, queue: str, wheres: tuple[str, ...], older_than: str | None, yes: bool
+) -> None:
+    """Delete parked messages for good; the ones that do not match stay parked, in order.
+
+    Without a filter, deletes every message parked when it starts, one by one: one parked while
+    you confirm is never deleted unseen.
+    """
+    settings = settings_of(ctx)
+    selection = _selection(wheres, older_than)
+    confirmed = _confirm(settings, queue, selection, None, "purge", yes)
+    if confirmed == 0:
+        return
+    with _progress("deleted") as progress:
+        outcome = asyncio.run(
+            act.purge(settings, queue, selection, limit=confirmed, progress=progress)
+        )
+    click.echo(
+        f"deleted {outcome.acted} of {_plural(outcome.ready)} from {outcome.target.parking!r} "
+        f"({selection.describe()}); {outcome.left} left parked"
+    )
+
+
+@parking.command("export", short_help="Write parked messages to a JSON-lines file.")
+@click.argument("queue")
+@click.option("--out", required=True, metavar="FILE.jsonl",
+              help="Where to write a JSON line per message; - for stdout.")
+@click.pass_context
+def export(ctx: click.Context, queue: str, out: str) -> None:
+    """Write every parked message of QUEUE to a JSON-lines file; they stay parked.
+
+    Each line has the properties, the headers and the body (UTF-8 text, or base64 when it is not
+    text, as body_encoding says).
+    """
+    with peek.atomic_output(out) as stream:
+        peeked = asyncio.run(peek.export(settings_of(ctx), queue, stream))
+    click.echo(
+        f"exported {_plural(peeked.seen)} from {peeked.target.parking!r} to {out}; "
+        "they stay parked",
+        err=True,
+    )

@@ -1,0 +1,188 @@
+"""``rabbit-retry status``: where the messages of each queue in a topology are, and whether the
+broker still has every object the file derives.
+
+A missing tier, retry exchange or parking queue is the worst thing this can report: the broker
+then drops messages silently (dead-lettering to nowhere), so drift is listed first and makes the
+command exit 1 for monitoring to alert on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rabbit_retry.broker.diff import Change, diff
+from rabbit_retry.broker.inspect import LiveState, read_live
+from rabbit_retry.broker.management import Management
+from rabbit_retry.topology import naming
+from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
+
+DriftKind = Literal["missing", "different", "misrouted"]
+# The order drift is listed in: what loses messages first.
+_KIND_ORDER: dict[DriftKind, int] = {"missing": 0, "different": 1, "misrouted": 2}
+_RETRY_PATH = frozenset({"tier", "parking", "retry-exchange", "retry-binding"})
+_ROLE_NAMES = {
+    "tier": "retry tier",
+    "parking": "parking queue",
+    "retry-exchange": "retry exchange",
+    "retry-binding": "retry route",
+}
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """Message counts of one main queue; None where the queue does not exist."""
+
+    queue: str
+    ready: int | None
+    unacked: int | None
+    consumers: int | None
+    retrying: int  # in every live Q.retry.* queue, old tiers still draining included
+    parked: int | None
+    tiers: tuple[tuple[str, int], ...]  # (tier queue, messages) for each live tier
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "ready": self.ready,
+            "unacked": self.unacked,
+            "consumers": self.consumers,
+            "retrying": self.retrying,
+            "parked": self.parked,
+            "tiers": dict(self.tiers),
+        }
+
+
+@dataclass(frozen=True)
+class Drift:
+    kind: DriftKind
+    object: str  # exchange | queue | binding
+    name: str
+    owner: str | None  # the main queue it belongs to, when it belongs to one
+    role: str  # main | tier | parking | retry-exchange | user | retry-binding | binding
+    detail: str
+
+    @property
+    def drops_messages(self) -> bool:
+        """A missing object the retry path needs: messages dead-lettered to it vanish."""
+        return self.kind == "missing" and self.role in _RETRY_PATH
+
+    @property
+    def line(self) -> str:
+        """One line for a human: what, which, and why it matters."""
+        what = f"{self.object} {self.name}"
+        if self.owner and self.role in _ROLE_NAMES:
+            what += f" ({_ROLE_NAMES[self.role]} of {self.owner})"
+        if self.kind == "missing":
+            if self.drops_messages:
+                return f"missing {what}: the broker drops the messages that should go there"
+            return f"missing {what}"
+        if self.kind == "different":
+            return f"different {what}: {self.detail}"
+        return f"misrouted {what}: {self.detail}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "object": self.object,
+            "name": self.name,
+            "owner": self.owner,
+            "role": self.role,
+            "detail": self.detail,
+            "drops_messages": self.drops_messages,
+        }
+
+
+@dataclass(frozen=True)
+class Status:
+    vhost: str
+    source: str
+    queues: tuple[QueueStatus, ...]
+    drift: tuple[Drift, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.drift
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "vhost": self.vhost,
+            "file": self.source,
+            "ok": self.ok,
+            "queues": [q.to_json() for q in self.queues],
+            "drift": [d.to_json() for d in self.drift],
+        }
+
+
+def _owner_and_role(change: Change, plan: Plan) -> tuple[str | None, str]:
+    item = change.item
+    if isinstance(item, Queue):
+        return item.owner, item.role
+    if isinstance(item, Exchange):
+        return item.owner, item.role
+    if isinstance(item, Binding):
+        owner = {q.name: q.owner for q in plan.queues}.get(item.destination)
+        on_retry_path = owner is not None and item.source == naming.retry_exchange(owner)
+        return owner, "retry-binding" if on_retry_path else "binding"
+    return None, change.object
+
+
+def drift_of(changes: Iterable[Change], plan: Plan) -> tuple[Drift, ...]:
+    """The changes that mean the broker is not what the file says, most dangerous first.
+
+    ``prune``/``keep`` (old tiers still draining) are what a delay change leaves behind, not
+    drift; ``unbind`` is, since an old first tier still bound would duplicate messages.
+    """
+    kinds: dict[str, DriftKind] = {
+        "create": "missing",
+        "conflict": "different",
+        "unbind": "misrouted",
+    }
+    found = []
+    for change in changes:
+        kind = kinds.get(change.kind)
+        if kind is None:
+            continue
+        owner, role = _owner_and_role(change, plan)
+        found.append(Drift(kind, change.object, change.name, owner, role, change.detail))
+    ordered = sorted(
+        enumerate(found),
+        key=lambda pair: (not pair[1].drops_messages, _KIND_ORDER[pair[1].kind], pair[0]),
+    )
+    return tuple(d for _, d in ordered)
+
+
+def _tiers_of(main: str, live: LiveState) -> tuple[tuple[str, int], ...]:
+    # Names under Q.retry. are reserved for Q's tiers (the loader refuses a queue named so).
+    prefix = naming.tier_prefix(main)
+    names = sorted(name for name in live.queues if name.startswith(prefix))
+    return tuple((name, live.queues[name].messages) for name in names)
+
+
+def build_status(
+    plan: Plan, live: LiveState, changes: Sequence[Change], *, vhost: str, source: str
+) -> Status:
+    """The status of every main queue of ``plan`` on ``live``; pure."""
+    rows = []
+    for main in plan.main_queues:
+        live_main = live.queues.get(main.name)
+        live_parking = live.queues.get(naming.parking_queue(main.name))
+        tiers = _tiers_of(main.name, live)
+        rows.append(
+            QueueStatus(
+                queue=main.name,
+                ready=live_main.messages_ready if live_main else None,
+                unacked=live_main.messages_unacknowledged if live_main else None,
+                consumers=live_main.consumers if live_main else None,
+                retrying=sum(n for _, n in tiers),
+                parked=live_parking.messages if live_parking else None,
+                tiers=tiers,
+            )
+        )
+    return Status(vhost, source, tuple(rows), drift_of(changes, plan))
+
+
+def read_status(api: Management, vhost: str, plan: Plan, source: str) -> Status:
+    live = read_live(api, vhost)
+    return build_status(plan, live, diff(plan, live), vhost=vhost, source=source)

@@ -1,0 +1,461 @@
+"""``rabbit-retry parking show|replay|purge|export`` on the real broker: every test counts the
+messages and reads both queues back through the management API, an oracle independent of the
+code under test."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+from parking_support import Parked, Seen, exists, look, park, provision, ready, take_all
+
+from rabbit_retry.broker.management import Management
+from rabbit_retry.settings import Settings
+
+TOPOLOGY = """
+version: 1
+exchanges: {orders: {type: topic}}
+queues:
+  orders:
+    bindings: [{exchange: orders, routing_key: "order.*"}]
+    retry: {delays: [1h], max_attempts: 3}
+"""
+
+BINARY = bytes(range(256)) * 2
+RICH_PROPERTIES: dict[str, Any] = {
+    "content_type": "application/json",
+    "content_encoding": "utf-8",
+    "priority": 3,
+    "correlation_id": "corr-3",
+    "reply_to": "replies",
+    "message_type": "order.created",
+    "app_id": "shop",
+    "user_id": "guest",
+    "timestamp": dt.datetime(2024, 3, 1, 8, 30, tzinfo=dt.UTC),
+}
+THREE_DAYS_AGO = (dt.datetime.now(dt.UTC) - dt.timedelta(days=3)).isoformat(timespec="milliseconds")
+
+# In the order they are parked: two KeyErrors (one with every property set), three
+# ValueErrors (one binary), one invalid body parked three days ago.
+MESSAGES = [
+    Parked(b'{"order": 0}', "ValueError", message_id="m0"),
+    Parked(b'{"order": 1}', "KeyError", "permanent", retry_count=1, message_id="m1",
+           headers={"tenant": "acme"}),
+    Parked(b'{"order": 2}', "ValueError", message_id="m2"),
+    Parked(b'{"order": 3}', "KeyError", "permanent", retry_count=1, message_id="m3",
+           properties=RICH_PROPERTIES),
+    Parked(BINARY, "ValueError", message_id="m4"),
+    Parked(b"not json", "JSONDecodeError", "invalid", retry_count=0, message_id="m5",
+           parked_at=THREE_DAYS_AGO),
+]
+IDS = [m.message_id for m in MESSAGES]
+
+Run = Callable[..., Any]
+
+
+@pytest.fixture
+def parked(fresh_vhost: Settings) -> Settings:
+    asyncio.run(provision(fresh_vhost, TOPOLOGY))
+    asyncio.run(park(fresh_vhost, "orders", MESSAGES))
+    return fresh_vhost
+
+
+def sent(headers: dict[str, Any] | None) -> dict[str, Any]:
+    """Headers as published: without x-delivery-count, which the quorum main queue adds."""
+    return {k: v for k, v in (headers or {}).items() if k != "x-delivery-count"}
+
+
+def ids_of(seen: list[Seen]) -> list[str]:
+    return [s.properties["message_id"] for s in seen]
+
+
+def snapshot(seen: list[Seen]) -> list[tuple[bytes, dict[str, Any], dict[str, Any]]]:
+    return [(s.body, s.headers, s.properties) for s in seen]
+
+
+def parking_of(api: Management, settings: Settings) -> list[Seen]:
+    return look(api, settings, "orders.parking")
+
+
+# --- show ---------------------------------------------------------------------------------------
+
+
+def test_show_lists_every_message_and_leaves_them_parked_in_order_twice(
+    parked: Settings, run_cli: Run, management: Management
+) -> None:
+    before = parking_of(management, parked)
+    assert ids_of(before) == IDS
+    for _ in range(2):
+        result = run_cli("parking", "show", "orders", "--json", settings=parked)
+        assert result.code == 0, result.err
+        data = json.loads(result.out)
+        assert (data["queue"], data["main_queue"], data["parked"], data["shown"]) == (
+            "orders.parking", "orders", 6, 6)
+        assert [m["message_id"] for m in data["messages"]] == IDS
+        assert [m["position"] for m in data["messages"]] == [1, 2, 3, 4, 5, 6]
+        assert asyncio.run(ready(parked, "orders.parking")) == 6
+        assert snapshot(parking_of(management, parked)) == snapshot(before)
+    second = data["messages"][1]
+    assert second == {
+        "position": 2,
+        "message_id": "m1",
+        "parked_at": second["parked_at"],
+        "reason": "permanent",
+        "exception_type": "KeyError",
+        "exception_message": "KeyError on b'{\"order\": 1}'",
+        "attempts": 1,
+        "replay_count": 0,
+        "original_exchange": "orders",
+        "original_routing_key": "order.created",
+        "original_queue": "orders",
+        "body_bytes": 12,
+        "body_preview": '{"order": 1}',
+    }
+    assert data["messages"][4]["body_preview"].startswith("<binary, 512 bytes> 000102")
+    assert data["groups"] == {
+        "by_cause": [
+            {"exception_type": "ValueError", "reason": "exhausted", "count": 3},
+            {"exception_type": "KeyError", "reason": "permanent", "count": 2},
+            {"exception_type": "JSONDecodeError", "reason": "invalid", "count": 1},
+        ],
+        "by_reason": {"exhausted": 3, "permanent": 2, "invalid": 1},
+        "by_exception_type": {"ValueError": 3, "KeyError": 2, "JSONDecodeError": 1},
+    }
+
+
+def test_show_as_a_table_with_the_counts_by_cause(parked: Settings, run_cli: Run) -> None:
+    result = run_cli("parking", "show", "orders.parking", settings=parked)
+    assert result.code == 0, result.err
+    lines = [line.rstrip() for line in result.out.splitlines()]
+    assert lines[0] == "orders.parking: 6 parked messages"
+    row = next(line for line in lines if " m1 " in line)
+    for cell in ("permanent", "KeyError: KeyError on b'{\"order\": 1}'", "order.created",
+                 '{"order": 1}'):
+        assert cell in row
+    assert "<binary, 512 bytes>" in next(line for line in lines if " m4 " in line)
+    assert "by cause, all: 3 exhausted, 2 permanent, 1 invalid" in lines
+    assert any(line.split("│") == ["    3 ", " ValueError      ", " exhausted"]
+               for line in lines), lines
+
+
+def test_show_group_and_limit(parked: Settings, run_cli: Run, management: Management) -> None:
+    before = snapshot(parking_of(management, parked))
+    result = run_cli("parking", "show", "orders", "--limit", "2", "--json", settings=parked)
+    data = json.loads(result.out)
+    assert (data["parked"], data["shown"]) == (6, 2)
+    assert [m["message_id"] for m in data["messages"]] == ["m0", "m1"]
+
+    result = run_cli("parking", "show", "orders", "--group", settings=parked)
+    assert result.code == 0, result.err
+    assert " m0 " not in result.out
+    assert "by cause, all: 3 exhausted, 2 permanent, 1 invalid" in result.out
+
+    result = run_cli("parking", "show", "orders", "--group", "--json", "--limit", "3",
+                     settings=parked)
+    data = json.loads(result.out)
+    assert "messages" not in data
+    assert data["groups"]["by_reason"] == {"exhausted": 2, "permanent": 1}
+    assert snapshot(parking_of(management, parked)) == before
+
+
+def test_show_an_empty_parking_queue(fresh_vhost: Settings, run_cli: Run) -> None:
+    asyncio.run(provision(fresh_vhost, TOPOLOGY))
+    result = run_cli("parking", "show", "orders", settings=fresh_vhost)
+    assert (result.code, result.out) == (0, "orders.parking is empty: nothing is parked.\n")
+
+
+# --- replay -------------------------------------------------------------------------------------
+
+
+def test_replay_where_moves_exactly_the_matching_ones_with_reset_headers(
+    parked: Settings, run_cli: Run, management: Management
+) -> None:
+    before = parking_of(management, parked)
+    result = run_cli("parking", "replay", "orders", "--where", "exception-type=KeyError",
+                     "--yes", settings=parked)
+    assert result.code == 0, result.err
+    assert result.out == ("replayed 2 of 6 parked messages from 'orders.parking' to 'orders' "
+                          "(exception-type=KeyError); 4 left parked\n")
+
+    # the others stay parked, untouched, in their order
+    after = parking_of(management, parked)
+    assert ids_of(after) == ["m0", "m2", "m4", "m5"]
+    assert snapshot(after) == [s for s in snapshot(before) if s[2]["message_id"] in ids_of(after)]
+
+    moved = asyncio.run(take_all(parked, "orders"))
+    assert [m.message_id for m in moved] == ["m1", "m3"]
+    assert [m.body for m in moved] == [b'{"order": 1}', b'{"order": 3}']
+    assert sent(moved[0].headers) == {
+        "original-exchange": "orders",
+        "original-routing-key": "order.created",
+        "tenant": "acme",
+        "replay-count": 1,
+    }
+    rich = moved[1]
+    assert sent(rich.headers) == {"original-exchange": "orders",
+                            "original-routing-key": "order.created", "replay-count": 1}
+    assert (rich.content_type, rich.content_encoding, rich.priority, rich.correlation_id,
+            rich.reply_to, rich.type, rich.app_id, rich.user_id, rich.timestamp,
+            rich.delivery_mode) == (
+        "application/json", "utf-8", 3, "corr-3", "replies", "order.created", "shop", "guest",
+        RICH_PROPERTIES["timestamp"], 2)
+
+
+def test_replayed_again_after_parking_again_counts_two(
+    fresh_vhost: Settings, run_cli: Run
+) -> None:
+    # What the worker does when a replayed message fails again: parks it keeping replay-count.
+    asyncio.run(provision(fresh_vhost, TOPOLOGY))
+    asyncio.run(park(fresh_vhost, "orders", [Parked(b"again", message_id="a")]))
+    assert run_cli("parking", "replay", "orders", "--yes", settings=fresh_vhost).code == 0
+    (first,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    assert first.headers["replay-count"] == 1
+    asyncio.run(park(fresh_vhost, "orders", [Parked(first.body, message_id="a",
+                                                   headers=sent(first.headers))]))
+    result = run_cli("parking", "replay", "orders.parking", "--yes", settings=fresh_vhost)
+    assert result.out.startswith("replayed 1 of 1 parked message from 'orders.parking'")
+    (second,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    assert (second.body, second.headers["replay-count"]) == (b"again", 2)
+    assert "retry-count" not in second.headers and "x-death" not in second.headers
+    assert asyncio.run(ready(fresh_vhost, "orders.parking")) == 0
+
+
+def test_replay_limit_takes_the_first_matching_ones(
+    parked: Settings, run_cli: Run, management: Management
+) -> None:
+    result = run_cli("parking", "replay", "orders", "--where", "exception-type=ValueError",
+                     "--where", "parked-reason=exhausted", "--limit", "2", "--yes",
+                     settings=parked)
+    assert result.code == 0, result.err
+    assert result.out == ("replayed 2 of 6 parked messages from 'orders.parking' to 'orders' "
+                          "(exception-type=ValueError and parked-reason=exhausted); 4 left "
+                          "parked\n")
+    assert [m.message_id for m in asyncio.run(take_all(parked, "orders"))] == ["m0", "m2"]
+    assert ids_of(parking_of(management, parked)) == ["m1", "m3", "m4", "m5"]
+
+
+def test_replay_with_nothing_matching_changes_nothing(
+    parked: Settings, run_cli: Run, management: Management
+) -> None:
+    before = snapshot(parking_of(management, parked))
+    result = run_cli("parking", "replay", "orders", "--where", "tenant=nobody", "--yes",
+                     settings=parked)
+    assert result.out.startswith("replayed 0 of 6 parked messages")
+    assert result.out.endswith("; 6 left parked\n")
+    assert snapshot(parking_of(management, parked)) == before
+    assert asyncio.run(ready(parked, "orders")) == 0
+
+
+def test_replay_when_the_main_queue_is_gone_refuses_and_keeps_everything(
+    parked: Settings, run_cli: Run, management: Management
+) -> None:
+    path = f"/queues/{quote(parked.vhost, safe='')}/orders"
+    assert management.request("DELETE", path).status_code == 204
+    result = run_cli("parking", "replay", "orders", "--yes", settings=parked)
+    assert result.code == 2
+    assert result.err == (f"error: queue 'orders' does not exist in vhost {parked.vhost!r}: "
+                          "replay would have nowhere to send the messages\n")
+    assert ids_of(parking_of(management, parked)) == IDS
+
+
+# --- purge --------------------------------------------------------------------------------------
+
+
+def test_purge_where_deletes_exactly_the_matching_ones(
+    parked: Settings, run_cli: Run, management: Management
+) -> None:
+    before = snapshot(parking_of(management, parked))
+    result = run_cli("parking", "purge", "orders", "--where", "parked-reason=permanent", "--yes",
+                     settings=parked)
+    assert result.code == 0, result.err
+    assert result.out == ("deleted 2 of 6 parked messages from 'orders.parking' "
+                          "(parked-reason=permanent); 4 left parked\n")
+    after = parking_of(management, parked)
+    assert ids_of(after) == ["m0", "m2", "m4", "m5"]
+    assert snapshot(after) == [s for s in before if s[2]["message_id"] in ids_of(after)]
+    assert asyncio.run(ready(parked, "orders")) == 0  # deleted, not moved
+
+
+def test_purge_older_than_uses_parked_at(
+    parked: Settings, run_cli: Run, management: Management
+) -> None:
+    result = run_cli("parking", "purge", "orders", "--older-than", "2d", "--yes",
+                     settings=parked)
+    assert result.out == ("deleted 1 of 6 parked messages from 'orders.parking' (parked more "
+                          "than 2d ago); 5 left parked\n")
+    assert ids_of(parking_of(management, parked)) == ["m0", "m1", "m2", "m3", "m4"]
+    result = run_cli("parking", "purge", "orders", "--older-than", "1h", "--where",
+                     "exception-type=KeyError", "--yes", settings=parked)
+    assert result.out.startswith("deleted 0 of 5 parked messages")
+    assert ids_of(parking_of(management, parked)) == ["m0", "m1", "m2", "m3", "m4"]
+
+
+def test_purge_without_a_filter_deletes_everything_that_was_parked(
+    parked: Settings, run_cli: Run
+) -> None:
+    result = run_cli("parking", "purge", "orders.parking", "--yes", settings=parked)
+    assert result.out == "deleted 6 of 6 parked messages from 'orders.parking' (all); 0 left " \
+                         "parked\n"
+    assert asyncio.run(ready(parked, "orders.parking")) == 0
+    assert asyncio.run(exists(parked, "orders.parking"))  # the queue itself stays
+
+
+# --- export -------------------------------------------------------------------------------------
+
+
+def test_export_is_complete_and_leaves_everything_parked(
+    parked: Settings, run_cli: Run, management: Management, tmp_path: Path
+) -> None:
+    before = snapshot(parking_of(management, parked))
+    out = tmp_path / "parked.jsonl"
+    result = run_cli("parking", "export", "orders", "--out", str(out), settings=parked)
+    assert result.code == 0, result.err
+    assert result.err == (f"exported 6 parked messages from 'orders.parking' to {out}; "
+                          "they stay parked\n")
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["properties"]["message_id"] for r in records] == IDS
+    bodies = [base64.b64decode(r["body"]) if r["body_encoding"] == "base64"
+              else r["body"].encode() for r in records]
+    assert bodies == [m.body for m in MESSAGES]
+    assert [r["body_encoding"] for r in records] == ["utf-8"] * 4 + ["base64", "utf-8"]
+    rich = records[3]
+    assert rich["properties"] == {**{k: v for k, v in RICH_PROPERTIES.items()
+                                     if k != "timestamp"},
+                                  "timestamp": "2024-03-01T08:30:00+00:00",
+                                  "delivery_mode": 2, "message_id": "m3"}
+    assert rich["headers"]["parked-reason"] == "permanent"
+    assert rich["headers"]["x-death"][0]["queue"] == "orders"
+    assert records[1]["headers"]["tenant"] == "acme"
+    assert snapshot(parking_of(management, parked)) == before
+    assert list(tmp_path.iterdir()) == [out]  # no temporary file left behind
+
+
+def test_export_to_stdout(parked: Settings, run_cli: Run) -> None:
+    result = run_cli("parking", "export", "orders", "--out", "-", settings=parked)
+    assert [json.loads(line)["position"] for line in result.out.splitlines()] == list(range(1, 7))
+
+
+def test_export_into_a_missing_directory_is_refused(
+    parked: Settings, run_cli: Run, tmp_path: Path
+) -> None:
+    result = run_cli("parking", "export", "orders", "--out", str(tmp_path / "no" / "x.jsonl"),
+                     settings=parked)
+    assert result.code == 2
+    assert result.err == (f"error: --out {tmp_path / 'no' / 'x.jsonl'}: directory "
+                          f"{str(tmp_path / 'no')!r} does not exist\n")
+
+
+# --- confirmation and errors --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verb", ["replay", "purge"])
+def test_without_yes_and_without_a_terminal_nothing_changes(
+    parked: Settings, run_cli: Run, management: Management, verb: str
+) -> None:
+    before = snapshot(parking_of(management, parked))
+    result = run_cli("parking", verb, "orders", settings=parked)
+    assert result.code == 2
+    assert result.err == (f"error: refusing to {verb} without confirmation: stdin is not a "
+                          "terminal; pass --yes\n")
+    assert result.out == ""
+    assert snapshot(parking_of(management, parked)) == before
+    assert asyncio.run(ready(parked, "orders")) == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("nope", "queue 'nope.parking' does not exist in vhost {vhost!r}: is 'nope' a queue of "
+                 "a topology applied to this vhost?"),
+        ("nope.parking", "queue 'nope.parking' does not exist in vhost {vhost!r}"),
+    ],
+)
+@pytest.mark.parametrize("verb", [("show",), ("replay", "--yes"), ("purge", "--yes"),
+                                  ("export", "--out", "-")])
+def test_an_unknown_queue_is_one_line_and_exit_2(
+    fresh_vhost: Settings, run_cli: Run, name: str, message: str, verb: tuple[str, ...]
+) -> None:
+    result = run_cli("parking", verb[0], name, *verb[1:], settings=fresh_vhost)
+    assert (result.code, result.out) == (2, "")
+    assert result.err == f"error: {message.format(vhost=fresh_vhost.vhost)}\n"
+
+
+def test_bad_filters_are_exit_2(parked: Settings, run_cli: Run) -> None:
+    result = run_cli("parking", "purge", "orders", "--where", "tenant", "--yes", settings=parked)
+    assert (result.code, result.err) == (
+        2, "error: --where: expected HEADER=VALUE (e.g. exception-type=TimeoutError), got "
+           "'tenant'\n")
+    result = run_cli("parking", "purge", "orders", "--older-than", "soon", "--yes",
+                     settings=parked)
+    assert (result.code, result.err) == (
+        2, "error: --older-than: bad duration 'soon': use a positive whole number with ms, s, "
+           "m, h or d (90m, 2d)\n")
+    assert asyncio.run(ready(parked, "orders.parking")) == 6
+
+
+def test_an_unreachable_broker_is_exit_1(run_cli: Run) -> None:
+    down = Settings("amqp://guest:secret@127.0.0.1:1/", "http://guest:secret@127.0.0.1:1")
+    result = run_cli("parking", "show", "orders", settings=down)
+    assert result.code == 1
+    assert "error: broker at amqp://guest:***@127.0.0.1:1/ is unreachable" in result.err
+    assert "secret" not in result.err + result.out
+
+
+def test_a_parking_queue_that_is_not_classic_is_refused(
+    fresh_vhost: Settings, run_cli: Run, management: Management
+) -> None:
+    # Declared by hand as quorum: a peek requeues every message, and 4.x quorum queues drop a
+    # message after 20 deliveries, so rabbit-retry will not read it.
+    async def declare() -> None:
+        import aio_pika
+
+        connection = await aio_pika.connect(fresh_vhost.url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.declare_queue("jobs.parking", durable=True,
+                                        arguments={"x-queue-type": "quorum"})
+
+    asyncio.run(declare())
+    asyncio.run(park(fresh_vhost, "jobs", [Parked(b"x", message_id="j")]))
+    result = run_cli("parking", "show", "jobs", settings=fresh_vhost)
+    assert result.code == 3
+    assert result.err == ("error: 'jobs.parking' is a quorum queue; rabbit-retry only reads "
+                          "classic parking queues, where looking at a message can never drop or "
+                          "reorder it\n")
+    assert [s.properties["message_id"] for s in look(management, fresh_vhost, "jobs.parking")] \
+        == ["j"]
+
+
+def test_a_replay_the_main_queue_refuses_stops_and_keeps_the_rest_parked(
+    fresh_vhost: Settings, run_cli: Run, management: Management
+) -> None:
+    # A main queue with room for one more message: the second copy is nacked by the broker.
+    async def declare() -> None:
+        import aio_pika
+
+        connection = await aio_pika.connect(fresh_vhost.url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.declare_queue("cap", durable=True, arguments={
+                "x-queue-type": "classic", "x-max-length": 1, "x-overflow": "reject-publish"})
+            await channel.declare_queue("cap.parking", durable=True,
+                                        arguments={"x-queue-type": "classic"})
+
+    asyncio.run(declare())
+    asyncio.run(park(fresh_vhost, "cap", [Parked(b"%d" % i, message_id=f"c{i}")
+                                          for i in range(3)]))
+    result = run_cli("parking", "replay", "cap", "--yes", settings=fresh_vhost)
+    assert result.code == 1
+    assert result.err == ("error: replay stopped after 1 of 3 parked messages in 'cap.parking': "
+                          "the broker refused the copy of parked message #2 (publisher nack; is "
+                          "'cap' full?); it stays parked\n")
+    assert [m.message_id for m in asyncio.run(take_all(fresh_vhost, "cap"))] == ["c0"]
+    assert [s.properties["message_id"] for s in look(management, fresh_vhost, "cap.parking")] \
+        == ["c1", "c2"]

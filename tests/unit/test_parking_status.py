@@ -1,0 +1,104 @@
+"""``status`` without a broker: counts per main queue, old tiers included, and drift first
+where it drops messages."""
+
+from __future__ import annotations
+
+from rabbit_retry.broker.diff import diff
+from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState
+from rabbit_retry.status import build_status
+from rabbit_retry.topology import Plan, compile_topology, parse_topology
+
+TOPOLOGY = """
+version: 1
+exchanges: {orders: {type: topic}}
+queues:
+  orders:
+    queue_type: classic
+    bindings: [{exchange: orders, routing_key: "order.*"}]
+    retry: {delays: [1s, 1m], max_attempts: 3}
+  payments:
+    queue_type: classic
+"""
+
+
+def plan_of() -> Plan:
+    return compile_topology(parse_topology(TOPOLOGY, "t.yml"))
+
+
+def live_of(plan: Plan, *, counts: dict[str, tuple[int, int, int]] | None = None,
+            drop: tuple[str, ...] = (), extra: tuple[LiveQueue, ...] = ()) -> LiveState:
+    """The live state a successful apply leaves, with ``counts`` (ready, unacked, consumers)."""
+    counts = counts or {}
+    queues = {}
+    for q in plan.queues:
+        if q.name in drop:
+            continue
+        ready, unacked, consumers = counts.get(q.name, (0, 0, 0))
+        queues[q.name] = LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                                   ready + unacked, ready, unacked, consumers)
+    for q in extra:
+        queues[q.name] = q
+    exchanges = {e.name: LiveExchange(e.name, e.type, e.durable, e.auto_delete, e.internal,
+                                      dict(e.arguments))
+                 for e in plan.exchanges if e.name not in drop}
+    bindings = tuple(b for b in plan.bindings
+                     if b.destination not in drop and b.source not in drop)
+    return LiveState(queues, exchanges, bindings)
+
+
+def test_counts_per_main_queue_with_old_tiers_still_draining() -> None:
+    plan = plan_of()
+    old_tier = LiveQueue("orders.retry.5m", "classic", True, False,
+                         {"x-message-ttl": 300000, "x-dead-letter-exchange": "",
+                          "x-dead-letter-routing-key": "orders"}, 4, 4, 0, 0)
+    live = live_of(plan, counts={"orders": (7, 2, 1), "orders.retry.1s": (3, 0, 0),
+                                 "orders.retry.1m": (1, 0, 0), "orders.parking": (5, 0, 0),
+                                 "payments": (9, 0, 0)},
+                   extra=(old_tier,))
+    status = build_status(plan, live, diff(plan, live), vhost="v", source="t.yml")
+    orders, payments = status.queues
+    assert orders.to_json() == {
+        "queue": "orders", "ready": 7, "unacked": 2, "consumers": 1, "retrying": 8,
+        "parked": 5,
+        "tiers": {"orders.retry.1m": 1, "orders.retry.1s": 3, "orders.retry.5m": 4},
+    }
+    assert (payments.queue, payments.ready, payments.retrying) == ("payments", 9, 0)
+    assert status.ok and status.drift == ()  # an old tier draining is not drift
+
+
+def test_a_missing_tier_or_parking_queue_comes_first_and_says_messages_are_dropped() -> None:
+    plan = plan_of()
+    live = live_of(plan, drop=("orders", "orders.retry.1m", "orders.parking"))
+    status = build_status(plan, live, diff(plan, live), vhost="v", source="t.yml")
+    assert not status.ok
+    lines = [d.line for d in status.drift]
+    assert lines[:2] == [
+        "missing queue orders.retry.1m (retry tier of orders): the broker drops the messages "
+        "that should go there",
+        "missing queue orders.parking (parking queue of orders): the broker drops the messages "
+        "that should go there",
+    ]
+    assert "missing binding orders.retry -> orders.retry.1m [1m] (retry route of orders): the "\
+        "broker drops the messages that should go there" in lines
+    # the main queue is missing too: reported, after what silently drops retries
+    assert lines[-2:] == ["missing queue orders",
+                          "missing binding orders -> orders [order.*]"]
+    orders = status.queues[0]
+    assert (orders.ready, orders.unacked, orders.consumers, orders.parked) == (None,) * 4
+
+
+def test_a_different_queue_is_drift_with_the_difference() -> None:
+    plan = plan_of()
+    live = live_of(plan)
+    parking = live.queues["orders.parking"]
+    queues = {**live.queues, "orders.parking": LiveQueue(
+        parking.name, "quorum", True, False, {"x-queue-type": "quorum"})}
+    live = LiveState(queues, live.exchanges, live.bindings)
+    status = build_status(plan, live, diff(plan, live), vhost="v", source="t.yml")
+    (drift,) = status.drift
+    assert drift.to_json() == {
+        "kind": "different", "object": "queue", "name": "orders.parking", "owner": "orders",
+        "role": "parking", "detail": "type: live quorum, file classic", "drops_messages": False,
+    }
+    assert drift.line == ("different queue orders.parking (parking queue of orders): type: live "
+                          "quorum, file classic")
