@@ -1,0 +1,62 @@
+"""The reliability suite: fault injection against the real broker, with real worker processes.
+
+Every test here is marked ``reliability`` (and ``integration``: it needs the broker) and runs in
+the normal ``pytest tests`` run. The vhost fixtures come from ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rabbit_retry.broker.management import Management
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/reliability/" in str(item.fspath):
+            item.add_marker(pytest.mark.reliability)
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture
+def records(tmp_path: Path) -> Path:
+    """Where the consumers of ``rel_consumers`` record calls and successes, and the worker logs."""
+    path = tmp_path / "records"
+    path.mkdir()
+    return path
+
+
+def _dlx_supervisor(node: str) -> str:
+    done = subprocess.run(
+        ["rabbitmqctl", "-n", node, "eval", "whereis(rabbit_fifo_dlx_sup)."],
+        capture_output=True, text=True, timeout=60,
+    )
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def dlx_guard(management: Management) -> Iterator[None]:
+    """For tests that hand client-written ``x-death`` headers towards the broker's own
+    dead-lettering: RabbitMQ 3.10's at-least-once dead-letter worker crashes on an entry that
+    is not a table, and two crashes stop its supervisor, which breaks every quorum queue with
+    at-least-once dead-lettering on the node (a shared broker). If that happened, restart the
+    supervisor at once and fail the test, naming it."""
+    node = str(management.overview()["node"])
+    if shutil.which("rabbitmqctl") is None or _dlx_supervisor(node) in ("", "undefined"):
+        yield
+        return
+    yield
+    if _dlx_supervisor(node) == "undefined":
+        subprocess.run(
+            ["rabbitmqctl", "-n", node, "eval",
+             "supervisor:restart_child(rabbit_sup, rabbit_fifo_dlx_sup)."],
+            capture_output=True, text=True, timeout=60,
+        )
+        pytest.fail("the broker's quorum dead-letter supervisor (rabbit_fifo_dlx_sup) died "
+                    "during this test: a client-written x-death reached the broker's "
+                    "dead-lettering (restarted it)")

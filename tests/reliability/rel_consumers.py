@@ -1,0 +1,126 @@
+"""Consumers the reliability tests run in real ``rabbit-retry worker`` processes.
+
+Each handler call and each success is appended to a file under ``$RR_RECORD_DIR`` with one
+``os.write`` on an ``O_APPEND`` descriptor: the line is in the kernel before ``handle`` returns,
+so a SIGKILL of the worker afterwards cannot take it back (that is the "durable record" the
+conservation checks count; in-process memory would die with the worker).
+
+What a message makes the handler do is written in its JSON body::
+
+    {"id": "m-1", "fail": 2}             # raise a transient error on attempts 1 and 2
+    {"id": "m-2", "permanent": true}     # raise Permanent: park at once
+    {"id": "m-3", "fixable": true}       # Permanent until the file $RR_RECORD_DIR/fixed exists
+    {"id": "m-4", "raise": "huge-message"}   # one of the nasty exceptions of ``nasty()``
+
+A body that is not JSON makes ``delivery.payload`` raise, which parks the message ``invalid``.
+Lines are ``<message id> <attempt> <pid>``; the message id is the AMQP ``message_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from rabbit_retry import Delivery, Permanent, RetryConsumer
+
+RECORD_DIR = os.environ.get("RR_RECORD_DIR", ".")
+SLEEP_S = float(os.environ.get("RR_SLEEP_MS", "0")) / 1000
+PREFETCH = int(os.environ.get("RR_PREFETCH", "20"))
+FIXED = Path(RECORD_DIR) / "fixed"
+
+
+def record(kind: str, delivery: Delivery) -> None:
+    line = f"{delivery.message_id} {delivery.attempt} {os.getpid()}\n".encode()
+    fd = os.open(os.path.join(RECORD_DIR, kind), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class Transient(RuntimeError):
+    """A failure that goes away by itself (the next attempt succeeds)."""
+
+
+class BrokenStr(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ itself fails")
+
+
+def _deep(n: int, exc: BaseException) -> None:
+    if n == 0:
+        raise exc
+    _deep(n - 1, exc)
+
+
+def nasty(kind: str) -> None:
+    """Raise an exception that is hard to write into a header."""
+    if kind == "huge-message":
+        raise Permanent("x" * (5 * 1024 * 1024))
+    if kind == "huge-multibyte":
+        raise Permanent("é€😀\n" * (1024 * 1024))
+    if kind == "deep-trace":  # ~900 frames: a traceback far longer than any header may be
+        _deep(900, Permanent("deep " + "y" * 100_000))
+    if kind == "huge-cause":
+        try:
+            raise ValueError("cause " + "z" * (3 * 1024 * 1024))
+        except ValueError as cause:
+            raise Permanent("wrapped") from cause
+    if kind == "broken-str":
+        raise BrokenStr()
+    if kind == "surrogate":  # what a surrogateescape-decoded file name or body looks like
+        raise Permanent(b"cannot open /data/\xff\xfe.csv".decode("utf-8", "surrogateescape"))
+    if kind == "transient-huge":  # retried (a transient failure) and then parked exhausted
+        raise Transient("t" * (4 * 1024 * 1024))
+    raise AssertionError(f"unknown nasty kind {kind!r}")
+
+
+class _Behaviour(RetryConsumer):
+    prefetch = PREFETCH
+    handler_timeout = 30.0
+
+    async def handle(self, delivery: Delivery) -> None:
+        record("calls", delivery)
+        spec: Any = delivery.payload  # a body that is not JSON parks ``invalid`` here
+        if SLEEP_S:
+            await asyncio.sleep(SLEEP_S)
+        if not isinstance(spec, dict):
+            spec = {}
+        if spec.get("permanent"):
+            raise Permanent(f"declined {delivery.message_id}")
+        if spec.get("fixable") and not FIXED.exists():
+            raise Permanent(f"not fixed yet: {delivery.message_id}")
+        if delivery.attempt <= int(spec.get("fail", 0)):
+            raise Transient(f"transient {delivery.message_id} attempt {delivery.attempt}")
+        if spec.get("raise"):
+            nasty(str(spec["raise"]))
+        record("ok", delivery)
+
+
+class Orders(_Behaviour):
+    queue = "rel.orders"
+
+
+class Payments(_Behaviour):
+    queue = "rel.payments"
+
+
+class Order(BaseModel):
+    id: str
+    amount: int
+
+
+class Typed(RetryConsumer):
+    """A consumer with a pydantic ``model``: invalid bodies park before ``handle`` runs."""
+
+    queue = "rel.typed"
+    prefetch = PREFETCH
+    model = Order
+
+    async def handle(self, delivery: Delivery) -> None:
+        record("calls", delivery)
+        record("ok", delivery)
