@@ -1,0 +1,67 @@
+# shellcheck shell=bash
+# Shared helpers for scripts/*.sh and .ci/run: stage logging and the project's virtualenv.
+# Sourced, never run. Callers set `set -euo pipefail` and ROOT (the repository root).
+
+# Never wait for a human: CI has no terminal, and pip must not ask for anything either.
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+
+VENV="${VENV:-$ROOT/.venv}"
+
+# macOS has no `timeout` unless coreutils is installed (as gtimeout): run unbounded there rather
+# than not at all. The shim drops the --options and the duration.
+if ! command -v timeout >/dev/null 2>&1; then
+    if command -v gtimeout >/dev/null 2>&1; then
+        timeout() { gtimeout "$@"; }
+    else
+        timeout() {
+            while [[ "${1:-}" == -* ]]; do shift; done
+            shift
+            "$@"
+        }
+    fi
+fi
+
+stage() { printf '[%s] == %s\n' "$(date +%H:%M:%S)" "$*"; }
+note() { printf '[%s]    %s\n' "$(date +%H:%M:%S)" "$*"; }
+die() { printf '[%s] !! %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }
+
+# The first Python >= 3.11 on PATH ($PYTHON wins when set).
+find_python() {
+    local candidate
+    for candidate in ${PYTHON:-} python3 python3.13 python3.12 python3.11; do
+        if command -v "$candidate" >/dev/null 2>&1 &&
+            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+# Runs pip quietly: its output goes to a log that is shown only when pip fails. This also hides
+# harmless noise such as "WARNING: Location 'file:///...' is ignored" from extra local indexes.
+pip_quiet() {
+    local log rc=0
+    log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-pip.XXXXXX")"
+    timeout 900 "$VENV/bin/python" -m pip "$@" </dev/null >"$log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        grep -v "^WARNING: Location 'file:" "$log" | tail -n 40 >&2 || true
+        rm -f "$log"
+        [ "$rc" -eq 124 ] && die "pip $1 timed out after 900 s"
+        die "pip $1 failed (exit $rc); its output is above"
+    fi
+    rm -f "$log"
+}
+
+# Creates $VENV when it is missing or broken, with an up-to-date pip.
+ensure_venv() {
+    if "$VENV/bin/python" -c '' >/dev/null 2>&1; then
+        note "using $VENV ($("$VENV/bin/python" -V 2>&1))"
+        return 0
+    fi
+    local python
+    python="$(find_python)" || die "need Python >= 3.11 (python3 on PATH is $(python3 -V 2>&1 || echo missing)); set PYTHON=/path/to/python3.11"
+    note "creating $VENV with $("$python" -V 2>&1)"
+    "$python" -m venv --clear "$VENV" || die "could not create $VENV (on Debian/Ubuntu: apt-get install python3-venv)"
+    pip_quiet install --upgrade pip
+}
