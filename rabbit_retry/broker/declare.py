@@ -139,22 +139,10 @@ def _declare_queue(queue: Queue) -> _Op:
     return op
 
 
-def _bind(binding: Binding) -> _Op:
+def _binding(binding: Binding, *, bind: bool) -> _Op:
     async def op(channel: aiormq.abc.AbstractChannel) -> None:
-        await channel.queue_bind(
-            binding.destination,
-            binding.source,
-            routing_key=binding.routing_key,
-            arguments=dict(binding.arguments),
-            timeout=OPERATION_TIMEOUT,
-        )
-
-    return op
-
-
-def _unbind(binding: Binding) -> _Op:
-    async def op(channel: aiormq.abc.AbstractChannel) -> None:
-        await channel.queue_unbind(
+        method = channel.queue_bind if bind else channel.queue_unbind
+        await method(
             binding.destination,
             binding.source,
             routing_key=binding.routing_key,
@@ -254,13 +242,14 @@ async def apply_changes(
 
         binds = _with_kind(changes, "create", "binding")
         await pool.run(
-            [(f"binding {c.name}", _bind(_binding_of(c))) for c in binds], progress
+            [(f"binding {c.name}", _binding(_binding_of(c), bind=True)) for c in binds], progress
         )
         report.created = [c for c in changes if c.kind == "create"]
 
         unbinds = _with_kind(changes, "unbind", "binding")
         await pool.run(
-            [(f"unbinding {c.name}", _unbind(_binding_of(c))) for c in unbinds], progress
+            [(f"unbinding {c.name}", _binding(_binding_of(c), bind=False)) for c in unbinds],
+            progress,
         )
         report.unbound = unbinds
 
@@ -312,7 +301,7 @@ async def _prune_one(
                 return await _count(channel, tier.name)
         bindings = [b for b in live_bindings if b.destination == tier.name]
         for binding in bindings:
-            await _unbind(binding)(channel)
+            await _binding(binding, bind=False)(channel)
         await asyncio.sleep(SETTLE_SECONDS if bindings else 0)
         left = await _count(channel, tier.name)
         if left is None:
@@ -321,7 +310,7 @@ async def _prune_one(
             await channel.queue_delete(tier.name, timeout=OPERATION_TIMEOUT)
             return None
         for binding in bindings:
-            await _bind(binding)(channel)
+            await _binding(binding, bind=True)(channel)
         return left
     except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
         raise _fail(f"pruning queue {tier.name}", exc) from exc
