@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The project's whole check, used by developers (`./scripts/test.sh`) and CI (`.ci/run` runs
-# exactly this): a venv with the test extras, a broker with its management plugin, ruff,
+# exactly this): a venv with the test and bench extras, a broker with its management plugin, ruff,
 # mypy --strict, then every test under tests/. Arguments go to pytest (e.g. `-k apply -x`).
 #
 # Works from any directory, on a fresh clone, without a terminal (CI=true, no stdin). Setup
@@ -30,8 +30,8 @@ finish() {
 
 stage "python environment"
 ensure_venv
-note "pip install -e '.[test]'"
-pip_quiet install -e '.[test]'
+note "pip install -e '.[test,bench]' (the bench extra: the suite runs a smoke of the benchmarks)"
+pip_quiet install -e '.[test,bench]'
 export PATH="$VENV/bin:$PATH"
 
 stage "broker"
