@@ -66,9 +66,36 @@ def _register() -> None:
     from rabbit_retry.cli import operate, provision, worker  # noqa: F401
 
 
+# The group's options, accepted after the verb too (`rabbit-retry apply F --url U`): no verb
+# has an option of the same name, so moving them in front of the verb changes no meaning.
+_GLOBAL_WITH_VALUE = ("--url", "--management-url", "--ca-file", "--cert-file", "--key-file")
+_GLOBAL_FLAGS = ("--debug",)
+
+
+def hoist_global_options(args: list[str]) -> list[str]:
+    """``args`` with the group's options moved in front, in order; nothing after ``--`` moves."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest.extend(args[i:])
+            break
+        if arg in _GLOBAL_FLAGS or (arg.split("=", 1)[0] in _GLOBAL_WITH_VALUE and "=" in arg):
+            front.append(arg)
+        elif arg in _GLOBAL_WITH_VALUE and i + 1 < len(args):
+            front.extend(args[i : i + 2])
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return front + rest
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: exit codes and one-line errors of product.md section 6."""
-    args = sys.argv[1:] if argv is None else argv
+    args = hoist_global_options(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     if not debug:
         # The AMQP client logs each failed connect itself; we already say it in one line.
