@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,7 +32,9 @@ from rabbit_retry.worker import copies
 from rabbit_retry.worker.attempts import (
     RETRY_COUNT,
     as_count,
+    at_delivery_limit,
     broker_can_dead_letter,
+    delivery_limit,
     failures_so_far,
     original_source,
 )
@@ -69,6 +71,21 @@ def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
     task.cancel()
 
 
+DELIVERY_LIMIT_FAILURE = "rabbit_retry.worker.DeliveryLimitReached"
+
+
+def _native_ok(headers: Mapping[str, Any] | None) -> bool:
+    """Whether the broker may count this failure itself (the native nack path).
+
+    Native retry only while x-death alone counts: a message that already carries a retry-count
+    (it took the publish path once) would have the broker's count restart at 1 below it,
+    repeating attempts; it stays on the publish path instead.
+    """
+    return broker_can_dead_letter(headers) and not (
+        headers and as_count(headers.get(RETRY_COUNT))
+    )
+
+
 @dataclass(frozen=True)
 class Bound:
     """A consumer bound to its queue's configuration and metrics."""
@@ -102,6 +119,11 @@ class Session:
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.amqp.closing.add_done_callback(lambda f: self._set_lost("the connection closed", f))
+        version = (self.amqp.server_properties or {}).get("version")
+        self.delivery_limits = {
+            b.queue: delivery_limit(b.config.queue_type, b.config.arguments, version)
+            for b in bound
+        }
 
     def _set_lost(self, what: str, future: asyncio.Future[Any] | None = None) -> None:
         if self.lost.done():
@@ -178,6 +200,22 @@ class Session:
         if early is not None:
             await self._carry_out(b, message, deliver, early, failures, None)
             return
+        limit = self.delivery_limits[b.queue]
+        if limit is not None and at_delivery_limit(headers, bool(deliver.redelivered), limit):
+            # One more return and the broker would dead-letter it into a cycle it refuses (see
+            # attempts.py): the worker counts the returns as one failure and routes it itself.
+            action = decide(
+                Outcome.FAILED, failures, policy, b.config.queue_type, native_ok=_native_ok(headers)
+            )
+            failure = copies.Failure(
+                type=DELIVERY_LIMIT_FAILURE,
+                message=f"returned to {b.queue!r} {limit} times without a verdict (the worker "
+                "crashed, lost its connection or stopped while handling it); counted as one "
+                "failed attempt, the handler was not called",
+                stacktrace="",
+            )
+            await self._carry_out(b, message, deliver, action, failures, failure)
+            return
 
         payload: Any = _UNSET
         if b.adapter is not None:
@@ -225,13 +263,9 @@ class Session:
                 outcome = Outcome.PERMANENT
             else:
                 outcome = Outcome.FAILED
-            # Native retry only while x-death alone counts: a message that already carries a
-            # retry-count (it took the publish path once) would have the broker's count restart
-            # at 1 below it, repeating attempts; it stays on the publish path instead.
-            native_ok = broker_can_dead_letter(headers) and not (
-                headers and as_count(headers.get(RETRY_COUNT))
+            action = decide(
+                outcome, failures, policy, b.config.queue_type, native_ok=_native_ok(headers)
             )
-            action = decide(outcome, failures, policy, b.config.queue_type, native_ok=native_ok)
             failure = copies.Failure.from_exception(error)
             await self._carry_out(b, message, deliver, action, failures, failure)
             return

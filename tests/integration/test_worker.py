@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import decimal
 import itertools
@@ -638,6 +639,71 @@ async def test_reconnects_after_the_connection_is_closed(
     back = [r for r in caplog.records if "reconnected after" in r.getMessage()]
     assert (len(lost), len(back)) == (1, 1)
     assert await all_empty(fresh_vhost, Q, PARKING)
+
+
+async def test_crash_loops_on_a_delivery_limited_quorum_queue_retry_then_park(
+    fresh_vhost: Settings, management: Management
+) -> None:
+    """A message that keeps taking its worker down is counted and parked, not lost.
+
+    The main queue has ``x-delivery-limit: 2``. Left to the broker, the third return would
+    dead-letter it (reason ``delivery_limit``) into the tier, whose way back to the queue RabbitMQ
+    refuses as a dead-letter cycle: the message would sit in the tier for ever. The worker takes
+    the delivery that is one return from the limit itself: one failed attempt, without calling
+    the handler. Here every call of the handler "crashes" (its connection is closed under it).
+    """
+    topo = topology(
+        f"""\
+version: 1
+queues:
+  {Q}:
+    queue_type: quorum
+    retry: {{delays: [200ms], max_attempts: 2}}
+    arguments: {{x-delivery-limit: 2}}
+"""
+    )
+    await provision(fresh_vhost, topo)
+
+    closed: set[str] = set()
+
+    async def crash(delivery: Delivery) -> None:
+        # The management API lists connections a few seconds late: wait for the worker's
+        # current one (a name not closed before), then close it under the running handler.
+        async def unseen() -> list[str]:
+            listed = await asyncio.to_thread(management.connections, fresh_vhost.vhost)
+            return [c["name"] for c in listed if c["name"] not in closed]
+
+        for name in await eventually(unseen, what="the worker's connection listed"):
+            closed.add(name)
+            with contextlib.suppress(BrokerError):  # a publisher's, already gone
+                await asyncio.to_thread(management.close_connection, name)
+        await asyncio.sleep(60)  # never returns: the connection went with it
+
+    class Crashing(Recorder):
+        handler_timeout = None  # the wait above must not turn into a handler failure
+
+    consumer = Crashing(crash)
+    async with running([consumer], topo, fresh_vhost):
+        await publish(fresh_vhost, b'{"order": 7}', routing_key=Q, message_id="poison")
+        parked = await eventually(
+            lambda: depth_is(fresh_vhost, PARKING, 1), within=90, what="the poison message parked"
+        )
+        assert parked
+    # Two crashes per attempt (deliveries 0 and 1; delivery 2 is taken by the worker), the first
+    # retried through the tier, the second parked exhausted.
+    assert [d.attempt for _, d in consumer.calls] == [1, 1, 2, 2]
+    assert await all_empty(fresh_vhost, Q, *tiers("200ms"))
+    info = management.get(f"/queues/{fresh_vhost.vhost}/{Q}.retry.200ms")
+    assert info.get("messages_dlx", 0) == 0
+    [message] = await drain(fresh_vhost, PARKING)
+    headers = message.header.properties.headers or {}
+    assert message.body == b'{"order": 7}'
+    assert headers["parked-reason"] == "exhausted"
+    assert headers["retry-count"] == 2
+    assert headers["exception-type"] == "rabbit_retry.worker.DeliveryLimitReached"
+    assert "returned to 'orders.fraud-check' 2 times without a verdict" in str(
+        headers["exception-message"]
+    )
 
 
 async def test_a_deleted_queue_is_waited_for_and_consumed_again_once_restored(
