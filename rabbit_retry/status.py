@@ -41,6 +41,9 @@ class QueueStatus:
     retrying: int  # in every live Q.retry.* queue, old tiers still draining included
     parked: int | None
     tiers: tuple[tuple[str, int], ...]  # (tier queue, messages) for each live tier
+    # (queue, messages) for Q and its tiers where a quorum queue holds messages it could not
+    # dead-letter yet: a missing next queue, or a dead-letter cycle (docs/versions.md).
+    held: tuple[tuple[str, int], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -51,6 +54,7 @@ class QueueStatus:
             "retrying": self.retrying,
             "parked": self.parked,
             "tiers": dict(self.tiers),
+            "held_for_dead_lettering": dict(self.held),
         }
 
 
@@ -178,6 +182,11 @@ def build_status(
                 retrying=sum(n for _, n in tiers),
                 parked=live_parking.messages if live_parking else None,
                 tiers=tiers,
+                held=tuple(
+                    (name, live.queues[name].messages_dlx)
+                    for name in (main.name, *(t for t, _ in tiers))
+                    if name in live.queues and live.queues[name].messages_dlx
+                ),
             )
         )
     return Status(vhost, source, tuple(rows), drift_of(changes, plan))

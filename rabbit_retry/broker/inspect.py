@@ -28,6 +28,8 @@ class LiveQueue:
     messages_ready: int = 0
     messages_unacknowledged: int = 0
     consumers: int = 0
+    # Quorum queues only: messages the queue holds until their dead-letter target confirms.
+    messages_dlx: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ def parse_queue(raw: Mapping[str, Any]) -> LiveQueue:
         messages_ready=_count(raw, "messages_ready"),
         messages_unacknowledged=_count(raw, "messages_unacknowledged"),
         consumers=_count(raw, "consumers"),
+        messages_dlx=_count(raw, "messages_dlx"),
     )
 
 
@@ -107,7 +110,7 @@ def parse_bindings(raw: Iterable[Mapping[str, Any]]) -> tuple[Binding, ...]:
 
 _QUEUE_COLUMNS = ",".join(
     ("name", "type", "durable", "auto_delete", "arguments", "messages", "messages_ready",
-     "messages_unacknowledged", "consumers")
+     "messages_unacknowledged", "consumers", "messages_dlx")
 )
 _EXCHANGE_COLUMNS = "name,type,durable,auto_delete,internal,arguments"
 

@@ -105,6 +105,14 @@ def status_view(status: Status) -> RenderableType:
             Text(str(row.parked), style="bold yellow") if row.parked else _cell(row.parked),
         )
     parts.append(table)
+    for row in status.queues:
+        for name, count in row.held:
+            parts.append(Text(
+                f"{name}: {_plural(count, 'message')} held by the broker for dead-lettering: it "
+                "cannot hand them on (a missing next queue, or a dead-letter cycle after a "
+                "delivery limit; see docs/versions.md)",
+                style="bold yellow",
+            ))
     if not status.drift:
         parts.append(Text(f"no drift: the broker has every object {status.source} derives",
                           style="green"))

@@ -110,9 +110,10 @@ def test_status_counts_what_each_queue_holds(
     expected = [
         {"queue": "orders", "ready": 4, "unacked": 2, "consumers": 1, "retrying": 6,
          "parked": 5,
-         "tiers": {"orders.retry.1h": 3, "orders.retry.2h": 1, "orders.retry.5m": 2}},
+         "tiers": {"orders.retry.1h": 3, "orders.retry.2h": 1, "orders.retry.5m": 2},
+         "held_for_dead_lettering": {}},
         {"queue": "payments", "ready": 1, "unacked": 0, "consumers": 0, "retrying": 0,
-         "parked": 2, "tiers": {"payments.retry.1h": 0}},
+         "parked": 2, "tiers": {"payments.retry.1h": 0}, "held_for_dead_lettering": {}},
     ]
     with Holder(fresh_vhost, "orders", prefetch=2):
         deadline = time.monotonic() + DEADLINE_S
@@ -177,3 +178,59 @@ def test_status_of_a_bad_file_is_exit_2(fresh_vhost: Settings, run_cli: Run,
     result = run_cli("status", str(path), settings=fresh_vhost)
     assert result.code == 2
     assert result.err.startswith(f"error: {path}:2: ")
+
+
+STUCK_TOPOLOGY = """
+version: 1
+queues:
+  stuck:
+    retry: {delays: [200ms], max_attempts: 3}
+    arguments: {x-delivery-limit: 1}
+"""
+
+
+async def _return_until_dead_lettered(settings: Settings, queue: str) -> int:
+    """Publish one message to ``queue`` and requeue it (nack, requeue) until the broker's
+    delivery limit dead-letters it; the number of deliveries seen."""
+    connection = await aio_pika.connect(settings.url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"poison", delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            routing_key=queue,
+        )
+        q = await channel.get_queue(queue, ensure=False)
+        deliveries = 0
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            message = await q.get(no_ack=False, fail=False)
+            if message is None:
+                if deliveries:
+                    return deliveries
+                await asyncio.sleep(0.05)
+                continue
+            deliveries += 1
+            await message.nack(requeue=True)
+        raise AssertionError(f"{queue}: still deliverable after {deliveries} deliveries")
+
+
+def test_messages_stuck_in_dead_lettering_are_reported(
+    fresh_vhost: Settings, run_cli: Run, tmp_path: Path
+) -> None:
+    # Without a worker, a message returned past the delivery limit goes to the tier, and the
+    # tier's way back to "stuck" is a dead-letter cycle the broker refuses: it holds it.
+    path = tmp_path / "stuck.yml"
+    path.write_text(STUCK_TOPOLOGY, encoding="utf-8")
+    asyncio.run(provision(fresh_vhost, STUCK_TOPOLOGY))
+    assert asyncio.run(_return_until_dead_lettered(fresh_vhost, "stuck")) == 2
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        code, data = status_json(run_cli, fresh_vhost, path)
+        held = data["queues"][0]["held_for_dead_lettering"]
+        if held or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert (code, held) == (0, {"stuck.retry.200ms": 1})
+    result = run_cli("status", str(path), settings=fresh_vhost)
+    assert "stuck.retry.200ms: 1 message held by the broker for dead-lettering: it cannot hand " \
+           "them on" in " ".join(result.out.split())

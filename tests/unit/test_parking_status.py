@@ -61,6 +61,7 @@ def test_counts_per_main_queue_with_old_tiers_still_draining() -> None:
         "queue": "orders", "ready": 7, "unacked": 2, "consumers": 1, "retrying": 8,
         "parked": 5,
         "tiers": {"orders.retry.1m": 1, "orders.retry.1s": 3, "orders.retry.5m": 4},
+        "held_for_dead_lettering": {},
     }
     assert (payments.queue, payments.ready, payments.retrying) == ("payments", 9, 0)
     assert status.ok and status.drift == ()  # an old tier draining is not drift
@@ -102,3 +103,17 @@ def test_a_different_queue_is_drift_with_the_difference() -> None:
     }
     assert drift.line == ("different queue orders.parking (parking queue of orders): type: live "
                           "quorum, file classic")
+
+
+def test_messages_a_quorum_queue_holds_for_dead_lettering_are_reported_per_queue() -> None:
+    plan = plan_of()
+    live = live_of(plan)
+    stuck = {"orders": 2, "orders.retry.1s": 3, "payments": 0}
+    queues = {name: LiveQueue(q.name, "quorum", q.durable, q.auto_delete, q.arguments,
+                              q.messages, q.messages_ready, q.messages_unacknowledged,
+                              q.consumers, messages_dlx=stuck.get(name, 0))
+              for name, q in live.queues.items()}
+    live = LiveState(queues, live.exchanges, live.bindings)
+    orders, payments = build_status(plan, live, (), vhost="v", source="t.yml").queues
+    assert orders.to_json()["held_for_dead_lettering"] == {"orders": 2, "orders.retry.1s": 3}
+    assert payments.held == ()
