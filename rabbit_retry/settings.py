@@ -115,6 +115,12 @@ class Settings:
         parts = urlsplit(self.url)
         if parts.scheme not in ("amqp", "amqps"):
             raise InputError(f"--url: expected an amqp:// or amqps:// URL, got {mask(self.url)!r}")
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not a number from 0 to 65535
+        except ValueError:
+            raise InputError(
+                f"--url: the port of {mask(self.url)!r} is not a number from 1 to 65535"
+            ) from None
         path = parts.path
         if path in ("", "/"):
             return "/"

@@ -9,7 +9,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
 
-from rabbit_retry.errors import BrokerError
+from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.tls import describe_tls_error, tls_cause
 
@@ -25,14 +25,18 @@ class Management:
         self, management_url: str, timeout: float = 30.0, *, tls: ssl.SSLContext | None = None
     ) -> None:
         parts = urlsplit(management_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise BrokerError(
-                "management URL must be http(s)://user:pass@host:port, got "
+        try:
+            port = parts.port
+        except ValueError:  # a port that is not a number, or out of range
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+            raise InputError(
+                "--management-url: expected http(s)://user:pass@host:port, got "
                 f"{mask(management_url)!r}"
             )
         auth = (parts.username or "guest", parts.password or "guest")
         self._user = unquote(auth[0])
-        netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+        netloc = parts.hostname + (f":{port}" if port else "")
         base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
         self.safe_url = base
         self._client = httpx.Client(

@@ -41,3 +41,31 @@ def test_url_after_the_verb_is_the_url_used(
     assert exit_info.value.code == 1
     assert "error: management API at http://127.0.0.1:1 unreachable" in err, err
     assert "secret" not in err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--url", "notaurl", "error: --url: expected an amqp:// or amqps:// URL, got 'notaurl'"),
+        ("--url", "amqp://guest:secret@h:abc/",
+         "error: --url: the port of 'amqp://guest:***@h:abc/' is not a number from 1 to 65535"),
+        ("--url", "amqp://guest:secret@h:99999/",
+         "error: --url: the port of 'amqp://guest:***@h:99999/' is not a number from 1 to 65535"),
+        ("--management-url", "ftp://guest:secret@h",
+         "error: --management-url: expected http(s)://user:pass@host:port, got "
+         "'ftp://guest:***@h'"),
+        ("--management-url", "http://guest:secret@h:abc",
+         "error: --management-url: expected http(s)://user:pass@host:port, got "
+         "'http://guest:***@h:abc'"),
+    ],
+)
+def test_a_malformed_url_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    # status reads the management API and the vhost of --url: both URLs are checked first.
+    topology = tmp_path / "t.yml"
+    topology.write_text("version: 1\nqueues:\n  q: {}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status", str(topology), option, value])
+    captured = capsys.readouterr()
+    assert (exit_info.value.code, captured.out, captured.err) == (2, "", message + "\n")
