@@ -29,19 +29,18 @@ message stayed inside the broker (the native ``nack`` path and quorum delivery l
 all versions count the same way. ``x-delivery-count`` is deliberately not a failure: it also
 counts redeliveries after a worker crash or restart, which are not handler failures.
 
-Quorum delivery limits and dead-letter cycles. A quorum queue with a delivery limit (the
-``x-delivery-limit`` argument; from 4.0 on, 20 by default) dead-letters a message that was
-returned to it more often than the limit (worker crashes, lost connections, shutdowns), with
-reason ``delivery_limit``, into the first tier. That tier cannot hand it back: every version
-since 3.x drops, or with at-least-once dead-lettering holds for ever, a message whose way back
-to ``Q`` closes a dead-letter cycle in which no client rejected it (``delivery_limit`` then
+Quorum delivery limits and dead-letter cycles. A quorum queue with a delivery limit dead-letters
+a message returned to it more often than the limit (worker crashes, lost connections,
+shutdowns), with reason ``delivery_limit``, into the first tier. That tier cannot hand it back:
+every version drops, or with at-least-once dead-lettering holds for ever, a message whose way
+back to ``Q`` closes a dead-letter cycle in which no client rejected it (``delivery_limit`` then
 ``expired``: seen on 3.10, "Dead-letter queues cycle detected"). So the worker never lets the
 broker get there: the delivery whose next return would cross the limit is not handed to the
-handler but counted as one failed attempt and retried or parked by the worker itself (a
-``nack``, reason ``rejected``, or a copy without ``x-death``), which breaks no cycle rule.
-``x-delivery-count`` is read only on a redelivery, where the broker itself has just written it.
+handler but counted as one failed attempt and retried or parked by the worker itself. How each
+version counts returns, and when the broker's own ``nack`` cycle may be used, is in
+``redelivery``.
 
-Failures so far (product.md section 4) = max(``retry-count``, sum of ``count`` over ``x-death``
+Failures so far (docs/worker.md) = max(``retry-count``, sum of ``count`` over ``x-death``
 entries for queue ``Q`` with reason ``rejected`` or ``delivery_limit``). Every value read here
 may be garbled by some client on the way; a garbled value counts as 0 and nothing here raises.
 """
@@ -76,6 +75,7 @@ BROKER_HEADERS = frozenset(
         "x-last-death-queue",
         "x-last-death-exchange",
         "x-delivery-count",
+        "x-acquired-count",
     }
 )
 
@@ -184,51 +184,6 @@ def broker_can_dead_letter(headers: object) -> bool:
     except Exception:  # a hostile Mapping: not something to hand to the broker
         return False
     return True
-
-
-X_DELIVERY_COUNT = "x-delivery-count"
-X_DELIVERY_LIMIT = "x-delivery-limit"
-DEFAULT_QUORUM_DELIVERY_LIMIT_4X = 20
-
-
-def broker_major(version: object) -> int | None:
-    """The major version in a server's ``version`` property (``"3.10.8"``, ``b"4.1.0"``)."""
-    text = as_text(version)
-    if text is None:
-        return None
-    head = text.strip().split(".", 1)[0]
-    return int(head) if head.isascii() and head.isdigit() else None
-
-
-def delivery_limit(
-    queue_type: str, arguments: Mapping[str, Any], broker_version: object
-) -> int | None:
-    """Returns a delivery of the queue survives before the broker dead-letters it with reason
-    ``delivery_limit``; None when it never does or we cannot act on it.
-
-    Classic queues have no limit. A quorum queue's ``x-delivery-limit`` argument wins (below 1,
-    such as 4.x's -1 for "unlimited", means no limit we can stay under); without one, 3.x has no
-    limit and 4.x applies 20. A limit set by a policy is not visible to the worker.
-    """
-    if queue_type != "quorum":
-        return None
-    if X_DELIVERY_LIMIT in arguments:
-        value = arguments[X_DELIVERY_LIMIT]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            return None
-        return value
-    major = broker_major(broker_version)
-    return DEFAULT_QUORUM_DELIVERY_LIMIT_4X if major is not None and major >= 4 else None
-
-
-def at_delivery_limit(headers: object, redelivered: bool, limit: int | None) -> bool:
-    """Whether returning this delivery once more would make the broker dead-letter it."""
-    if limit is None or not redelivered or not isinstance(headers, Mapping):
-        return False
-    try:
-        return as_count(headers.get(X_DELIVERY_COUNT)) >= limit
-    except Exception:  # a hostile Mapping: garbled, so not at the limit
-        return False
 
 
 def original_source(

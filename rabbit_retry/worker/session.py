@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,21 +23,13 @@ from typing import Any, cast
 import aiormq.exceptions
 from aio_pika.abc import AbstractConnection as AioPikaConnection
 from aiormq import spec
-from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
+from aiormq.abc import AbstractConnection, DeliveredMessage
 from pydantic import TypeAdapter, ValidationError
 
 from rabbit_retry.settings import mask
 from rabbit_retry.topology.model import QueueConfig
 from rabbit_retry.worker import copies
-from rabbit_retry.worker.attempts import (
-    RETRY_COUNT,
-    as_count,
-    at_delivery_limit,
-    broker_can_dead_letter,
-    delivery_limit,
-    failures_so_far,
-    original_source,
-)
+from rabbit_retry.worker.attempts import failures_so_far, original_source
 from rabbit_retry.worker.consumer import (
     _UNSET,
     Delivery,
@@ -55,8 +47,10 @@ from rabbit_retry.worker.decide import (
     before_handler,
     decide,
 )
+from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
+from rabbit_retry.worker.redelivery import at_delivery_limit, counting, delivery_limit, native_ok
 from rabbit_retry.worker.wire import copy_properties
 
 log = logging.getLogger("rabbit_retry.worker")
@@ -72,18 +66,6 @@ def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
 
 
 DELIVERY_LIMIT_FAILURE = "rabbit_retry.worker.DeliveryLimitReached"
-
-
-def _native_ok(headers: Mapping[str, Any] | None) -> bool:
-    """Whether the broker may count this failure itself (the native nack path).
-
-    Native retry only while x-death alone counts: a message that already carries a retry-count
-    (it took the publish path once) would have the broker's count restart at 1 below it,
-    repeating attempts; it stays on the publish path instead.
-    """
-    return broker_can_dead_letter(headers) and not (
-        headers and as_count(headers.get(RETRY_COUNT))
-    )
 
 
 @dataclass(frozen=True)
@@ -114,14 +96,14 @@ class Session:
         self.user = user
         self.frame_max = int(self.amqp.connection_tune.frame_max or 131072)
         self.publisher = Publisher(self.amqp)
-        self.channels: list[tuple[AbstractChannel, str]] = []
+        self.lanes: list[Lane] = []
         self.tasks: set[asyncio.Task[Any]] = set()
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._debug = log.isEnabledFor(logging.DEBUG)
         self.amqp.closing.add_done_callback(lambda f: self._set_lost("the connection closed", f))
-        version = (self.amqp.server_properties or {}).get("version")
+        self.counting = counting((self.amqp.server_properties or {}).get("version"))
         self.delivery_limits = {
-            b.queue: delivery_limit(b.config.queue_type, b.config.arguments, version)
+            b.queue: delivery_limit(b.config.queue_type, b.config.arguments, self.counting)
             for b in bound
         }
 
@@ -138,16 +120,22 @@ class Session:
     async def start(self) -> None:
         for b in self.bound:
             channel = await self.amqp.channel(publisher_confirms=False)
-            await channel.basic_qos(prefetch_count=b.consumer.prefetch)
             channel.closing.add_done_callback(self._on_channel_closed(b.queue))
 
             async def cancelled(_frame: Any, q: str = b.queue) -> None:
                 self._set_lost(f"the broker cancelled the consumer of {q!r}")
 
             channel.on_consumer_cancel_callbacks.add(cancelled)
-            ok = await channel.basic_consume(b.queue, self._callback(b))
-            assert ok.consumer_tag is not None
-            self.channels.append((channel, ok.consumer_tag))
+            lane = Lane(
+                channel,
+                b.queue,
+                b.config.queue_type,
+                b.consumer.prefetch,
+                self._callback(b),
+                self._set_lost,
+            )
+            await lane.start()
+            self.lanes.append(lane)
             log.info(
                 "consuming queue=%s consumer=%s prefetch=%d",
                 b.queue,
@@ -201,12 +189,11 @@ class Session:
             await self._carry_out(b, message, deliver, early, failures, None)
             return
         limit = self.delivery_limits[b.queue]
-        if limit is not None and at_delivery_limit(headers, bool(deliver.redelivered), limit):
+        if at_delivery_limit(headers, bool(deliver.redelivered), limit):
             # One more return and the broker would dead-letter it into a cycle it refuses (see
-            # attempts.py): the worker counts the returns as one failure and routes it itself.
-            action = decide(
-                Outcome.FAILED, failures, policy, b.config.queue_type, native_ok=_native_ok(headers)
-            )
+            # redelivery.py): the worker counts the returns as one failure and routes it itself.
+            native = native_ok(headers, self.counting)
+            action = decide(Outcome.FAILED, failures, policy, b.config.queue_type, native_ok=native)
             failure = copies.Failure(
                 type=DELIVERY_LIMIT_FAILURE,
                 message=f"returned to {b.queue!r} {limit} times without a verdict (the worker "
@@ -263,9 +250,8 @@ class Session:
                 outcome = Outcome.PERMANENT
             else:
                 outcome = Outcome.FAILED
-            action = decide(
-                outcome, failures, policy, b.config.queue_type, native_ok=_native_ok(headers)
-            )
+            native = native_ok(headers, self.counting)
+            action = decide(outcome, failures, policy, b.config.queue_type, native_ok=native)
             failure = copies.Failure.from_exception(error)
             await self._carry_out(b, message, deliver, action, failures, failure)
             return
@@ -436,9 +422,8 @@ class Session:
 
     async def shutdown(self, grace: float, force: asyncio.Event) -> None:
         """Stop new deliveries, give in-flight ones ``grace`` seconds, then close."""
-        for channel, tag in self.channels:
-            with suppress(Exception):
-                await channel.basic_cancel(tag, timeout=CANCEL_TIMEOUT)
+        for lane in self.lanes:
+            await lane.stop(CANCEL_TIMEOUT)
         pending = {t for t in self.tasks if not t.done()}
         if pending:
             log.info("stopping: waiting up to %gs for %d in-flight message(s)", grace, len(pending))

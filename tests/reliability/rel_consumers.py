@@ -11,6 +11,7 @@ What a message makes the handler do is written in its JSON body::
     {"id": "m-2", "permanent": true}     # raise Permanent: park at once
     {"id": "m-3", "fixable": true}       # Permanent until the file $RR_RECORD_DIR/fixed exists
     {"id": "m-4", "raise": "huge-message"}   # one of the nasty exceptions of ``nasty()``
+    {"id": "m-5", "crash": 300}          # after 300 ms the whole process dies (os._exit)
 
 A body that is not JSON makes ``delivery.payload`` raise, which parks the message ``invalid``.
 Lines are ``<message id> <attempt> <pid>``; the message id is the AMQP ``message_id``.
@@ -86,6 +87,10 @@ class _Behaviour(RetryConsumer):
     async def handle(self, delivery: Delivery) -> None:
         record("calls", delivery)
         spec: Any = delivery.payload  # a body that is not JSON parks ``invalid`` here
+        if isinstance(spec, dict) and "crash" in spec:
+            # A poison message: a segfault, an OOM kill, an abort() in a C library.
+            await asyncio.sleep(float(spec["crash"]) / 1000)
+            os._exit(70)
         if SLEEP_S:
             await asyncio.sleep(SLEEP_S)
         if not isinstance(spec, dict):

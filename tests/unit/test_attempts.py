@@ -20,10 +20,7 @@ from hypothesis import strategies as st
 from rabbit_retry.worker.attempts import (
     MAX_COUNT,
     as_count,
-    at_delivery_limit,
     broker_can_dead_letter,
-    broker_major,
-    delivery_limit,
     failures_so_far,
     original_source,
 )
@@ -388,67 +385,3 @@ def test_a_client_garbled_x_death_is_not_handed_to_the_broker(headers: Any) -> N
 @given(headers=header_tables | header_values)
 def test_broker_can_dead_letter_never_raises(headers: Any) -> None:
     assert broker_can_dead_letter(headers) in (True, False)
-
-
-# --- quorum delivery limits (the worker stays one return below them) ---------------------------
-
-
-@pytest.mark.parametrize(
-    ("version", "major"),
-    [("3.10.8", 3), (b"4.1.0", 4), ("4", 4), (" 3.13.7 ", 3), (None, None), ("x.1", None),
-     (b"\xff", None), (4, None)],
-)
-def test_broker_major(version: object, major: int | None) -> None:
-    assert broker_major(version) == major
-
-
-@pytest.mark.parametrize(
-    ("queue_type", "arguments", "version", "limit"),
-    [
-        ("quorum", {}, "3.10.8", None),  # 3.x: no default limit
-        ("quorum", {}, "3.13.7", None),
-        ("quorum", {}, "4.0.5", 20),  # 4.x: 20 by default
-        ("quorum", {}, None, None),  # version unknown: not guessed
-        ("quorum", {"x-delivery-limit": 5}, "3.10.8", 5),
-        ("quorum", {"x-delivery-limit": 5}, "4.1.0", 5),
-        ("quorum", {"x-delivery-limit": -1}, "4.1.0", None),  # 4.x: unlimited
-        ("quorum", {"x-delivery-limit": 0}, "3.10.8", None),
-        ("quorum", {"x-delivery-limit": "5"}, "4.1.0", None),
-        ("quorum", {"x-delivery-limit": True}, "4.1.0", None),
-        ("classic", {}, "4.1.0", None),
-        ("classic", {"x-delivery-limit": 5}, "4.1.0", None),
-    ],
-)
-def test_delivery_limit(
-    queue_type: str, arguments: dict[str, object], version: object, limit: int | None
-) -> None:
-    assert delivery_limit(queue_type, arguments, version) == limit
-
-
-@pytest.mark.parametrize(
-    ("headers", "redelivered", "limit", "expected"),
-    [
-        ({"x-delivery-count": 2}, True, 2, True),  # one more return would cross the limit
-        ({"x-delivery-count": 3}, True, 2, True),
-        ({"x-delivery-count": 1}, True, 2, False),
-        ({"x-delivery-count": 20}, False, 2, False),  # not a redelivery: a stale or forged header
-        ({"x-delivery-count": 20}, True, None, False),  # no limit
-        ({}, True, 2, False),
-        (None, True, 2, False),
-        ({"x-delivery-count": "junk"}, True, 2, False),
-        ({"x-delivery-count": -5}, True, 2, False),
-        ({"x-delivery-count": b"7"}, True, 2, True),
-    ],
-)
-def test_at_delivery_limit(
-    headers: object, redelivered: bool, limit: int | None, expected: bool
-) -> None:
-    assert at_delivery_limit(headers, redelivered, limit) is expected
-
-
-@given(st.dictionaries(st.sampled_from(["x-delivery-count", "retry-count", "x"]), header_values,
-                       max_size=3), st.booleans(),
-       st.one_of(st.none(), st.integers(1, 100)))
-def test_at_delivery_limit_never_raises(headers: dict[str, object], redelivered: bool,
-                                        limit: int | None) -> None:
-    assert isinstance(at_delivery_limit(headers, redelivered, limit), bool)

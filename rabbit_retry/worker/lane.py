@@ -1,0 +1,173 @@
+"""One queue's consumer on one connection: how many deliveries run at once, and when a delivery
+that came back runs alone.
+
+A worker that dies returns every delivery it held, and the broker counts one return on each:
+the innocent ones with the one that took the worker down. Left at that, the next crash returns
+them all again, and a delivery limit parks (or dead-letters) the bystanders with the culprit.
+So a lane keeps a crash charged to the one message that caused it:
+
+- A delivery that came back without a verdict (``redelivery.is_suspect``) never runs beside
+  another: it waits until nothing else runs, and nothing starts while it runs.
+- Holding deliveries is what exposes them to a crash, so once a suspect arrives the lane stops
+  taking more (``basic.cancel``), settles what it holds, and then consumes one message at a time
+  (QoS 1, "probation") until a delivery that did not come back arrives; then it goes back to the
+  consumer's full prefetch.
+- Every connection starts on probation: the returns of a crash are what the broker delivers
+  first.
+
+A crash while a suspect runs alone then returns that delivery and nothing else. Changing the
+prefetch needs a new consumer: RabbitMQ applies a per-consumer QoS only to consumers created
+after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Literal
+
+from aiormq.abc import AbstractChannel, DeliveredMessage
+
+from rabbit_retry.worker.redelivery import is_suspect
+
+log = logging.getLogger("rabbit_retry.worker")
+
+Mode = Literal["probation", "full"]
+PROBATION_PREFETCH = 1
+
+
+class Lane:
+    """Consumes ``queue`` on ``channel`` and calls ``handle`` per delivery under the rules above.
+
+    ``on_error`` hears of a failure to change consumers (the channel died): the session treats
+    it as a lost connection.
+    """
+
+    def __init__(
+        self,
+        channel: AbstractChannel,
+        queue: str,
+        queue_type: str,
+        prefetch: int,
+        handle: Callable[[DeliveredMessage], Awaitable[None]],
+        on_error: Callable[[str], None],
+    ) -> None:
+        self.channel = channel
+        self.queue = queue
+        self.queue_type = queue_type
+        self.prefetch = prefetch
+        self._handle = handle
+        self._on_error = on_error
+        self.mode: Mode = "probation"
+        self.tag: str | None = None
+        self._target: Mode = "probation"
+        self._mover: asyncio.Task[None] | None = None
+        self._stopped = False
+        self._held = 0  # deliveries received and not finished
+        self._shared = 0  # non-suspects running
+        self._alone = False  # a suspect running
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self._consume(PROBATION_PREFETCH)
+
+    async def stop(self, cancel_timeout: float) -> None:
+        """No more deliveries: cancel the consumer (what is held stays held)."""
+        self._stopped = True
+        if self._mover is not None and not self._mover.done():
+            self._mover.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await self._mover
+        tag, self.tag = self.tag, None
+        if tag is not None:
+            with suppress(Exception):
+                await self.channel.basic_cancel(tag, timeout=cancel_timeout)
+
+    async def _consume(self, prefetch: int) -> None:
+        await self.channel.basic_qos(prefetch_count=prefetch)
+        ok = await self.channel.basic_consume(self.queue, self._deliver)
+        self.tag = ok.consumer_tag
+
+    def _poke(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
+
+    def _want(self, mode: Mode) -> None:
+        self._target = mode
+        if not self._stopped and (self._mover is None or self._mover.done()):
+            self._mover = asyncio.create_task(self._move())
+
+    async def _move(self) -> None:
+        try:
+            while self.mode != self._target and not self._stopped:
+                target = self._target
+                tag, self.tag = self.tag, None
+                if tag is not None:
+                    await self.channel.basic_cancel(tag)
+                if target == "probation":
+                    # Settle everything held before taking the next one alone.
+                    await self._until(lambda: self._held == 0)
+                if self._stopped:
+                    return
+                await self._consume(PROBATION_PREFETCH if target == "probation" else self.prefetch)
+                self.mode = target
+                log.debug("queue=%s: consuming with prefetch %s (%s)", self.queue,
+                          PROBATION_PREFETCH if target == "probation" else self.prefetch, target)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the channel died under us: the session reconnects
+            self._on_error(f"changing the consumer of {self.queue!r} failed: {exc!r}")
+
+    async def _deliver(self, message: DeliveredMessage) -> None:
+        """The consumer callback; aiormq runs each delivery as its own task."""
+        props = message.header.properties
+        suspect = is_suspect(
+            props.headers, bool(getattr(message.delivery, "redelivered", False)), self.queue_type
+        )
+        self._held += 1
+        try:
+            if suspect:
+                if self.mode == "full" and self._target == "full":
+                    log.info(
+                        "queue=%s message_id=%s came back without a verdict: handling returned"
+                        " messages one at a time",
+                        self.queue,
+                        props.message_id,
+                        extra={"queue": self.queue, "event": "probation"},
+                    )
+                    self._want("probation")
+                await self._until(lambda: not self._alone and self._shared == 0)
+                if self._stopped:  # stopping: it goes back to the broker unstarted
+                    return
+                self._alone = True
+                try:
+                    await self._handle(message)
+                finally:
+                    self._alone = False
+                    self._poke()
+                return
+            if self.mode == "probation" and self._target == "probation":
+                self._want("full")
+            if self._alone or self._shared >= self.prefetch:
+                # Leaving probation holds one delivery more than the prefetch for a moment;
+                # it waits, so no more than ``prefetch`` handlers ever run at once.
+                await self._until(lambda: not self._alone and self._shared < self.prefetch)
+                if self._stopped:
+                    return
+            self._shared += 1
+            try:
+                await self._handle(message)
+            finally:
+                self._shared -= 1
+                if self._shared == 0 or self._held > self.prefetch:
+                    self._poke()
+        finally:
+            self._held -= 1
+            if self._held == 0:
+                self._poke()
