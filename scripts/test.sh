@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
 # The project's whole check, used by developers (`./scripts/test.sh`) and CI (`.ci/run` runs
-# exactly this): a venv with the test and bench extras, a broker with its management plugin, ruff,
-# mypy --strict, then every test under tests/. Arguments go to pytest (e.g. `-k apply -x`).
+# exactly this): a venv with the test and bench extras, ruff, mypy --strict, then the tests on
+# every RabbitMQ version we support, each started by scripts/broker.sh on its own ports:
 #
-# Works from any directory, on a fresh clone, without a terminal (CI=true, no stdin). Setup
-# failures stop at once; lint and type failures are reported and the tests still run, so one
-# run shows every problem. Exit 0 only when every stage passed.
+#   4.3   every test            (Debian sid's RabbitMQ, in a chroot)
+#   3.10  every test            (the machine's own rabbitmq-server)
+#   4.0   worker, provisioning and reliability tests (Debian trixie's, in a chroot)
+#
+#   ./scripts/test.sh                        the matrix above
+#   ./scripts/test.sh --broker 4.3 [ARGS]    one version; ARGS go to pytest (e.g. -k apply -x)
+#   ./scripts/test.sh tests/unit             only the pure tests: no broker needed
+#
+# With RABBIT_RETRY_TEST_URL set (and RABBIT_RETRY_TEST_MANAGEMENT_URL), the tests run once,
+# against that broker. Works from any directory, on a fresh clone, without a terminal (CI=true,
+# no stdin). Setup failures stop at once; lint, type and test failures are reported and the
+# other stages still run, so one run shows every problem. Exit 0 only when every stage passed.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,26 +43,42 @@ note "pip install -e '.[test,bench]' (the bench extra: the suite runs a smoke of
 pip_quiet install -e '.[test,bench]'
 export PATH="$VENV/bin:$PATH"
 
-stage "broker"
-# The tests target RABBIT_RETRY_TEST_URL when set (see tests/conftest.py): make sure that one is up.
-RABBIT_RETRY_URL="${RABBIT_RETRY_TEST_URL:-${RABBIT_RETRY_URL:-}}" \
-    RABBIT_RETRY_MANAGEMENT_URL="${RABBIT_RETRY_TEST_MANAGEMENT_URL:-${RABBIT_RETRY_MANAGEMENT_URL:-}}" \
-    "$ROOT/scripts/ensure-broker.sh" </dev/null
-
 stage "ruff check rabbit_retry tests bench"
 timeout 600 ruff check --output-format=concise rabbit_retry tests bench </dev/null || FAILED+=(ruff)
 
 stage "mypy --strict rabbit_retry"
 timeout 900 mypy --strict rabbit_retry </dev/null || FAILED+=(mypy)
 
+BROKERS=()
+args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --broker)
+            [ $# -ge 2 ] || die "--broker needs a version: 3.10, 4.0 or 4.3"
+            BROKERS+=("$2")
+            shift 2
+            ;;
+        --broker=*) BROKERS+=("${1#--broker=}") && shift ;;
+        *) args+=("$1") && shift ;;
+    esac
+done
+set -- ${args[@]+"${args[@]}"}
+
 # Paths among the arguments replace the default target, so `./scripts/test.sh tests/unit` works.
-targets=(tests)
+targets=()
 for arg in "$@"; do
     if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
-        targets=()
+        targets=(-)
         break
     fi
 done
+only_unit=""
+if [ "${targets[*]-}" = "-" ]; then
+    only_unit=1
+    for arg in "$@"; do
+        [[ "$arg" != -* && -e "${arg%%::*}" && "${arg%%::*}" != tests/unit* ]] && only_unit=""
+    done
+fi
 
 # In CI each test's name is printed before it runs, so a hung test is named by the log's last
 # line; at a terminal, dots are enough.
@@ -63,25 +88,83 @@ case "${CI:-}" in
     *) verbosity=-v ;;
 esac
 
-label=pytest
-for arg in ${targets[@]+"${targets[@]}"} "$@"; do label+=" $arg"; done
-stage "$label"
-rc=0
-# SIGINT first, so a timed-out pytest still tears down (deleting its vhosts) and reports.
-timeout --signal=INT --kill-after=60 "$PYTEST_TIMEOUT" \
-    pytest ${targets[@]+"${targets[@]}"} "$verbosity" -ra --durations=15 -p no:cacheprovider \
-    "$@" </dev/null || rc=$?
-case "$rc" in
-    0) ;;
-    5)
-        note "$label collected no tests (pytest exit 5): the suite must run tests"
-        FAILED+=("pytest (no tests collected)")
-        ;;
-    124)
-        note "pytest was stopped after ${PYTEST_TIMEOUT}s (RABBIT_RETRY_PYTEST_TIMEOUT)"
-        FAILED+=("pytest (timed out)")
-        ;;
-    *) FAILED+=("pytest (exit $rc)") ;;
-esac
+PASSED=0
+FAILED_TESTS=0
+# run_pytest LABEL TARGET... -- ARGS: one pytest run, its counts added to the totals.
+run_pytest() {
+    local label="$1" log rc=0 line
+    shift
+    local run_targets=()
+    while [ "$1" != -- ]; do run_targets+=("$1") && shift; done
+    shift
+    stage "$label"
+    log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-pytest.XXXXXX")"
+    # SIGINT first, so a timed-out pytest still tears down (deleting its vhosts) and reports.
+    timeout --signal=INT --kill-after=60 "$PYTEST_TIMEOUT" \
+        pytest ${run_targets[@]+"${run_targets[@]}"} "$verbosity" -ra --durations=10 \
+        -p no:cacheprovider "$@" </dev/null 2>&1 | tee "$log" || true
+    rc="${PIPESTATUS[0]}"
+    line="$(grep -E '(passed|failed|error|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 || true)"
+    local n
+    for n in $(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+' || true); do
+        PASSED=$((PASSED + n))
+    done
+    for n in $(grep -oE '[0-9]+ (failed|error)' <<<"$line" | grep -oE '[0-9]+' || true); do
+        FAILED_TESTS=$((FAILED_TESTS + n))
+    done
+    rm -f "$log"
+    case "$rc" in
+        0) ;;
+        5)
+            note "$label collected no tests (pytest exit 5): the suite must run tests"
+            FAILED+=("$label (no tests collected)")
+            ;;
+        124)
+            note "$label was stopped after ${PYTEST_TIMEOUT}s (RABBIT_RETRY_PYTEST_TIMEOUT)"
+            FAILED+=("$label (timed out)")
+            ;;
+        *) FAILED+=("$label (exit $rc)") ;;
+    esac
+}
 
+# The tests of a broker version: everything, or what depends on the version most.
+version_targets() {
+    case "$1" in
+        4.0) echo tests/integration/test_worker*.py tests/integration/test_provision*.py \
+            tests/integration/test_redelivery_fixtures.py tests/reliability ;;
+        *) echo tests ;;
+    esac
+}
+
+label=""
+if [ -n "$only_unit" ]; then
+    label="pytest $*"
+    run_pytest "$label" -- "$@"
+elif [ -n "${RABBIT_RETRY_TEST_URL:-}" ]; then
+    stage "broker (RABBIT_RETRY_TEST_URL)"
+    RABBIT_RETRY_URL="$RABBIT_RETRY_TEST_URL" \
+        RABBIT_RETRY_MANAGEMENT_URL="${RABBIT_RETRY_TEST_MANAGEMENT_URL:-${RABBIT_RETRY_MANAGEMENT_URL:-}}" \
+        "$ROOT/scripts/ensure-broker.sh" </dev/null
+    label="pytest"
+    if [ "${targets[*]-}" = "-" ]; then run_pytest "$label $*" -- "$@"; else run_pytest "$label tests $*" tests -- "$@"; fi
+else
+    [ "${#BROKERS[@]}" -gt 0 ] || BROKERS=(4.3 3.10 4.0)
+    for version in "${BROKERS[@]}"; do
+        stage "broker $version"
+        if ! "$ROOT/scripts/broker.sh" up "$version" </dev/null; then
+            FAILED+=("broker $version (did not start)")
+            continue
+        fi
+        eval "$("$ROOT/scripts/broker.sh" env "$version")"
+        if [ "${targets[*]-}" = "-" ]; then
+            run_pytest "pytest on RabbitMQ $version: $*" -- "$@"
+        else
+            # shellcheck disable=SC2046
+            run_pytest "pytest on RabbitMQ $version" $(version_targets "$version") -- "$@"
+        fi
+    done
+    label="tests on RabbitMQ ${BROKERS[*]}"
+fi
+
+printf 'total: %d passed, %d failed\n' "$PASSED" "$FAILED_TESTS"
 finish
