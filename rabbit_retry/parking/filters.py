@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from rabbit_retry.parking.headers import header_text, parked_at
+from rabbit_retry.contract import header_text
+from rabbit_retry.parking.headers import parked_at
 from rabbit_retry.topology.durations import label
 
 

@@ -1,71 +1,20 @@
-"""The parking headers of product.md section 4, and what a replay does to them; pure."""
+"""What the parking views read from a parked copy's headers, and what a replay does to them
+(pure). The header names and counting rules are ``contract``'s."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from decimal import Decimal
 from typing import Any
 
-PARKED_REASON = "parked-reason"
-PARKED_AT = "parked-at"
-RETRY_COUNT = "retry-count"
-REPLAY_COUNT = "replay-count"
-EXCEPTION_TYPE = "exception-type"
-EXCEPTION_MESSAGE = "exception-message"
-EXCEPTION_STACKTRACE = "exception-stacktrace"
-ORIGINAL_EXCHANGE = "original-exchange"
-ORIGINAL_ROUTING_KEY = "original-routing-key"
-ORIGINAL_QUEUE = "original-queue"
-
-ORIGINAL_USER_ID = "original-user-id"
-
-# What a replay removes: the broker's bookkeeping about earlier hops and everything parking
-# added, so the replayed copy starts over with a clean count. original-exchange and
-# original-routing-key stay: they say where the message was first published, and the worker
-# reports them again (it reads them before anything else) if the replayed copy parks.
-STRIPPED_ON_REPLAY = frozenset(
-    {
-        "x-death",
-        "x-delivery-count",
-        PARKED_REASON,
-        PARKED_AT,
-        RETRY_COUNT,
-        EXCEPTION_TYPE,
-        EXCEPTION_MESSAGE,
-        EXCEPTION_STACKTRACE,
-        ORIGINAL_QUEUE,
-    }
+from rabbit_retry.contract import (
+    PARKED_AT,
+    REPLAY_COUNT,
+    STRIPPED_ON_REPLAY,
+    STRIPPED_PREFIXES,
+    as_count,
+    header_text,
 )
-STRIPPED_PREFIXES = ("x-first-death-", "x-last-death-")
-
-
-def header_text(value: Any) -> str | None:
-    """A header value as text, the way ``--where`` compares it; None for an absent value."""
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", errors="replace")
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return str(value)
-
-
-def as_count(value: Any) -> int | None:
-    """A counter header as a non-negative int; None when absent or garbled."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value if value >= 0 else None
-    if isinstance(value, float | Decimal):
-        return int(value) if math.isfinite(value) and value >= 0 else None
-    text = header_text(value)
-    if text is not None and text.strip().isdigit():
-        return int(text.strip())
-    return None
 
 
 def parked_at(headers: Mapping[str, Any]) -> datetime | None:

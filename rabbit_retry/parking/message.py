@@ -12,26 +12,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from rabbit_retry.parking import headers as h
+from rabbit_retry import contract as c
+from rabbit_retry.parking.headers import parked_at
 
 PREVIEW_CHARS = 60
-# AMQP basic properties other than headers, in the order of the spec.
-PROPERTY_NAMES = (
-    "content_type",
-    "content_encoding",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "message_type",
-    "user_id",
-    "app_id",
-)
-
-
 @dataclass(frozen=True)
 class ParkedMessage:
     """One message read from a parking queue; ``position`` counts from 1 at the queue's head."""
@@ -43,31 +27,31 @@ class ParkedMessage:
 
     @property
     def message_id(self) -> str | None:
-        return h.header_text(self.properties.get("message_id"))
+        return c.header_text(self.properties.get("message_id"))
 
     @property
     def reason(self) -> str | None:
-        return h.header_text(self.headers.get(h.PARKED_REASON))
+        return c.header_text(self.headers.get(c.PARKED_REASON))
 
     @property
     def exception_type(self) -> str | None:
-        return h.header_text(self.headers.get(h.EXCEPTION_TYPE))
+        return c.header_text(self.headers.get(c.EXCEPTION_TYPE))
 
     @property
     def exception_message(self) -> str | None:
-        return h.header_text(self.headers.get(h.EXCEPTION_MESSAGE))
+        return c.header_text(self.headers.get(c.EXCEPTION_MESSAGE))
 
     @property
     def attempts(self) -> int | None:
-        return h.as_count(self.headers.get(h.RETRY_COUNT))
+        return c.as_count(self.headers.get(c.RETRY_COUNT))
 
     @property
     def replay_count(self) -> int:
-        return h.as_count(self.headers.get(h.REPLAY_COUNT)) or 0
+        return c.as_count(self.headers.get(c.REPLAY_COUNT)) or 0
 
     @property
     def parked_at(self) -> datetime | None:
-        return h.parked_at(self.headers)
+        return parked_at(self.headers)
 
 
 def jsonable(value: Any) -> Any:
@@ -137,15 +121,15 @@ def summary_record(message: ParkedMessage) -> dict[str, Any]:
     return {
         "position": message.position,
         "message_id": message.message_id,
-        "parked_at": h.header_text(message.headers.get(h.PARKED_AT)),  # as the worker wrote it
+        "parked_at": c.header_text(message.headers.get(c.PARKED_AT)),  # as the worker wrote it
         "reason": message.reason,
         "exception_type": message.exception_type,
         "exception_message": message.exception_message,
         "attempts": message.attempts,
         "replay_count": message.replay_count,
-        "original_exchange": h.header_text(message.headers.get(h.ORIGINAL_EXCHANGE)),
-        "original_routing_key": h.header_text(message.headers.get(h.ORIGINAL_ROUTING_KEY)),
-        "original_queue": h.header_text(message.headers.get(h.ORIGINAL_QUEUE)),
+        "original_exchange": c.header_text(message.headers.get(c.ORIGINAL_EXCHANGE)),
+        "original_routing_key": c.header_text(message.headers.get(c.ORIGINAL_ROUTING_KEY)),
+        "original_queue": c.header_text(message.headers.get(c.ORIGINAL_QUEUE)),
         "body_bytes": len(message.body),
         "body_preview": preview(message.body),
     }

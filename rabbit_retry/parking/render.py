@@ -9,7 +9,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from rabbit_retry.parking import headers as h
+from rabbit_retry import contract as c
 from rabbit_retry.parking.message import Groups, ParkedMessage, preview
 from rabbit_retry.status import Status
 
@@ -39,11 +39,11 @@ def messages_table(messages: Sequence[ParkedMessage]) -> Table:
             _cell(message.position),
             _cell(message.message_id),
             _cell(moment.strftime("%Y-%m-%d %H:%M:%S") if moment else
-                  h.header_text(message.headers.get(h.PARKED_AT))),
+                  c.header_text(message.headers.get(c.PARKED_AT))),
             _cell(message.reason),
             _cell(exception),
             _cell(message.attempts),
-            _cell(h.header_text(message.headers.get(h.ORIGINAL_ROUTING_KEY))),
+            _cell(c.header_text(message.headers.get(c.ORIGINAL_ROUTING_KEY))),
             _cell(preview(message.body, 40)),
         )
     return table

@@ -16,7 +16,7 @@ Why it is safe to look:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +29,10 @@ from pamqp import commands as spec
 
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.broker.management import Management
+from rabbit_retry.contract import PROPERTY_NAMES, republish_properties
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
-from rabbit_retry.parking.headers import ORIGINAL_USER_ID, replay_headers
-from rabbit_retry.parking.message import PROPERTY_NAMES, ParkedMessage
+from rabbit_retry.parking.headers import replay_headers
+from rabbit_retry.parking.message import ParkedMessage
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import naming
 
@@ -70,20 +71,6 @@ def properties_dict(properties: spec.Basic.Properties) -> dict[str, Any]:
         for name in PROPERTY_NAMES
         if (value := getattr(properties, name, None)) is not None
     }
-
-
-def copy_properties(
-    properties: spec.Basic.Properties, headers: Mapping[str, Any], user: str
-) -> spec.Basic.Properties:
-    """The same properties with other headers; every other field exactly as it was, except a
-    ``user_id`` naming another user than ``user`` (the broker refuses such a publish), which
-    moves to the ``original-user-id`` header."""
-    fields = {name: getattr(properties, name) for name in PROPERTY_NAMES}
-    headers = dict(headers)
-    if fields["user_id"] is not None and fields["user_id"] != user:
-        headers.setdefault(ORIGINAL_USER_ID, fields["user_id"])
-        fields["user_id"] = None
-    return spec.Basic.Properties(headers=headers, **fields)
 
 
 class ParkingQueue:
@@ -127,7 +114,7 @@ class ParkingQueue:
         ``mandatory`` makes a copy that cannot be routed (main queue deleted meanwhile) come back
         as an error instead of vanishing; the parked message then stays parked.
         """
-        properties = copy_properties(
+        properties = republish_properties(
             taken.properties, replay_headers(taken.message.headers), self._user
         )
         try:

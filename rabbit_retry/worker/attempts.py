@@ -47,82 +47,24 @@ may be garbled by some client on the way; a garbled value counts as 0 and nothin
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import Any
 
-RETRY_COUNT = "retry-count"
-ORIGINAL_EXCHANGE = "original-exchange"
-ORIGINAL_ROUTING_KEY = "original-routing-key"
-X_DEATH = "x-death"
-X_FIRST_DEATH_QUEUE = "x-first-death-queue"
-X_FIRST_DEATH_EXCHANGE = "x-first-death-exchange"
+from rabbit_retry.contract import (
+    MAX_COUNT,
+    ORIGINAL_EXCHANGE,
+    ORIGINAL_ROUTING_KEY,
+    RETRY_COUNT,
+    X_DEATH,
+    X_FIRST_DEATH_EXCHANGE,
+    X_FIRST_DEATH_QUEUE,
+    as_count,
+    as_text,
+)
 
 # Reasons that mean "the handler (or the consumer process) failed on this queue". ``expired``
 # (a tier's TTL) and ``maxlen`` (overflow) are not failures.
 FAILURE_REASONS = frozenset({"rejected", "delivery_limit"})
-
-# Headers that only the broker may write: dropped from every copy the worker publishes, so
-# counts never double and 3.x / 4.x behave the same.
-BROKER_HEADERS = frozenset(
-    {
-        "x-death",
-        "x-first-death-reason",
-        "x-first-death-queue",
-        "x-first-death-exchange",
-        "x-last-death-reason",
-        "x-last-death-queue",
-        "x-last-death-exchange",
-        "x-delivery-count",
-        "x-acquired-count",
-    }
-)
-
-# Larger counts are not counts but garbage; capping also keeps every header we write back a
-# valid AMQP signed 32-bit integer.
-MAX_COUNT = 2**31 - 1
-
-
-def as_count(value: object) -> int:
-    """A non-negative count, or 0 for anything that is not one.
-
-    Accepts ints, integral floats and decimals (JavaScript clients send numbers as doubles) and
-    decimal digit strings or bytes; rejects bools, negatives, fractions, NaN and values above
-    ``MAX_COUNT``.
-    """
-    if isinstance(value, bool):
-        return 0
-    number: int | None = None
-    if isinstance(value, int):
-        number = value
-    elif isinstance(value, float):
-        if math.isfinite(value) and value.is_integer():
-            number = int(value)
-    elif isinstance(value, Decimal):
-        if value.is_finite() and value == value.to_integral_value():
-            number = int(value)
-    elif isinstance(value, str | bytes | bytearray):
-        text = as_text(value)
-        if text is not None:
-            text = text.strip()
-            if 0 < len(text) <= 10 and text.isascii() and text.isdigit():
-                number = int(text)
-    if number is None or number < 0 or number > MAX_COUNT:
-        return 0
-    return number
-
-
-def as_text(value: object) -> str | None:
-    """A header string: ``str`` as is, UTF-8 ``bytes`` decoded, anything else None."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, bytes | bytearray):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    return None
 
 
 def _death_entries(headers: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -137,14 +79,14 @@ def failures_so_far(headers: object, queue: str) -> int:
     if not isinstance(headers, Mapping) or not headers:
         return 0
     try:
-        counted = as_count(headers.get(RETRY_COUNT))
+        counted = as_count(headers.get(RETRY_COUNT)) or 0
         died = 0
         for entry in _death_entries(headers):
             if as_text(entry.get("queue")) != queue:
                 continue
             if as_text(entry.get("reason")) not in FAILURE_REASONS:
                 continue
-            died += as_count(entry.get("count"))
+            died += as_count(entry.get("count")) or 0
         return min(max(counted, died), MAX_COUNT)
     except Exception:  # a hostile Mapping subclass: garbled, so 0; the worker must not crash
         return 0

@@ -1,49 +1,40 @@
-"""The headers and properties of the copies the worker publishes (pure).
+"""The headers of the copies the worker publishes, and what an exception adds to a parked
+one (pure).
 
 A retry copy goes to ``Q.retry``; a parked copy goes to ``Q.parking``. Both keep the body and
-the properties of the delivery, with these deliberate exceptions:
+headers of the delivery (their properties: ``contract.republish_properties``), except:
 
-- ``x-death``, ``x-first-death-*``, ``x-last-death-*`` and ``x-delivery-count`` are dropped
-  from retry copies: they are the broker's bookkeeping about the previous hop, and counting
-  lives in ``retry-count`` (see ``attempts``). Parked copies keep them as history.
+- the broker's bookkeeping (``contract.BROKER_HEADERS``: ``x-death``, ``x-delivery-count``, ...)
+  is dropped from retry copies: counting lives in ``retry-count`` (see ``attempts``). Parked
+  copies keep it as history.
 - ``expiration`` is dropped from every copy and kept in the ``original-expiration`` header: a
   per-message TTL shorter than the tier's would cut the delay short, and in the parking queue
   (no dead-letter exchange) it would silently delete a parked message. The broker does the same
   when it dead-letters.
-- ``delivery_mode`` is always 2 (persistent): a retry or park hop must survive a broker restart.
-- ``user_id`` is kept only when it names the user we publish as; RabbitMQ refuses a publish
-  whose ``user_id`` differs from the connection's user, which would hold the message forever.
-  Otherwise it moves to the ``original-user-id`` header.
-- a delivery without ``message_id`` gets one on its copy: the client matches a broker's
-  ``basic.return`` (an unroutable copy) to its publish by message id, so a copy without one
-  could be reported as delivered while the broker dropped it.
 """
 
 from __future__ import annotations
 
 import datetime
 import traceback
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rabbit_retry.worker.attempts import (
+from rabbit_retry.contract import (
     BROKER_HEADERS,
+    EXCEPTION_MESSAGE,
+    EXCEPTION_STACKTRACE,
+    EXCEPTION_TYPE,
     ORIGINAL_EXCHANGE,
+    ORIGINAL_EXPIRATION,
+    ORIGINAL_QUEUE,
     ORIGINAL_ROUTING_KEY,
+    PARKED_AT,
+    PARKED_REASON,
     RETRY_COUNT,
 )
-from rabbit_retry.worker.wire import encoded_size
-
-PARKED_REASON = "parked-reason"
-PARKED_AT = "parked-at"
-EXCEPTION_TYPE = "exception-type"
-EXCEPTION_MESSAGE = "exception-message"
-EXCEPTION_STACKTRACE = "exception-stacktrace"
-ORIGINAL_QUEUE = "original-queue"
-ORIGINAL_EXPIRATION = "original-expiration"
-ORIGINAL_USER_ID = "original-user-id"
+from rabbit_retry.wire import encoded_size
 
 # Bounds on what an exception may add to a parked copy's headers. RabbitMQ's smallest allowed
 # frame_max is 4 KiB and its default 128 KiB; the content header frame (all properties and
@@ -206,6 +197,3 @@ def parked_headers(
         overflow = encoded_size(copied) - budget
     return copied
 
-
-def new_message_id() -> str:
-    return uuid.uuid4().hex

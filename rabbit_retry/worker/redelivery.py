@@ -44,11 +44,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rabbit_retry.worker.attempts import RETRY_COUNT, as_count, as_text, broker_can_dead_letter
+from rabbit_retry.contract import RETRY_COUNT, X_DELIVERY_COUNT, as_count, as_text
+from rabbit_retry.worker.attempts import broker_can_dead_letter
 
-X_DELIVERY_COUNT = "x-delivery-count"
-X_ACQUIRED_COUNT = "x-acquired-count"
-X_DELIVERY_LIMIT = "x-delivery-limit"
+X_DELIVERY_LIMIT = "x-delivery-limit"  # a queue argument, not a header
 
 # Returns the worker allows a message where the broker sets no limit (3.x quorum queues still
 # count them): a crash loop ends there too, as on 4.x by default.
@@ -121,7 +120,7 @@ def returns(headers: Mapping[str, Any] | None) -> int:
     if not headers:
         return 0
     try:
-        return as_count(headers.get(X_DELIVERY_COUNT))
+        return as_count(headers.get(X_DELIVERY_COUNT)) or 0
     except Exception:  # a hostile Mapping: garbled, so 0
         return 0
 

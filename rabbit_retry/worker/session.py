@@ -26,6 +26,7 @@ from aiormq import spec
 from aiormq.abc import AbstractConnection, DeliveredMessage
 from pydantic import TypeAdapter, ValidationError
 
+from rabbit_retry.contract import republish_properties
 from rabbit_retry.settings import mask
 from rabbit_retry.topology.model import QueueConfig
 from rabbit_retry.worker import copies
@@ -51,7 +52,6 @@ from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
 from rabbit_retry.worker.redelivery import at_delivery_limit, counting, delivery_limit, native_ok
-from rabbit_retry.worker.wire import copy_properties
 
 log = logging.getLogger("rabbit_retry.worker")
 
@@ -391,13 +391,7 @@ class Session:
         )
 
     def _copy_properties(self, props: Any, headers: dict[str, Any]) -> Any:
-        changes: dict[str, Any] = {"expiration": None, "delivery_mode": 2}
-        if not props.message_id:
-            changes["message_id"] = copies.new_message_id()
-        if props.user_id and props.user_id != self.user:
-            changes["user_id"] = None
-            headers[copies.ORIGINAL_USER_ID] = props.user_id
-        return copy_properties(props, headers, **changes)
+        return republish_properties(props, headers, self.user, expiration=None)
 
     @staticmethod
     def _log_retry(

@@ -16,11 +16,11 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage
 
+from rabbit_retry.contract import copy_properties
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import Topology, compile_topology, parse_topology
 from rabbit_retry.worker import RetryConsumer, Runner
 from rabbit_retry.worker.metrics import Metrics
-from rabbit_retry.worker.wire import copy_properties
 
 
 def topology(text: str, source: str = "worker-test.yml") -> Topology:

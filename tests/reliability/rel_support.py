@@ -24,8 +24,8 @@ import aiormq
 from aiormq import spec
 
 from rabbit_retry.broker.management import Management
+from rabbit_retry.contract import copy_properties
 from rabbit_retry.settings import Settings
-from rabbit_retry.worker.wire import copy_properties
 
 HERE = Path(__file__).resolve().parent
 CLI = str(Path(sys.executable).with_name("rabbit-retry"))

@@ -37,9 +37,10 @@ from rel_support import (
     wait_for,
 )
 
+from rabbit_retry.contract import copy_properties
 from rabbit_retry.settings import Settings
+from rabbit_retry.wire import encoded_size
 from rabbit_retry.worker.attempts import failures_so_far
-from rabbit_retry.worker.wire import copy_properties, encoded_size
 
 MiB = 1024 * 1024
 FRAME_MAX = 131072  # RabbitMQ's default, which the test broker uses

@@ -10,16 +10,14 @@ The fixtures follow the dead-lettering guide (``dlx``) and the 3.13 / 4.0 releas
 from __future__ import annotations
 
 import datetime
-from decimal import Decimal
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rabbit_retry.contract import MAX_COUNT
 from rabbit_retry.worker.attempts import (
-    MAX_COUNT,
-    as_count,
     broker_can_dead_letter,
     failures_so_far,
     original_source,
@@ -142,40 +140,6 @@ def test_only_entries_of_this_queue_count() -> None:
     headers = {"x-death": [death("other", "rejected", 7, "orders", ["k"])]}
     assert failures_so_far(headers, Q) == 0
     assert failures_so_far(headers, "other") == 7
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        (3, 3),
-        ("3", 3),
-        (b"3", 3),
-        (" 4 ", 4),
-        (3.0, 3),
-        (Decimal("2"), 2),
-        (-1, 0),
-        ("-1", 0),
-        (True, 0),
-        (False, 0),
-        (2.5, 0),
-        (float("nan"), 0),
-        (float("inf"), 0),
-        (Decimal("NaN"), 0),
-        ("three", 0),
-        ("٣", 0),  # an Arabic-Indic digit: not a count in a header
-        (b"\xff", 0),
-        (10**30, 0),
-        (MAX_COUNT, MAX_COUNT),
-        (MAX_COUNT + 1, 0),
-        ("9" * 200, 0),
-        (None, 0),
-        ([1], 0),
-        ({"count": 1}, 0),
-        (bytearray(b"5"), 5),
-    ],
-)
-def test_as_count(value: object, expected: int) -> None:
-    assert as_count(value) == expected
 
 
 @pytest.mark.parametrize(

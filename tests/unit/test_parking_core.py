@@ -9,7 +9,6 @@ import json
 from decimal import Decimal
 
 import pytest
-from pamqp import commands as spec
 
 from rabbit_retry.parking import headers as h
 from rabbit_retry.parking.act import Pacer
@@ -24,7 +23,7 @@ from rabbit_retry.parking.message import (
     preview,
     summary_record,
 )
-from rabbit_retry.parking.session import Target, candidates, copy_properties
+from rabbit_retry.parking.session import Target, candidates
 
 NOW = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -77,15 +76,6 @@ def test_replay_count_written_as_text_or_bytes_still_counts() -> None:
     assert h.replay_headers({"replay-count": "2"})["replay-count"] == 3
     assert h.replay_headers({"replay-count": b"4"})["replay-count"] == 5
     assert h.replay_headers(None) == {"replay-count": 1}
-
-
-@pytest.mark.parametrize(
-    ("value", "text"),
-    [("a", "a"), (b"b", "b"), (3, "3"), (True, "true"), (False, "false"), (None, None),
-     (Decimal("1.50"), "1.50"), (NOW, "2024-05-01T12:00:00+00:00")],
-)
-def test_header_text(value: object, text: str | None) -> None:
-    assert h.header_text(value) == text
 
 
 @pytest.mark.parametrize(
@@ -255,28 +245,6 @@ def test_candidates_try_the_main_queue_first() -> None:
         Target("orders.parking", "orders.parking.parking"),
         Target("orders", "orders.parking"),
     ]
-
-
-def test_copy_properties_keeps_every_field_and_swaps_the_headers() -> None:
-    original = spec.Basic.Properties(
-        content_type="application/json", content_encoding="gzip", headers={"a": 1},
-        delivery_mode=2, priority=5, correlation_id="c", reply_to="r", expiration="60000",
-        message_id="m", timestamp=NOW, message_type="t", user_id="guest", app_id="app",
-    )
-    copy = copy_properties(original, {"b": 2}, user="guest")
-    for name in original.__slots__:
-        if name != "headers":
-            assert getattr(copy, name) == getattr(original, name), name
-    assert copy.headers == {"b": 2}
-    assert original.headers == {"a": 1}
-
-
-def test_a_user_id_of_another_user_moves_to_a_header() -> None:
-    # The broker refuses a publish whose user_id is not the connection's user.
-    original = spec.Basic.Properties(user_id="svc-orders", message_id="m")
-    copy = copy_properties(original, {}, user="operator")
-    assert copy.user_id is None
-    assert copy.headers == {"original-user-id": "svc-orders"}
 
 
 # --- pacing -------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pamqp import header as pamqp_header
 
+from rabbit_retry.contract import copy_properties
+from rabbit_retry.wire import encode_table, encoded_size
 from rabbit_retry.worker import copies
 from rabbit_retry.worker.consumer import Permanent
-from rabbit_retry.worker.wire import copy_properties, encode_table, encoded_size
 
 NOW = datetime.datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=datetime.UTC)
 BROKER = {

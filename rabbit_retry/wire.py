@@ -1,4 +1,4 @@
-"""Re-publishing a delivery's properties without losing header values on the way.
+"""Encoding a copy's headers so that no value changes on the way (the AMQP field table).
 
 aiormq decodes headers with pamqp, whose encoder cannot write everything its decoder returns:
 it rejects ``bytes`` (a long string that was not UTF-8) and writes every float as a 32-bit
@@ -102,17 +102,3 @@ class CopyProperties(spec.Basic.Properties):
             return encode_table(value)
         result: bytes = super().encode_property(name, value)
         return result
-
-
-PROPERTY_NAMES: tuple[str, ...] = tuple(spec.Basic.Properties.__slots__)
-
-
-def copy_properties(
-    source: spec.Basic.Properties, headers: Mapping[str, Any], **changes: Any
-) -> CopyProperties:
-    """A copy of ``source`` with ``headers`` and the given property ``changes``."""
-    values: dict[str, Any] = {name: getattr(source, name, None) for name in PROPERTY_NAMES}
-    values.pop("cluster_id", None)  # must be empty on publish; RabbitMQ never sets it
-    values["headers"] = dict(headers)
-    values.update(changes)
-    return CopyProperties(**values)

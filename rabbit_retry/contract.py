@@ -1,0 +1,172 @@
+"""The message contract, in one place: every header rabbit-retry reads or writes, how a count
+in a header is read, and how a message's properties are carried onto a copy (pure).
+
+The worker, the parking verbs and the docs use these names; the README's "Parked copies" and
+docs/versions.md say what each means. Nothing else defines a header name or reads a count.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Mapping
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from aiormq import spec
+
+from rabbit_retry.wire import CopyProperties
+
+# Written by rabbit-retry.
+RETRY_COUNT = "retry-count"  # failed handler calls so far
+REPLAY_COUNT = "replay-count"  # times an operator replayed it from parking
+PARKED_REASON = "parked-reason"  # exhausted | permanent | invalid
+PARKED_AT = "parked-at"  # ISO-8601 UTC
+EXCEPTION_TYPE = "exception-type"
+EXCEPTION_MESSAGE = "exception-message"
+EXCEPTION_STACKTRACE = "exception-stacktrace"
+ORIGINAL_EXCHANGE = "original-exchange"  # where it was first published, not the retry hop
+ORIGINAL_ROUTING_KEY = "original-routing-key"
+ORIGINAL_QUEUE = "original-queue"
+ORIGINAL_EXPIRATION = "original-expiration"  # a per-message TTL, moved off the copy
+ORIGINAL_USER_ID = "original-user-id"  # a user_id the broker would refuse from us
+
+# Written by the broker.
+X_DEATH = "x-death"
+X_FIRST_DEATH_QUEUE = "x-first-death-queue"
+X_FIRST_DEATH_EXCHANGE = "x-first-death-exchange"
+X_DELIVERY_COUNT = "x-delivery-count"  # returns, as each version counts them (redelivery.py)
+X_ACQUIRED_COUNT = "x-acquired-count"  # 4.3+: every return
+
+# The broker's bookkeeping about earlier hops: dropped from every retry copy, so counts never
+# double and 3.x / 4.x behave the same.
+BROKER_HEADERS = frozenset(
+    {
+        X_DEATH,
+        "x-first-death-reason",
+        X_FIRST_DEATH_QUEUE,
+        X_FIRST_DEATH_EXCHANGE,
+        "x-last-death-reason",
+        "x-last-death-queue",
+        "x-last-death-exchange",
+        X_DELIVERY_COUNT,
+        X_ACQUIRED_COUNT,
+    }
+)
+
+# What a replay from parking removes: the broker's bookkeeping and everything parking added, so
+# the replayed copy starts over with a clean count. original-exchange and original-routing-key
+# stay: they say where the message was first published.
+STRIPPED_PREFIXES = ("x-first-death-", "x-last-death-")
+STRIPPED_ON_REPLAY = BROKER_HEADERS | {
+    PARKED_REASON,
+    PARKED_AT,
+    RETRY_COUNT,
+    EXCEPTION_TYPE,
+    EXCEPTION_MESSAGE,
+    EXCEPTION_STACKTRACE,
+    ORIGINAL_QUEUE,
+}
+
+# Larger counts are not counts but garbage; capping also keeps every count we write back a
+# valid AMQP signed 32-bit integer.
+MAX_COUNT = 2**31 - 1
+
+
+def as_text(value: object) -> str | None:
+    """A header string: ``str`` as is, UTF-8 ``bytes`` decoded, anything else None."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes | bytearray):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def as_count(value: object) -> int | None:
+    """A count header as a non-negative int; None when absent or not a count.
+
+    Accepts ints, integral floats and decimals (JavaScript clients send numbers as doubles) and
+    decimal digit strings or bytes; rejects bools, negatives, fractions (``2.5`` is no count of
+    anything), NaN and values above ``MAX_COUNT``. The worker counts None as 0; the parking
+    views show it as absent.
+    """
+    if isinstance(value, bool):
+        return None
+    number: int | None = None
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            number = int(value)
+    elif isinstance(value, Decimal):
+        if value.is_finite() and value == value.to_integral_value():
+            number = int(value)
+    elif isinstance(value, str | bytes | bytearray):
+        text = as_text(value)
+        if text is not None:
+            text = text.strip()
+            if 0 < len(text) <= 10 and text.isascii() and text.isdigit():
+                number = int(text)
+    if number is None or number < 0 or number > MAX_COUNT:
+        return None
+    return number
+
+
+def header_text(value: Any) -> str | None:
+    """A header value as an operator reads and filters it; None for an absent value."""
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="replace")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+# The basic properties a copy carries over, in the spec's order: all but ``headers`` (a copy has
+# its own) and ``cluster_id`` (must be empty on publish; RabbitMQ never sets it).
+PROPERTY_NAMES: tuple[str, ...] = tuple(
+    name for name in spec.Basic.Properties.__slots__ if name not in ("headers", "cluster_id")
+)
+
+
+def copy_properties(
+    source: spec.Basic.Properties, headers: Mapping[str, Any], **changes: Any
+) -> CopyProperties:
+    """A copy of ``source`` with ``headers`` and the given property ``changes``; header values
+    round-trip exactly (``wire``)."""
+    values: dict[str, Any] = {name: getattr(source, name, None) for name in PROPERTY_NAMES}
+    values["headers"] = dict(headers)
+    values.update(changes)
+    return CopyProperties(**values)
+
+
+def republish_properties(
+    source: spec.Basic.Properties, headers: dict[str, Any], user: str, **changes: Any
+) -> CopyProperties:
+    """The properties of a copy rabbit-retry publishes as ``user`` (a retry, a park, a replay).
+
+    - ``delivery_mode`` is always 2: a hop must survive a broker restart.
+    - a ``user_id`` that is not ``user`` moves to ``original-user-id``: RabbitMQ refuses a
+      publish whose ``user_id`` differs from the connection's user, which would hold the message
+      for ever.
+    - a message without ``message_id`` gets one: the client matches a broker's ``basic.return``
+      (an unroutable copy) to its publish by message id.
+    """
+    fields: dict[str, Any] = {"delivery_mode": 2, **changes}
+    if not source.message_id and "message_id" not in changes:
+        fields["message_id"] = new_message_id()
+    if source.user_id and source.user_id != user:
+        fields["user_id"] = None
+        headers.setdefault(ORIGINAL_USER_ID, source.user_id)
+    return copy_properties(source, headers, **fields)
+
+
+def new_message_id() -> str:
+    return uuid.uuid4().hex
