@@ -1,12 +1,14 @@
-"""The worker: a ``RetryConsumer`` run with broker-native retries, parking and metrics.
+"""The worker: runs ``RetryConsumer`` subclasses with broker-native retries, parking and metrics.
 
-Pure core: ``attempts`` (failures so far from headers), ``decide`` (the decision table),
-``copies`` (headers of retry and parked copies). Edges: ``consumer`` (what users write),
-``session`` (one connection's consuming), ``publisher`` (confirmed copies), ``runner``
-(startup check, reconnects, shutdown), ``metrics``, ``wire`` (header encoding).
+Pure core: ``attempts`` (failures so far), ``redelivery`` (how each broker version counts
+returns), ``decide`` (the decision table), ``copies`` (headers of retry and parked copies).
+Edges: ``consumer`` (what users write), ``session`` (one connection's consuming), ``lane``
+(prefetch, and returned deliveries one at a time), ``publisher`` (confirmed copies), ``runner``
+(startup check, reconnects, shutdown), ``metrics``.
 """
 
 from rabbit_retry.worker.consumer import (
+    NOT_DECODED,
     Delivery,
     HandlerTimeout,
     InvalidPayload,
@@ -16,6 +18,7 @@ from rabbit_retry.worker.consumer import (
 from rabbit_retry.worker.runner import Runner, run, run_consumers
 
 __all__ = [
+    "NOT_DECODED",
     "Delivery",
     "HandlerTimeout",
     "InvalidPayload",

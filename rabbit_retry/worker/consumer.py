@@ -7,20 +7,37 @@ the payload: reading ``payload`` of a body that is not JSON raises ``InvalidPayl
 handler that fails after such a read is parked ``invalid`` (never retried), whatever it raised.
 With a ``model``, the body is validated before the handler runs and an invalid body is parked
 without calling the handler at all.
+
+Both are generic over the payload type, so a type checker learns it from the consumer:
+``class Charge(RetryConsumer[Order])`` with ``model = Order`` hands ``handle`` a
+``Delivery[Order]`` whose ``payload`` is an ``Order``.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, Final, Generic, cast
 
 from pydantic import TypeAdapter
+from typing_extensions import TypeVar
 
 from rabbit_retry.errors import InputError
 
-_UNSET: Any = object()
+PayloadT = TypeVar("PayloadT", default=Any)
+
+
+class _NotDecoded:
+    """The type of ``NOT_DECODED``."""
+
+    def __repr__(self) -> str:
+        return "NOT_DECODED"
+
+
+# ``Delivery(payload=NOT_DECODED)``: the body is decoded as JSON on the first read of
+# ``payload``. Only a worker's own code (or a test) builds a Delivery.
+NOT_DECODED: Final = _NotDecoded()
 
 
 class Permanent(Exception):
@@ -35,8 +52,8 @@ class InvalidPayload(ValueError):
     """The body is not JSON, so ``Delivery.payload`` has nothing to give."""
 
 
-class Delivery:
-    """One message as the handler sees it (product.md section 5).
+class Delivery(Generic[PayloadT]):
+    """One message as the handler sees it.
 
     ``exchange`` and ``routing_key`` are where the message was first published, on every
     attempt: a retried message comes back through its queue's retry tiers, but a handler that
@@ -44,13 +61,13 @@ class Delivery:
     """
 
     __slots__ = (
+        "_invalid",
         "_payload",
         "attempt",
         "body",
         "correlation_id",
         "exchange",
         "headers",
-        "invalid",
         "max_attempts",
         "message_id",
         "queue",
@@ -69,7 +86,7 @@ class Delivery:
         queue: str,
         attempt: int,
         max_attempts: int,
-        payload: Any = _UNSET,
+        payload: PayloadT | _NotDecoded = NOT_DECODED,
     ) -> None:
         self.body = body
         self.headers = headers
@@ -81,18 +98,17 @@ class Delivery:
         self.attempt = attempt
         self.max_attempts = max_attempts
         self._payload = payload
-        # The decoding error, once ``payload`` was read and the body was not JSON.
-        self.invalid: InvalidPayload | None = None
+        self._invalid: InvalidPayload | None = None
 
     @property
-    def payload(self) -> Any:
+    def payload(self) -> PayloadT:
         """The validated model instance, or the parsed JSON body when there is no model."""
-        if self._payload is _UNSET:
+        if isinstance(self._payload, _NotDecoded):
             try:
-                self._payload = json.loads(self.body)
+                self._payload = cast(PayloadT, json.loads(self.body))
             except (ValueError, UnicodeDecodeError) as exc:
-                self.invalid = InvalidPayload(f"body is not JSON: {exc}")
-                raise self.invalid from exc
+                self._invalid = InvalidPayload(f"body is not JSON: {exc}")
+                raise self._invalid from exc
         return self._payload
 
     def __repr__(self) -> str:  # never the body: it may carry personal data
@@ -102,40 +118,56 @@ class Delivery:
         )
 
 
-class RetryConsumer:
-    """Subclass, set ``queue``, write ``async def handle(self, delivery)``.
+def payload_error(delivery: Delivery[Any]) -> InvalidPayload | None:
+    """The decoding error, once the handler read ``payload`` of a body that is not JSON."""
+    return delivery._invalid
+
+
+class RetryConsumer(Generic[PayloadT]):
+    """Subclass, set ``queue``, write ``async def handle(self, delivery)`` (or a plain ``def``
+    for blocking code: it runs in a thread pool of ``prefetch`` threads).
 
     ``handle`` returning means success (ack). ``Permanent``, an exception type listed in
     ``permanent_errors``, or a body that fails ``model`` parks the message at once. Any other
     exception, or running longer than ``handler_timeout`` seconds, is a transient failure: the
-    message is retried through the queue's delay tiers until ``max_attempts``, then parked.
+    message is retried through the queue's delay tiers until ``max_attempts``, then parked. A
+    plain ``def`` that times out is counted as failed, but its thread runs on to its end
+    (Python cannot stop a thread), holding one of the ``prefetch`` slots meanwhile.
     """
 
     queue: str = ""
     prefetch: int = 10
     handler_timeout: float | None = 30.0
     permanent_errors: tuple[type[BaseException], ...] = ()
-    model: Any = None
+    model: type[PayloadT] | None = None
 
-    async def handle(self, delivery: Delivery) -> None:
-        raise NotImplementedError(f"{type(self).__qualname__} must define async def handle()")
+    def handle(self, delivery: Delivery[PayloadT]) -> Awaitable[None] | None:
+        """Handle one message: ``async def`` (awaited) or plain ``def`` (run in a thread)."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define handle()")
 
     @property
     def name(self) -> str:
         return type(self).__name__
 
 
-def check_consumer(consumer: RetryConsumer) -> TypeAdapter[Any] | None:
+def is_blocking(consumer: RetryConsumer[Any]) -> bool:
+    """Whether ``handle`` is a plain function, to run in a thread."""
+    return not inspect.iscoroutinefunction(consumer.handle)
+
+
+def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
     """Refuse a misconfigured consumer with one line naming the attribute; the model adapter."""
     name = consumer.name
     if not isinstance(consumer, RetryConsumer):
         raise InputError(f"{name} is not a RetryConsumer subclass instance")
     if not isinstance(consumer.queue, str) or not consumer.queue:
         raise InputError(f"{name}.queue: set it to the name of a queue in the topology file")
-    if type(consumer).handle is RetryConsumer.handle or not inspect.iscoroutinefunction(
+    if type(consumer).handle is RetryConsumer.handle or not callable(consumer.handle):
+        raise InputError(f"{name}: define async def handle(self, delivery) (or a plain def)")
+    if inspect.isasyncgenfunction(consumer.handle) or inspect.isgeneratorfunction(
         consumer.handle
     ):
-        raise InputError(f"{name}: define async def handle(self, delivery)")
+        raise InputError(f"{name}.handle: a generator; define async def handle(self, delivery)")
     prefetch = consumer.prefetch
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= 65535:
         raise InputError(f"{name}.prefetch: expected an integer from 1 to 65535, got {prefetch!r}")

@@ -123,6 +123,20 @@ class Failure:
         )
 
 
+DELIVERY_LIMIT_REACHED = "rabbit_retry.worker.DeliveryLimitReached"
+
+
+def delivery_limit_failure(queue: str, limit: int) -> Failure:
+    """What a parked copy says of a message the worker took at its delivery limit."""
+    return Failure(
+        type=DELIVERY_LIMIT_REACHED,
+        message=f"returned to {queue!r} {limit} times without a verdict (the worker crashed, "
+        "lost its connection or stopped while handling it); counted as one failed attempt, "
+        "the handler was not called",
+        stacktrace="",
+    )
+
+
 def _common(
     headers: Mapping[str, Any] | None, original: tuple[str, str], expiration: str | None
 ) -> dict[str, Any]:

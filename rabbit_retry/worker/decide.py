@@ -1,6 +1,7 @@
-"""The decision table of product.md section 4: what happens to a delivery after its handler ran.
+"""The decision table (README, "The worker"): what happens to a delivery after its handler ran.
 
-Pure: outcome, failures so far, the queue's retry policy and type in; one action out.
+Pure: which outcome an exception means (``classify``); then outcome, failures so far, the
+queue's retry policy and type in, one action out (``decide``).
 
 Why native retry only on quorum queues with a single tier: ``nack(requeue=False)`` lets the
 broker dead-letter the message into the first tier, which only reaches the tier keyed by the
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from rabbit_retry.topology.durations import label
 from rabbit_retry.topology.model import QueueType, RetryPolicy
+from rabbit_retry.worker.consumer import HandlerTimeout, Permanent
 
 
 class Outcome(enum.Enum):
@@ -70,6 +72,28 @@ class Park:
 Action = Ack | NativeRetry | TierRetry | Park
 
 ACK = Ack()
+
+
+def classify(
+    error: BaseException,
+    *,
+    payload_invalid: bool,
+    permanent_errors: tuple[type[BaseException], ...] = (),
+) -> Outcome:
+    """What a handler's exception means.
+
+    A handler that read a ``payload`` that is not JSON fails ``INVALID`` whatever it raised
+    after; a timeout is ``FAILED`` (transient) even if ``TimeoutError`` is listed as permanent;
+    ``Permanent`` and the consumer's ``permanent_errors`` are ``PERMANENT``; anything else is
+    ``FAILED``.
+    """
+    if payload_invalid:
+        return Outcome.INVALID
+    if isinstance(error, HandlerTimeout):
+        return Outcome.FAILED
+    if isinstance(error, (Permanent, *permanent_errors)):
+        return Outcome.PERMANENT
+    return Outcome.FAILED
 
 
 def before_handler(failures: int, policy: RetryPolicy) -> Park | None:

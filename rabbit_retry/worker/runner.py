@@ -19,6 +19,7 @@ import logging
 import signal
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,9 @@ from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import load_topology, naming
 from rabbit_retry.topology.model import Topology
-from rabbit_retry.worker.consumer import RetryConsumer, check_consumer
+from rabbit_retry.worker.consumer import RetryConsumer, check_consumer, is_blocking
 from rabbit_retry.worker.metrics import Metrics
-from rabbit_retry.worker.session import Bound, Session
+from rabbit_retry.worker.session import Session, Subscription
 
 log = logging.getLogger("rabbit_retry.worker")
 
@@ -54,12 +55,14 @@ _CONNECTION_ERRORS = (
 )
 
 
-def bind(consumers: Sequence[RetryConsumer], topology: Topology, metrics: Metrics) -> list[Bound]:
+def subscribe(
+    consumers: Sequence[RetryConsumer[Any]], topology: Topology, metrics: Metrics
+) -> list[Subscription]:
     """Check every consumer and find its queue in the topology; ``InputError`` names the first
     problem in one line."""
     if not consumers:
         raise InputError("no consumer to run")
-    bound = []
+    subscriptions = []
     for consumer in consumers:
         adapter = check_consumer(consumer)
         try:
@@ -70,25 +73,33 @@ def bind(consumers: Sequence[RetryConsumer], topology: Topology, metrics: Metric
                 f"{consumer.name}.queue = {consumer.queue!r} is not a queue in {topology.source}"
                 f" (it has: {known})"
             ) from None
-        bound.append(
-            Bound(
+        threads = None
+        if is_blocking(consumer):
+            threads = ThreadPoolExecutor(
+                consumer.prefetch, thread_name_prefix=f"rabbit-retry-{consumer.name}"
+            )
+        subscriptions.append(
+            Subscription(
                 consumer=consumer,
                 config=config,
                 adapter=adapter,
                 metrics=metrics.for_queue(config.name),
                 retry_exchange=naming.retry_exchange(config.name),
                 parking_queue=naming.parking_queue(config.name),
+                threads=threads,
             )
         )
-    return bound
+    return subscriptions
 
 
-async def check_objects(connection: AbstractConnection, bound: Sequence[Bound], hint: str) -> None:
+async def check_objects(
+    connection: AbstractConnection, subscriptions: Sequence[Subscription], hint: str
+) -> None:
     """Passively declare everything the consumers need; one line naming what is missing."""
-    for b in bound:
-        wanted = [("queue", b.queue), ("exchange", b.retry_exchange)]
-        wanted += [("queue", naming.tier_queue(b.queue, ms)) for ms in b.config.retry.tiers_ms]
-        wanted.append(("queue", b.parking_queue))
+    for sub in subscriptions:
+        wanted = [("queue", sub.queue), ("exchange", sub.retry_exchange)]
+        wanted += [("queue", naming.tier_queue(sub.queue, ms)) for ms in sub.config.retry.tiers_ms]
+        wanted.append(("queue", sub.parking_queue))
         for kind, name in wanted:
             # A failed passive declare closes its channel, so each check gets a fresh one.
             channel = await connection.channel(publisher_confirms=False)
@@ -114,7 +125,7 @@ class Runner:
 
     def __init__(
         self,
-        consumers: Sequence[RetryConsumer],
+        consumers: Sequence[RetryConsumer[Any]],
         *,
         topology: Topology | str | Path,
         settings: Settings | None = None,
@@ -131,7 +142,7 @@ class Runner:
         self.settings = settings or Settings.from_env()
         self.grace = grace
         self.metrics = metrics or Metrics()
-        self.bound = bind(consumers, topology, self.metrics)
+        self.subscriptions = subscribe(consumers, topology, self.metrics)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self.user = unquote(urlsplit(self.settings.url).username or "guest")
@@ -148,8 +159,8 @@ class Runner:
     async def _open(self) -> Session:
         connection = await connect(self.settings, name="rabbit-retry worker")
         try:
-            session = Session(connection, self.bound, self.user)
-            await check_objects(session.amqp, self.bound, self.hint)
+            session = Session(connection, self.subscriptions, self.user)
+            await check_objects(session.amqp, self.subscriptions, self.hint)
             await session.start()
         except BaseException:
             with suppress(Exception):
@@ -237,12 +248,15 @@ class Runner:
             self.ready.clear()
             if session is not None:  # cancelled from outside: close without waiting
                 await session.close()
+            for sub in self.subscriptions:
+                if sub.threads is not None:  # a timed-out blocking handler may still run
+                    sub.threads.shutdown(wait=False, cancel_futures=True)
             self.metrics.close()
         log.info("stopped")
 
 
 async def run_consumers(
-    consumers: Sequence[RetryConsumer],
+    consumers: Sequence[RetryConsumer[Any]],
     *,
     topology: Topology | str | Path,
     settings: Settings | None = None,
@@ -278,6 +292,25 @@ async def run_consumers(
             loop.remove_signal_handler(sig)
 
 
-def run(consumers: Sequence[RetryConsumer], **kwargs: Any) -> None:
+def run(
+    consumers: Sequence[RetryConsumer[Any]],
+    *,
+    topology: Topology | str | Path,
+    settings: Settings | None = None,
+    grace: float = DEFAULT_GRACE,
+    metrics_port: int | None = None,
+    metrics_addr: str = "0.0.0.0",
+    handle_signals: bool = True,
+) -> None:
     """Blocking form of :func:`run_consumers`, for a ``main()``."""
-    asyncio.run(run_consumers(consumers, **kwargs))
+    asyncio.run(
+        run_consumers(
+            consumers,
+            topology=topology,
+            settings=settings,
+            grace=grace,
+            metrics_port=metrics_port,
+            metrics_addr=metrics_addr,
+            handle_signals=handle_signals,
+        )
+    )

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,20 +33,23 @@ from rabbit_retry.topology.model import QueueConfig
 from rabbit_retry.worker import copies
 from rabbit_retry.worker.attempts import failures_so_far, original_source
 from rabbit_retry.worker.consumer import (
-    _UNSET,
+    NOT_DECODED,
     Delivery,
     HandlerTimeout,
-    Permanent,
     RetryConsumer,
+    payload_error,
 )
+from rabbit_retry.worker.copies import Failure
 from rabbit_retry.worker.decide import (
     Ack,
+    Action,
     NativeRetry,
     Outcome,
     Park,
     ParkReason,
     TierRetry,
     before_handler,
+    classify,
     decide,
 )
 from rabbit_retry.worker.lane import Lane
@@ -65,19 +69,18 @@ def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
     task.cancel()
 
 
-DELIVERY_LIMIT_FAILURE = "rabbit_retry.worker.DeliveryLimitReached"
-
-
 @dataclass(frozen=True)
-class Bound:
-    """A consumer bound to its queue's configuration and metrics."""
+class Subscription:
+    """A consumer with its queue's configuration, model adapter, metrics and copy targets."""
 
-    consumer: RetryConsumer
+    consumer: RetryConsumer[Any]
     config: QueueConfig
     adapter: TypeAdapter[Any] | None
     metrics: QueueMetrics
     retry_exchange: str
     parking_queue: str
+    # Blocking ``def handle`` runs here (``prefetch`` threads); None for ``async def``.
+    threads: ThreadPoolExecutor | None = None
 
     @property
     def queue(self) -> str:
@@ -87,12 +90,14 @@ class Bound:
 class Session:
     """Everything that lives and dies with one connection."""
 
-    def __init__(self, connection: AioPikaConnection, bound: Sequence[Bound], user: str) -> None:
+    def __init__(
+        self, connection: AioPikaConnection, subscriptions: Sequence[Subscription], user: str
+    ) -> None:
         self.connection = connection
         transport = connection.transport
         assert transport is not None, "connected"
         self.amqp: AbstractConnection = transport.connection
-        self.bound = bound
+        self.subscriptions = subscriptions
         self.user = user
         self.frame_max = int(self.amqp.connection_tune.frame_max or 131072)
         self.publisher = Publisher(self.amqp)
@@ -103,8 +108,8 @@ class Session:
         self.amqp.closing.add_done_callback(lambda f: self._set_lost("the connection closed", f))
         self.counting = counting((self.amqp.server_properties or {}).get("version"))
         self.delivery_limits = {
-            b.queue: delivery_limit(b.config.queue_type, b.config.arguments, self.counting)
-            for b in bound
+            sub.queue: delivery_limit(sub.config.queue_type, sub.config.arguments, self.counting)
+            for sub in subscriptions
         }
 
     def _set_lost(self, what: str, future: asyncio.Future[Any] | None = None) -> None:
@@ -118,30 +123,30 @@ class Session:
         self.lost.set_result(reason)
 
     async def start(self) -> None:
-        for b in self.bound:
+        for sub in self.subscriptions:
             channel = await self.amqp.channel(publisher_confirms=False)
-            channel.closing.add_done_callback(self._on_channel_closed(b.queue))
+            channel.closing.add_done_callback(self._on_channel_closed(sub.queue))
 
-            async def cancelled(_frame: Any, q: str = b.queue) -> None:
+            async def cancelled(_frame: Any, q: str = sub.queue) -> None:
                 self._set_lost(f"the broker cancelled the consumer of {q!r}")
 
             channel.on_consumer_cancel_callbacks.add(cancelled)
             lane = Lane(
                 channel,
-                b.queue,
-                b.config.queue_type,
-                b.consumer.prefetch,
-                self._callback(b),
+                sub.queue,
+                sub.config.queue_type,
+                sub.consumer.prefetch,
+                self._callback(sub),
                 self._set_lost,
             )
             await lane.start()
             self.lanes.append(lane)
             log.info(
                 "consuming queue=%s consumer=%s prefetch=%d",
-                b.queue,
-                b.consumer.name,
-                b.consumer.prefetch,
-                extra={"queue": b.queue, "event": "consuming"},
+                sub.queue,
+                sub.consumer.name,
+                sub.consumer.prefetch,
+                extra={"queue": sub.queue, "event": "consuming"},
             )
 
     def _on_channel_closed(self, queue: str) -> Callable[[asyncio.Future[Any]], None]:
@@ -150,25 +155,27 @@ class Session:
 
         return closed
 
-    def _callback(self, b: Bound) -> Callable[[DeliveredMessage], Coroutine[Any, Any, None]]:
+    def _callback(
+        self, sub: Subscription
+    ) -> Callable[[DeliveredMessage], Coroutine[Any, Any, None]]:
         async def on_message(message: DeliveredMessage) -> None:
             task = asyncio.current_task()
             assert task is not None
             self.tasks.add(task)
-            metrics = b.metrics
+            metrics = sub.metrics
             metrics.in_flight += 1
             try:
-                await self._handle(b, message)
+                await self._handle(sub, message)
             except DeliveryGone:
-                log.debug("queue=%s: delivery dropped, its channel closed", b.queue)
+                log.debug("queue=%s: delivery dropped, its channel closed", sub.queue)
             except aiormq.exceptions.ChannelInvalidStateError:
-                log.debug("queue=%s: could not settle a delivery, its channel closed", b.queue)
+                log.debug("queue=%s: could not settle a delivery, its channel closed", sub.queue)
             except Exception:
                 # A bug of ours, not the handler's: the delivery stays unacked (and goes back
                 # to the broker with the channel) rather than being guessed at.
                 log.exception(
                     "queue=%s message_id=%s: internal error, message left unacked",
-                    b.queue,
+                    sub.queue,
                     message.header.properties.message_id,
                 )
             finally:
@@ -177,105 +184,97 @@ class Session:
 
         return on_message
 
-    async def _handle(self, b: Bound, message: DeliveredMessage) -> None:
+    async def _handle(self, sub: Subscription, message: DeliveredMessage) -> None:
+        """Count, check, run the handler, decide; the decision is carried out by ``_carry_out``."""
         deliver = cast(spec.Basic.Deliver, message.delivery)  # consumers only get deliveries
         props = message.header.properties
         headers = props.headers
-        policy = b.config.retry
-        failures = failures_so_far(headers, b.queue) if headers else 0
+        policy = sub.config.retry
+        failures = failures_so_far(headers, sub.queue) if headers else 0
 
         early = before_handler(failures, policy)
         if early is not None:
-            await self._carry_out(b, message, deliver, early, failures, None)
+            await self._carry_out(sub, message, early, failures, None)
             return
-        limit = self.delivery_limits[b.queue]
+        limit = self.delivery_limits[sub.queue]
         if at_delivery_limit(headers, bool(deliver.redelivered), limit):
             # One more return and the broker would dead-letter it into a cycle it refuses (see
             # redelivery.py): the worker counts the returns as one failure and routes it itself.
-            native = native_ok(headers, self.counting)
-            action = decide(Outcome.FAILED, failures, policy, b.config.queue_type, native_ok=native)
-            failure = copies.Failure(
-                type=DELIVERY_LIMIT_FAILURE,
-                message=f"returned to {b.queue!r} {limit} times without a verdict (the worker "
-                "crashed, lost its connection or stopped while handling it); counted as one "
-                "failed attempt, the handler was not called",
-                stacktrace="",
-            )
-            await self._carry_out(b, message, deliver, action, failures, failure)
+            assert limit is not None
+            action = self._decide(sub, Outcome.FAILED, failures, headers)
+            failure = copies.delivery_limit_failure(sub.queue, limit)
+            await self._carry_out(sub, message, action, failures, failure)
             return
 
-        payload: Any = _UNSET
-        if b.adapter is not None:
+        payload: Any = NOT_DECODED
+        if sub.adapter is not None:
             try:
-                payload = b.adapter.validate_json(message.body)
+                payload = sub.adapter.validate_json(message.body)
             except ValidationError as exc:
                 park = Park(ParkReason.INVALID, failures)
-                failure = copies.Failure.from_exception(exc)
-                await self._carry_out(b, message, deliver, park, failures, failure)
+                await self._carry_out(sub, message, park, failures, Failure.from_exception(exc))
                 return
 
         exchange = deliver.exchange or ""
         routing_key = deliver.routing_key or ""
         if headers:  # a retried message: where it was first published, not the retry hop
-            exchange, routing_key = original_source(headers, b.queue, exchange, routing_key)
-        delivery = Delivery(
+            exchange, routing_key = original_source(headers, sub.queue, exchange, routing_key)
+        delivery: Delivery[Any] = Delivery(
             body=message.body,
             headers=MappingProxyType(headers) if headers else _NO_HEADERS,
             message_id=props.message_id,
             correlation_id=props.correlation_id,
             routing_key=routing_key,
             exchange=exchange,
-            queue=b.queue,
+            queue=sub.queue,
             attempt=failures + 1,
             max_attempts=policy.max_attempts,
             payload=payload,
         )
-        consumer = b.consumer
+        consumer = sub.consumer
         timeout = consumer.handler_timeout
         started = time.perf_counter()
         try:
             if timeout is None:
-                await consumer.handle(delivery)
+                await self._call(sub, delivery)
             else:
-                await self._handle_within(consumer, delivery, timeout)
+                await self._call_within(sub, delivery, timeout)
         except Exception as exc:
-            b.metrics.handler_seconds.observe(time.perf_counter() - started)
-            error: BaseException = exc
-            if delivery.invalid is not None:
-                outcome = Outcome.INVALID
-                error = delivery.invalid
-            elif isinstance(exc, HandlerTimeout):
-                outcome = Outcome.FAILED  # even if TimeoutError is in permanent_errors
-            elif isinstance(exc, (Permanent, *consumer.permanent_errors)):
-                outcome = Outcome.PERMANENT
-            else:
-                outcome = Outcome.FAILED
-            native = native_ok(headers, self.counting)
-            action = decide(outcome, failures, policy, b.config.queue_type, native_ok=native)
-            failure = copies.Failure.from_exception(error)
-            await self._carry_out(b, message, deliver, action, failures, failure)
+            sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+            invalid = payload_error(delivery)
+            outcome = classify(
+                exc,
+                payload_invalid=invalid is not None,
+                permanent_errors=consumer.permanent_errors,
+            )
+            action = self._decide(sub, outcome, failures, headers)
+            failure = Failure.from_exception(invalid or exc)
+            await self._carry_out(sub, message, action, failures, failure)
             return
-        b.metrics.handler_seconds.observe(time.perf_counter() - started)
+        sub.metrics.handler_seconds.observe(time.perf_counter() - started)
         # The success path, kept short: it is most of the traffic.
         await message.channel.basic_ack(cast(int, deliver.delivery_tag))
-        b.metrics.success.inc()
+        sub.metrics.success.inc()
         if self._debug:
-            log.debug(
-                "decision queue=%s message_id=%s attempt=%d outcome=success",
-                b.queue,
-                props.message_id,
-                failures + 1,
-                extra={
-                    "queue": b.queue,
-                    "message_id": props.message_id,
-                    "attempt": failures + 1,
-                    "outcome": "success",
-                },
-            )
+            self._log_decision(sub, props.message_id, failures, "success")
+
+    def _decide(
+        self, sub: Subscription, outcome: Outcome, failures: int, headers: Mapping[str, Any] | None
+    ) -> Action:
+        native = native_ok(headers, self.counting)
+        return decide(outcome, failures, sub.config.retry, sub.config.queue_type, native_ok=native)
 
     @staticmethod
-    async def _handle_within(consumer: RetryConsumer, delivery: Delivery, seconds: float) -> None:
-        """``consumer.handle``, cancelled after ``seconds`` (``HandlerTimeout``).
+    async def _call(sub: Subscription, delivery: Delivery[Any]) -> None:
+        if sub.threads is None:
+            await cast(Awaitable[None], sub.consumer.handle(delivery))
+        else:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(sub.threads, sub.consumer.handle, delivery)
+
+    @classmethod
+    async def _call_within(cls, sub: Subscription, delivery: Delivery[Any], seconds: float) -> None:
+        """``_call``, cancelled after ``seconds`` (``HandlerTimeout``).
 
         A timer handle rather than ``asyncio.timeout``: half the cost on the success path. The
         timer can only fire while the handler is suspended, and is cancelled before anything
@@ -287,7 +286,7 @@ class Session:
         expired: list[bool] = []
         timer = loop.call_at(loop.time() + seconds, _expire, task, expired)
         try:
-            await consumer.handle(delivery)
+            await cls._call(sub, delivery)
         except asyncio.CancelledError as exc:
             if expired and task.uncancel() == 0:  # ours alone, not a shutdown as well
                 raise HandlerTimeout(
@@ -305,113 +304,143 @@ class Session:
 
     async def _carry_out(
         self,
-        b: Bound,
+        sub: Subscription,
         message: DeliveredMessage,
-        deliver: spec.Basic.Deliver,
-        action: Ack | NativeRetry | TierRetry | Park,
+        action: Action,
         failures: int,
-        failure: copies.Failure | None,
+        failure: Failure | None,
     ) -> None:
+        """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
         channel = message.channel
-        tag = cast(int, deliver.delivery_tag)
-        props = message.header.properties
-        context: dict[str, Any] = {
-            "queue": b.queue,
-            "message_id": props.message_id,
-            "attempt": failures + 1,
-        }
+        tag = cast(int, cast(spec.Basic.Deliver, message.delivery).delivery_tag)
         if isinstance(action, Ack):
             await channel.basic_ack(tag)
-            b.metrics.success.inc()
-            return
-        if isinstance(action, NativeRetry):
+            sub.metrics.success.inc()
+        elif isinstance(action, NativeRetry):
             await channel.basic_nack(tag, requeue=False)
-            b.metrics.retried.inc()
-            self._log_retry(context, action.retry_count, action.delay_ms, "native", failure)
-            return
-
-        def alive() -> bool:
-            return not channel.is_closed
-
-        original = original_source(
-            props.headers, b.queue, deliver.exchange or "", deliver.routing_key or ""
-        )
-        if isinstance(action, TierRetry):
+            sub.metrics.retried.inc()
+            self._log_retry(sub, message, failures, action.retry_count, action.delay_ms,
+                            "native", failure)
+        elif isinstance(action, TierRetry):
             headers = copies.retry_headers(
-                props.headers,
+                message.header.properties.headers,
                 retry_count=action.retry_count,
-                original=original,
-                expiration=props.expiration,
+                original=self._original(sub, message),
+                expiration=message.header.properties.expiration,
             )
-            await self.publisher.publish_held(
-                b.retry_exchange,
-                action.tier,
-                message.body,
-                self._copy_properties(props, headers),
-                delivery_alive=alive,
-                context=context,
+            await self._publish_then_ack(sub, message, sub.retry_exchange, action.tier, headers,
+                                         failures)
+            sub.metrics.retried.inc()
+            self._log_retry(sub, message, failures, action.retry_count, action.delay_ms,
+                            action.tier, failure)
+        else:
+            headers = copies.parked_headers(
+                message.header.properties.headers,
+                reason=action.reason.value,
+                retry_count=action.retry_count,
+                queue=sub.queue,
+                original=self._original(sub, message),
+                failure=failure,
+                now=datetime.now(UTC),
+                expiration=message.header.properties.expiration,
+                frame_max=self.frame_max,
             )
-            await channel.basic_ack(tag)
-            b.metrics.retried.inc()
-            self._log_retry(context, action.retry_count, action.delay_ms, action.tier, failure)
-            return
+            await self._publish_then_ack(sub, message, "", sub.parking_queue, headers, failures)
+            sub.metrics.parked.inc()
+            sub.metrics.parked_by_reason[action.reason.value].inc()
+            self._log_park(sub, message, failures, action, failure)
 
-        headers = copies.parked_headers(
-            props.headers,
-            reason=action.reason.value,
-            retry_count=action.retry_count,
-            queue=b.queue,
-            original=original,
-            failure=failure,
-            now=datetime.now(UTC),
-            expiration=props.expiration,
-            frame_max=self.frame_max,
+    @staticmethod
+    def _original(sub: Subscription, message: DeliveredMessage) -> tuple[str, str]:
+        deliver = cast(spec.Basic.Deliver, message.delivery)
+        return original_source(
+            message.header.properties.headers,
+            sub.queue,
+            deliver.exchange or "",
+            deliver.routing_key or "",
         )
+
+    async def _publish_then_ack(
+        self,
+        sub: Subscription,
+        message: DeliveredMessage,
+        exchange: str,
+        routing_key: str,
+        headers: dict[str, Any],
+        failures: int,
+    ) -> None:
+        """The copy, confirmed (retried with backoff while the delivery lives), then the ack."""
+        channel = message.channel
+        props = message.header.properties
         await self.publisher.publish_held(
-            "",
-            b.parking_queue,
+            exchange,
+            routing_key,
             message.body,
-            self._copy_properties(props, headers),
-            delivery_alive=alive,
-            context=context,
+            republish_properties(props, headers, self.user, expiration=None),
+            delivery_alive=lambda: not channel.is_closed,
+            context={"queue": sub.queue, "message_id": props.message_id, "attempt": failures + 1},
         )
-        await channel.basic_ack(tag)
-        b.metrics.parked.inc()
-        b.metrics.parked_by_reason[action.reason.value].inc()
-        log.warning(
-            "decision queue=%s message_id=%s attempt=%d outcome=parked reason=%s"
-            " retry_count=%d error=%s",
-            b.queue,
-            props.message_id,
-            failures + 1,
-            action.reason.value,
-            action.retry_count,
-            failure.type if failure else "-",
-            extra={**context, "outcome": "parked", "reason": action.reason.value},
-        )
+        await channel.basic_ack(cast(int, cast(spec.Basic.Deliver, message.delivery).delivery_tag))
 
-    def _copy_properties(self, props: Any, headers: dict[str, Any]) -> Any:
-        return republish_properties(props, headers, self.user, expiration=None)
+    @staticmethod
+    def _log_decision(
+        sub: Subscription, message_id: str | None, failures: int, outcome: str
+    ) -> None:
+        log.debug(
+            "decision queue=%s message_id=%s attempt=%d outcome=%s",
+            sub.queue,
+            message_id,
+            failures + 1,
+            outcome,
+            extra={"queue": sub.queue, "message_id": message_id, "attempt": failures + 1,
+                   "outcome": outcome},
+        )
 
     @staticmethod
     def _log_retry(
-        context: dict[str, Any],
+        sub: Subscription,
+        message: DeliveredMessage,
+        failures: int,
         retry_count: int,
         delay_ms: int,
         via: str,
-        failure: copies.Failure | None,
+        failure: Failure | None,
     ) -> None:
+        message_id = message.header.properties.message_id
         log.info(
             "decision queue=%s message_id=%s attempt=%d outcome=retried retry_count=%d"
             " delay_ms=%d via=%s error=%s",
-            context["queue"],
-            context["message_id"],
-            context["attempt"],
+            sub.queue,
+            message_id,
+            failures + 1,
             retry_count,
             delay_ms,
             via,
             failure.type if failure else "-",
-            extra={**context, "outcome": "retried", "delay_ms": delay_ms},
+            extra={"queue": sub.queue, "message_id": message_id, "attempt": failures + 1,
+                   "outcome": "retried", "delay_ms": delay_ms},
+        )
+
+    @staticmethod
+    def _log_park(
+        sub: Subscription,
+        message: DeliveredMessage,
+        failures: int,
+        action: Park,
+        failure: Failure | None,
+    ) -> None:
+        message_id = message.header.properties.message_id
+        log.warning(
+            "decision queue=%s message_id=%s attempt=%d outcome=parked reason=%s"
+            " retry_count=%d error=%s",
+            sub.queue,
+            message_id,
+            failures + 1,
+            action.reason.value,
+            action.retry_count,
+            failure.type if failure else "-",
+            extra={"queue": sub.queue, "message_id": message_id, "attempt": failures + 1,
+                   "outcome": "parked", "reason": action.reason.value},
         )
 
     async def shutdown(self, grace: float, force: asyncio.Event) -> None:

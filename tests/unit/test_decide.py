@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rabbit_retry.topology.model import RetryPolicy
+from rabbit_retry.worker.consumer import HandlerTimeout, Permanent
 from rabbit_retry.worker.decide import (
     ACK,
     Ack,
@@ -14,6 +15,7 @@ from rabbit_retry.worker.decide import (
     ParkReason,
     TierRetry,
     before_handler,
+    classify,
     decide,
     uses_native_retry,
 )
@@ -145,3 +147,33 @@ def test_a_message_the_broker_cannot_dead_letter_takes_the_publish_path() -> Non
         ParkReason.EXHAUSTED, 3
     )
     assert decide(Outcome.SUCCESS, 0, ONE, "quorum", native_ok=False) is ACK
+
+
+# --- which outcome an exception means -----------------------------------------------------------
+
+
+class Declined(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("error", "payload_invalid", "permanent_errors", "outcome"),
+    [
+        (RuntimeError("x"), False, (), Outcome.FAILED),
+        (Permanent("no"), False, (), Outcome.PERMANENT),
+        (Declined(), False, (Declined,), Outcome.PERMANENT),
+        (Declined(), False, (), Outcome.FAILED),
+        (HandlerTimeout("slow"), False, (TimeoutError,), Outcome.FAILED),  # a timeout retries
+        (TimeoutError(), False, (TimeoutError,), Outcome.PERMANENT),  # the handler's own
+        (Permanent("no"), True, (), Outcome.INVALID),  # read a payload that is not JSON
+        (RuntimeError("x"), True, (), Outcome.INVALID),
+    ],
+)
+def test_classify(
+    error: BaseException,
+    payload_invalid: bool,
+    permanent_errors: tuple[type[BaseException], ...],
+    outcome: Outcome,
+) -> None:
+    assert classify(error, payload_invalid=payload_invalid,
+                    permanent_errors=permanent_errors) is outcome

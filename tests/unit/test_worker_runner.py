@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -11,10 +13,10 @@ from pydantic import BaseModel
 from rabbit_retry.errors import InputError
 from rabbit_retry.topology import parse_topology
 from rabbit_retry.worker import Delivery, InvalidPayload, Permanent, RetryConsumer
-from rabbit_retry.worker.consumer import HandlerTimeout, check_consumer
+from rabbit_retry.worker.consumer import HandlerTimeout, check_consumer, is_blocking, payload_error
 from rabbit_retry.worker.metrics import Metrics
-from rabbit_retry.worker.runner import bind
-from rabbit_retry.worker.session import Session
+from rabbit_retry.worker.runner import subscribe
+from rabbit_retry.worker.session import Session, Subscription
 
 TOPOLOGY = parse_topology(
     """\
@@ -40,6 +42,10 @@ def delivery(body: bytes = b"{}") -> Delivery:
     )
 
 
+def subscription(consumer: RetryConsumer) -> Subscription:
+    return subscribe([consumer], TOPOLOGY, Metrics())[0]
+
+
 class Sleeper(RetryConsumer):
     queue = "q"
 
@@ -57,14 +63,14 @@ class Sleeper(RetryConsumer):
 
 async def test_a_slow_handler_times_out() -> None:
     with pytest.raises(HandlerTimeout, match=r"did not finish within 0\.05s") as caught:
-        await Session._handle_within(Sleeper(10), delivery(), 0.05)
+        await Session._call_within(subscription(Sleeper(10)), delivery(), 0.05)
     assert caught.value.__traceback__ is not None
     current = asyncio.current_task()
     assert current is not None and current.cancelling() == 0
 
 
 async def test_a_fast_handler_is_untouched() -> None:
-    await Session._handle_within(Sleeper(0), delivery(), 5)
+    await Session._call_within(subscription(Sleeper(0)), delivery(), 5)
 
     class Raises(RetryConsumer):
         queue = "q"
@@ -73,11 +79,11 @@ async def test_a_fast_handler_is_untouched() -> None:
             raise KeyError("sku")
 
     with pytest.raises(KeyError):
-        await Session._handle_within(Raises(), delivery(), 5)
+        await Session._call_within(subscription(Raises()), delivery(), 5)
 
 
 async def test_a_shutdown_cancel_is_not_a_timeout() -> None:
-    task = asyncio.create_task(Session._handle_within(Sleeper(10), delivery(), 5))
+    task = asyncio.create_task(Session._call_within(subscription(Sleeper(10)), delivery(), 5))
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -85,7 +91,7 @@ async def test_a_shutdown_cancel_is_not_a_timeout() -> None:
 
 
 async def test_a_handler_that_swallows_the_timeout_keeps_its_result() -> None:
-    await Session._handle_within(Sleeper(10, swallow=True), delivery(), 0.05)
+    await Session._call_within(subscription(Sleeper(10, swallow=True)), delivery(), 0.05)
     current = asyncio.current_task()
     assert current is not None and current.cancelling() == 0
     await asyncio.sleep(0)  # no cancellation left pending for our own next await
@@ -98,7 +104,7 @@ def test_lazy_payload_decodes_json_once_and_flags_a_body_that_is_not_json() -> N
     bad = delivery(b"\xff not json")
     with pytest.raises(InvalidPayload, match="body is not JSON"):
         bad.payload  # noqa: B018
-    assert isinstance(bad.invalid, InvalidPayload)
+    assert isinstance(payload_error(bad), InvalidPayload)
     assert "body=" not in repr(bad)
 
 
@@ -150,20 +156,20 @@ def test_model_gets_a_type_adapter() -> None:
     assert check_consumer(Sleeper(0)) is None
 
 
-def test_bind_names_the_queues_of_the_file() -> None:
+def test_subscribe_names_the_queues_of_the_file() -> None:
     class Elsewhere(Sleeper):
         queue = "nope"
 
     with pytest.raises(InputError) as caught:
-        bind([Elsewhere(0)], TOPOLOGY, Metrics())
+        subscribe([Elsewhere(0)], TOPOLOGY, Metrics())
     assert str(caught.value) == "Elsewhere.queue = 'nope' is not a queue in t.yml (it has: q)"
     with pytest.raises(InputError, match="no consumer to run"):
-        bind([], TOPOLOGY, Metrics())
+        subscribe([], TOPOLOGY, Metrics())
 
 
 def test_consumers_of_one_queue_share_its_metrics() -> None:
     metrics = Metrics()
-    first, second = bind([Sleeper(0), Sleeper(0)], TOPOLOGY, metrics)
+    first, second = subscribe([Sleeper(0), Sleeper(0)], TOPOLOGY, metrics)
     assert first.metrics is second.metrics
     first.metrics.in_flight = 3
     assert metrics.registry.get_sample_value("rabbit_retry_in_flight", {"queue": "q"}) == 3
@@ -173,12 +179,43 @@ def test_permanent_is_an_exception_users_can_raise() -> None:
     assert issubclass(Permanent, Exception)
 
 
-def test_a_synchronous_handle_is_refused() -> None:
-    class Sync(RetryConsumer):
+class Blocking(RetryConsumer):
+    queue = "q"
+    prefetch = 2
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.threads: list[str] = []
+
+    def handle(self, delivery: Delivery) -> None:
+        self.threads.append(threading.current_thread().name)
+        time.sleep(self.seconds)
+
+
+async def test_a_blocking_handle_runs_in_a_thread_pool_of_prefetch_threads() -> None:
+    consumer = Blocking(0)
+    sub = subscription(consumer)
+    assert is_blocking(consumer) and not is_blocking(Sleeper(0))
+    assert sub.threads is not None and sub.threads._max_workers == 2
+    await asyncio.gather(*(Session._call_within(sub, delivery(), 5) for _ in range(4)))
+    assert consumer.threads and all(t.startswith("rabbit-retry-Blocking") for t in consumer.threads)
+    sub.threads.shutdown()
+
+
+async def test_a_blocking_handle_times_out_too() -> None:
+    sub = subscription(Blocking(0.5))
+    with pytest.raises(HandlerTimeout, match=r"did not finish within 0\.05s"):
+        await Session._call_within(sub, delivery(), 0.05)
+    assert sub.threads is not None
+    sub.threads.shutdown()
+
+
+def test_a_generator_handle_is_refused() -> None:
+    class Gen(RetryConsumer):
         queue = "q"
 
-        def handle(self, delivery: Delivery) -> None:  # type: ignore[override]
-            pass
+        async def handle(self, delivery: Delivery) -> None:  # type: ignore[override]
+            yield None
 
-    with pytest.raises(InputError, match=r"Sync: define async def handle"):
-        check_consumer(Sync())
+    with pytest.raises(InputError, match=r"Gen.handle: a generator"):
+        check_consumer(Gen())
