@@ -1,4 +1,4 @@
-"""How messages to the user write values: short, and as a YAML file would say them."""
+"""How messages to the user write values and counts: short, and as a YAML file would say them."""
 
 from __future__ import annotations
 
@@ -32,3 +32,7 @@ def shorten(value: object) -> str:
         return f"{value.isoformat()} (a date)"
     return clip(repr(value))
 
+
+def plural(count: int, noun: str) -> str:
+    """``1 queue``, ``2 queues``: ``noun`` with an ``s`` unless ``count`` is 1."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

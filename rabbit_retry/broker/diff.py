@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState, NodeCapacity
+from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
@@ -55,10 +56,6 @@ def binding_name(binding: Binding) -> str:
     if binding.arguments:
         text += " " + json.dumps(dict(binding.arguments), sort_keys=True, default=str)
     return text
-
-
-def messages(n: int) -> str:
-    return f"{n} message" if n == 1 else f"{n} messages"
 
 
 def show(value: Any) -> str:
@@ -180,7 +177,7 @@ def _obsolete(plan: Plan, live: LiveState) -> Iterable[Change]:
                 delay_ms=parse_duration(tier_label),
             )
             if queue.messages:
-                detail = f"obsolete, {messages(queue.messages)} still in it"
+                detail = f"obsolete, {plural(queue.messages, 'message')} still in it"
                 yield Change("keep", "queue", name, detail, item)
             else:
                 yield Change("prune", "queue", name, "obsolete, empty", item)

@@ -24,6 +24,9 @@ from rabbit_retry.errors import EXIT_RUNTIME, InputError
 from rabbit_retry.parking import act, filters, peek, render
 from rabbit_retry.parking.message import group, summary_record
 from rabbit_retry.settings import Settings
+from rabbit_retry.text import plural
+
+_PARKED = "parked message"  # the noun of every count below
 
 
 def _console(stderr: bool = False) -> Console:
@@ -45,10 +48,6 @@ def _selection(wheres: tuple[str, ...], older_than: str | None = None) -> filter
         return filters.selection(wheres, older_than, now=datetime.now(UTC))
     except ValueError as exc:
         raise InputError(str(exc)) from None
-
-
-def _plural(n: int, noun: str = "parked message") -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 @cli.command("status")
@@ -155,13 +154,13 @@ def _confirm(
     peeked, matching = asyncio.run(peek.count_matching(settings, queue, selection, limit=limit))
     target = peeked.target
     if matching == 0:
-        click.echo(f"nothing to {verb}: none of the {_plural(peeked.ready)} in "
+        click.echo(f"nothing to {verb}: none of the {plural(peeked.ready, _PARKED)} in "
                    f"{target.parking!r} matches {selection.describe()}")
         return 0
     where = f" to {target.main!r}" if verb == "replay" else ""
     click.confirm(
-        f"{verb.capitalize()} {matching} of {_plural(peeked.ready)} in {target.parking!r}{where} "
-        f"({selection.describe()})?",
+        f"{verb.capitalize()} {matching} of {plural(peeked.ready, _PARKED)} in "
+        f"{target.parking!r}{where} ({selection.describe()})?",
         default=False,
         abort=True,
     )
@@ -207,8 +206,9 @@ def replay(
                        progress=progress)
         )
     click.echo(
-        f"replayed {outcome.acted} of {_plural(outcome.ready)} from {outcome.target.parking!r} "
-        f"to {outcome.target.main!r} ({selection.describe()}); {outcome.left} left parked"
+        f"replayed {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
+        f"{outcome.target.parking!r} to {outcome.target.main!r} ({selection.describe()}); "
+        f"{outcome.left} left parked"
     )
 
 
@@ -238,8 +238,8 @@ def purge(
             act.purge(settings, queue, selection, limit=confirmed, progress=progress)
         )
     click.echo(
-        f"deleted {outcome.acted} of {_plural(outcome.ready)} from {outcome.target.parking!r} "
-        f"({selection.describe()}); {outcome.left} left parked"
+        f"deleted {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
+        f"{outcome.target.parking!r} ({selection.describe()}); {outcome.left} left parked"
     )
 
 
@@ -257,7 +257,7 @@ def export(ctx: click.Context, queue: str, out: str) -> None:
     with peek.atomic_output(out) as stream:
         peeked = asyncio.run(peek.export(settings_of(ctx), queue, stream))
     click.echo(
-        f"exported {_plural(peeked.seen)} from {peeked.target.parking!r} to {out}; "
+        f"exported {plural(peeked.seen, _PARKED)} from {peeked.target.parking!r} to {out}; "
         "they stay parked",
         err=True,
     )

@@ -12,12 +12,9 @@ from rich.text import Text
 from rabbit_retry.parking import headers as h
 from rabbit_retry.parking.message import Groups, ParkedMessage, preview
 from rabbit_retry.status import Status
+from rabbit_retry.text import plural
 
 EXCEPTION_CHARS = 70
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _cell(value: object) -> Text:
@@ -62,7 +59,7 @@ def groups_table(groups: Groups) -> Table:
 def show_heading(parking: str, ready: int, seen: int) -> Text:
     if ready == 0:
         return Text(f"{parking} is empty: nothing is parked.")
-    text = f"{parking}: {_plural(ready, 'parked message')}"
+    text = f"{parking}: {plural(ready, 'parked message')}"
     if seen < ready:
         text += f" (showing the first {seen})"
     return Text(text, style="bold")
@@ -79,7 +76,7 @@ def status_view(status: Status) -> RenderableType:
     if status.drift:
         parts.append(
             Text(
-                f"DRIFT: {_plural(len(status.drift), 'object')} of {status.source} missing or "
+                f"DRIFT: {plural(len(status.drift), 'object')} of {status.source} missing or "
                 f"different on the broker; `rabbit-retry plan {status.source}` shows the fix",
                 style="bold red",
             )
@@ -108,7 +105,7 @@ def status_view(status: Status) -> RenderableType:
     for row in status.queues:
         for name, count in row.held:
             parts.append(Text(
-                f"{name}: {_plural(count, 'message')} held by the broker for dead-lettering: it "
+                f"{name}: {plural(count, 'message')} held by the broker for dead-lettering: it "
                 "cannot hand them on (a missing next queue, or a dead-letter cycle after a "
                 "delivery limit; see docs/versions.md)",
                 style="bold yellow",

@@ -6,7 +6,7 @@ from datetime import date
 
 import pytest
 
-from rabbit_retry.text import MAX_CHARS, clip, shorten
+from rabbit_retry.text import MAX_CHARS, clip, plural, shorten
 
 
 @pytest.mark.parametrize(
@@ -35,3 +35,9 @@ def test_shorten_and_clip_cut_long_text_in_the_middle() -> None:
     assert clip("x" * MAX_CHARS) == "x" * MAX_CHARS
     assert clip(name) == name[:60] + "..." + name[-9:]
 
+
+@pytest.mark.parametrize(
+    ("count", "text"), [(0, "0 queues"), (1, "1 queue"), (2, "2 queues")]
+)
+def test_plural(count: int, text: str) -> None:
+    assert plural(count, "queue") == text
