@@ -134,25 +134,12 @@ def _compare(
     return Change("unchanged", object_kind, name, "", item)
 
 
-def tier_label_of(name: str, owner: str) -> str | None:
-    """``5s`` for ``Q.retry.5s`` of ``owner`` Q; None if ``name`` is not shaped like its tier."""
-    prefix = naming.tier_prefix(owner)
-    if not name.startswith(prefix):
-        return None
-    suffix = name[len(prefix) :]
-    try:
-        ms = parse_duration(suffix)
-    except ValueError:
-        return None
-    return suffix if label(ms) == suffix else None
-
-
 def _looks_like_tier(live: LiveQueue, owner: str) -> bool:
     # Only a queue this tool made is ever proposed for deletion: its name and its wiring
     # (TTL, dead-lettering straight back to its main queue) must both say it is a tier.
     args = live.arguments
     return (
-        tier_label_of(live.name, owner) is not None
+        naming.tier_label_of(live.name, owner) is not None
         and "x-message-ttl" in args
         and args.get("x-dead-letter-exchange") == ""
         and args.get("x-dead-letter-routing-key") == owner
@@ -166,7 +153,7 @@ def _obsolete(plan: Plan, live: LiveState) -> Iterable[Change]:
             queue = live.queues[name]
             if name in planned or not _looks_like_tier(queue, main.name):
                 continue
-            tier_label = tier_label_of(name, main.name)
+            tier_label = naming.tier_label_of(name, main.name)
             assert tier_label is not None
             item = Queue(
                 name=name,
@@ -197,7 +184,7 @@ def _misrouting(plan: Plan, live: LiveState) -> Iterable[Change]:
             owner in mains
             and binding.source == naming.retry_exchange(owner)
             and binding.key not in wanted
-            and tier_label_of(binding.destination, owner) is not None
+            and naming.tier_label_of(binding.destination, owner) is not None
         ):
             yield Change(
                 "unbind",

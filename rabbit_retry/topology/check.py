@@ -205,13 +205,13 @@ def _derived_name_problems(
                 f"{shorten(tier_of[name])}",
             )
         )
-    elif name.endswith(naming.RETRY_SUFFIX) and name[: -len(naming.RETRY_SUFFIX)] in queues:
+    elif (exchange_owner := _owner_of_retry_exchange(name, queues)) is not None:
         problems.append(
             Problem(
                 path,
-                f"queue {shorten(name)} would own names under {shorten(name + '.')}, which are "
-                "reserved for the retry tiers of queue "
-                f"{shorten(name[: -len(naming.RETRY_SUFFIX)])}",
+                f"queue {shorten(name)} would own names under "
+                f"{shorten(naming.tier_prefix(exchange_owner))}, which are reserved for the retry "
+                f"tiers of queue {shorten(exchange_owner)}",
             )
         )
     else:
@@ -222,21 +222,15 @@ def _derived_name_problems(
                 Problem(
                     path,
                     f"queue {shorten(name)} is inside the names reserved for the retry tiers of "
-                    f"queue {shorten(owner)} ({owner}.retry.*)",
+                    f"queue {shorten(owner)} ({naming.tier_prefix(owner)}*)",
                 )
             )
     return problems
 
 
 def _tier_namespace_owner(name: str, queues: Mapping[str, QueueConfig]) -> str | None:
-    """The queue ``Q`` when ``name`` starts with ``Q.retry.`` (``Q`` may itself contain dots)."""
-    marker = naming.RETRY_SUFFIX + "."
-    start = name.find(marker)
-    while start > 0:
-        if name[:start] in queues:
-            return name[:start]
-        start = name.find(marker, start + 1)
-    return None
+    """The queue ``Q`` of the file when ``name`` starts with ``Q.retry.``."""
+    return next((q for q in naming.tier_namespace_owners(name) if q in queues), None)
 
 
 def _tier_names(queue: QueueConfig) -> list[str]:
@@ -244,10 +238,9 @@ def _tier_names(queue: QueueConfig) -> list[str]:
 
 
 def _owner_of_retry_exchange(name: str, queues: Mapping[str, QueueConfig]) -> str | None:
-    suffix = naming.RETRY_SUFFIX
-    if name.endswith(suffix) and name[: -len(suffix)] in queues:
-        return name[: -len(suffix)]
-    return None
+    """The queue ``Q`` of the file when ``name`` is ``Q.retry``."""
+    owner = naming.main_queue_of_retry_exchange(name)
+    return owner if owner in queues else None
 
 
 def _exchange_reference_problems(

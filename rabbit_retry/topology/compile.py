@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from rabbit_retry.topology import naming
-from rabbit_retry.topology.durations import label
 from rabbit_retry.topology.model import QueueConfig, Topology
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
 
@@ -66,8 +65,9 @@ def compile_queue(queue: QueueConfig) -> tuple[list[Exchange], list[Queue], list
                 },
             )
         )
-        bindings.append(Binding(retry_exchange, tier, label(delay_ms)))
-        if index == 0 and name != label(delay_ms):
+        routing_key = naming.tier_routing_key(delay_ms)
+        bindings.append(Binding(retry_exchange, tier, routing_key))
+        if index == 0 and name != routing_key:
             # Broker dead letters from Q carry routing key Q: they land in the first tier.
             bindings.append(Binding(retry_exchange, tier, name))
     queues.append(
