@@ -22,7 +22,7 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractConnection
 from pamqp import commands
 
-from rabbit_retry.broker.connect import connect
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.broker.diff import Change
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
@@ -89,7 +89,7 @@ class ChannelPool:
                     if progress is not None:
                         progress(1)
                 await channel.close()
-            except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+            except CONNECTION_ERRORS as exc:
                 raise _fail(what, exc) from exc
 
         try:
@@ -312,7 +312,7 @@ async def _prune_one(
         for binding in bindings:
             await _binding(binding, bind=True)(channel)
         return left
-    except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+    except CONNECTION_ERRORS as exc:
         raise _fail(f"pruning queue {tier.name}", exc) from exc
     finally:
         if not channel.is_closed:
