@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aiormq.exceptions
 from aio_pika.abc import AbstractConnection
@@ -166,11 +165,6 @@ class ParkingQueue:
             self._held.clear()
 
 
-def _user(settings: Settings) -> str:
-    # aio-pika logs in as guest when the URL names no user
-    return unquote(urlsplit(settings.url).username or "guest")
-
-
 def _reply_text(exc: aiormq.exceptions.PublishError) -> str:
     frame = exc.frame
     if isinstance(frame, spec.Basic.Return):
@@ -237,7 +231,7 @@ async def open_parking(
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         raw = await channel.get_underlay_channel()
         ok = await raw.queue_declare(target.parking, passive=True)
-        parking = ParkingQueue(raw, target, int(ok.message_count or 0), _user(settings))
+        parking = ParkingQueue(raw, target, int(ok.message_count or 0), settings.user)
         try:
             yield parking
         finally:

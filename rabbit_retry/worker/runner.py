@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aiormq.exceptions
 from aiormq.abc import AbstractConnection
@@ -124,7 +123,7 @@ class Runner:
         self.bound = bind(consumers, topology, self.metrics)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
-        self.user = unquote(urlsplit(self.settings.url).username or "guest")
+        self.user = self.settings.user
         self.ready = asyncio.Event()  # consuming (cleared while reconnecting)
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
