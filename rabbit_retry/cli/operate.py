@@ -61,7 +61,7 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     parking queue makes the broker drop messages silently).
     """
     from rabbit_retry.broker.management import Management
-    from rabbit_retry.status import read_status
+    from rabbit_retry.status import read_status, status_view
     from rabbit_retry.topology import compile_topology, load_topology
 
     settings = settings_of(ctx)
@@ -71,7 +71,7 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
-        _console().print(render.status_view(report))
+        _console().print(status_view(report))
     if not report.ok:
         sys.exit(EXIT_RUNTIME)
 
