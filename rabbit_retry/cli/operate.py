@@ -167,7 +167,7 @@ def _confirm(
     return matching
 
 
-def _cap(limit: int | None, confirmed: int | None) -> int | None:
+def _capped_limit(limit: int | None, confirmed: int | None) -> int | None:
     if confirmed is None:
         return limit
     return confirmed if limit is None else min(limit, confirmed)
@@ -202,7 +202,7 @@ def replay(
         return
     with _progress("replayed") as progress:
         outcome = asyncio.run(
-            act.replay(settings, queue, selection, limit=_cap(limit, confirmed), rate=rate,
+            act.replay(settings, queue, selection, limit=_capped_limit(limit, confirmed), rate=rate,
                        progress=progress)
         )
     click.echo(

@@ -12,7 +12,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from rabbit_retry.parking import headers as h
+from rabbit_retry.parking import headers as parking_headers
 
 PREVIEW_CHARS = 60
 # AMQP basic properties other than headers, in the order of the spec.
@@ -41,33 +41,37 @@ class ParkedMessage:
     headers: Mapping[str, Any] = field(default_factory=dict)
     properties: Mapping[str, Any] = field(default_factory=dict)  # PROPERTY_NAMES that are set
 
+    def header(self, name: str) -> str | None:
+        """Header ``name`` as text; None when the message does not carry it."""
+        return parking_headers.header_text(self.headers.get(name))
+
     @property
     def message_id(self) -> str | None:
-        return h.header_text(self.properties.get("message_id"))
+        return parking_headers.header_text(self.properties.get("message_id"))
 
     @property
     def reason(self) -> str | None:
-        return h.header_text(self.headers.get(h.PARKED_REASON))
+        return self.header(parking_headers.PARKED_REASON)
 
     @property
     def exception_type(self) -> str | None:
-        return h.header_text(self.headers.get(h.EXCEPTION_TYPE))
+        return self.header(parking_headers.EXCEPTION_TYPE)
 
     @property
     def exception_message(self) -> str | None:
-        return h.header_text(self.headers.get(h.EXCEPTION_MESSAGE))
+        return self.header(parking_headers.EXCEPTION_MESSAGE)
 
     @property
     def attempts(self) -> int | None:
-        return h.as_count(self.headers.get(h.RETRY_COUNT))
+        return parking_headers.as_count(self.headers.get(parking_headers.RETRY_COUNT))
 
     @property
     def replay_count(self) -> int:
-        return h.as_count(self.headers.get(h.REPLAY_COUNT)) or 0
+        return parking_headers.as_count(self.headers.get(parking_headers.REPLAY_COUNT)) or 0
 
     @property
     def parked_at(self) -> datetime | None:
-        return h.parked_at(self.headers)
+        return parking_headers.parked_at(self.headers)
 
 
 def jsonable(value: Any) -> Any:
@@ -137,15 +141,15 @@ def summary_record(message: ParkedMessage) -> dict[str, Any]:
     return {
         "position": message.position,
         "message_id": message.message_id,
-        "parked_at": h.header_text(message.headers.get(h.PARKED_AT)),  # as the worker wrote it
+        "parked_at": message.header(parking_headers.PARKED_AT),  # as the worker wrote it
         "reason": message.reason,
         "exception_type": message.exception_type,
         "exception_message": message.exception_message,
         "attempts": message.attempts,
         "replay_count": message.replay_count,
-        "original_exchange": h.header_text(message.headers.get(h.ORIGINAL_EXCHANGE)),
-        "original_routing_key": h.header_text(message.headers.get(h.ORIGINAL_ROUTING_KEY)),
-        "original_queue": h.header_text(message.headers.get(h.ORIGINAL_QUEUE)),
+        "original_exchange": message.header(parking_headers.ORIGINAL_EXCHANGE),
+        "original_routing_key": message.header(parking_headers.ORIGINAL_ROUTING_KEY),
+        "original_queue": message.header(parking_headers.ORIGINAL_QUEUE),
         "body_bytes": len(message.body),
         "body_preview": preview(message.body),
     }

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from rich.table import Table
 from rich.text import Text
 
-from rabbit_retry.parking import headers as h
+from rabbit_retry.parking import headers as parking_headers
 from rabbit_retry.parking.message import Groups, ParkedMessage, preview
 from rabbit_retry.tables import cell, new_table
 from rabbit_retry.text import plural
@@ -30,11 +30,11 @@ def messages_table(messages: Sequence[ParkedMessage]) -> Table:
             cell(message.position),
             cell(message.message_id),
             cell(moment.strftime("%Y-%m-%d %H:%M:%S") if moment else
-                  h.header_text(message.headers.get(h.PARKED_AT))),
+                  message.header(parking_headers.PARKED_AT)),
             cell(message.reason),
             cell(exception),
             cell(message.attempts),
-            cell(h.header_text(message.headers.get(h.ORIGINAL_ROUTING_KEY))),
+            cell(message.header(parking_headers.ORIGINAL_ROUTING_KEY)),
             cell(preview(message.body, 40)),
         )
     return table

@@ -92,8 +92,8 @@ def compile_topology(topology: Topology) -> Plan:
     queues: list[Queue] = []
     bindings: list[Binding] = []
     for queue in topology.queues:
-        ex, qs, bs = compile_queue(queue)
-        exchanges += ex
-        queues += qs
-        bindings += bs
+        own_exchanges, own_queues, own_bindings = compile_queue(queue)
+        exchanges += own_exchanges
+        queues += own_queues
+        bindings += own_bindings
     return Plan(tuple(exchanges), tuple(queues), tuple(bindings))

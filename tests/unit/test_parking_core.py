@@ -221,6 +221,12 @@ def test_summary_record_is_what_show_json_prints() -> None:
     }
 
 
+def test_a_header_as_text_or_none() -> None:
+    message = _message(**{"original-queue": b"orders"})
+    assert message.header(h.ORIGINAL_QUEUE) == "orders"  # AMQP bytes read as text
+    assert message.header("no-such-header") is None
+
+
 def test_export_record_has_properties_headers_and_body() -> None:
     record = json.loads(json.dumps(export_record(_message())))
     assert record["properties"] == {"message_id": "m-7", "delivery_mode": 2,
