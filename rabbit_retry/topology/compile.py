@@ -1,4 +1,5 @@
-"""Topology -> Plan: product.md section 3, as one pure function.
+"""Topology -> Plan, as one pure function: the objects the README lists under "What one queue
+`Q` compiles to".
 
 Why the arguments are what they are:
 - The main queue dead-letters to its own retry exchange with its own name as routing key, so a

@@ -1,4 +1,5 @@
-"""Derived names of product.md section 3: every object one queue ``Q`` compiles to."""
+"""Derived names: every object one queue ``Q`` compiles to (README, "What one queue `Q` compiles
+to"), and the way back from such a name to ``Q``."""
 
 from __future__ import annotations
 
