@@ -29,7 +29,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -201,9 +200,8 @@ async def measure(
     topo: Topology,
 ) -> Clock:
     vhost = f"rr-bench-{RUN_ID}-worker-{uuid.uuid4().hex[:8]}"
-    user = unquote(urlsplit(settings.url).username or "guest")
     try:
-        management.create_vhost(vhost, user=user)
+        management.create_vhost(vhost, user=settings.user)
         scoped = settings.for_vhost(vhost)
         await declare(scoped, topo)
         await fill(scoped, n)

@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Se
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import psutil
@@ -250,10 +249,6 @@ def say(text: str) -> None:
 # --- vhosts ---------------------------------------------------------------------------------
 
 
-def _user(settings: Settings) -> str:
-    return unquote(urlsplit(settings.url).username or "guest")
-
-
 @contextlib.contextmanager
 def throwaway_vhost(base: Settings, tag: str) -> Iterator[Settings]:
     """A vhost of this run's own, deleted on the way out whatever happened inside.
@@ -265,7 +260,7 @@ def throwaway_vhost(base: Settings, tag: str) -> Iterator[Settings]:
     with Management(base.management_url, timeout=VHOST_TIMEOUT) as api:
         try:
             # Inside the try: a create that timed out on our side may still have happened.
-            api.create_vhost(name, user=_user(base))
+            api.create_vhost(name, user=base.user)
             yield base.for_vhost(name)
         finally:
             delete_vhost(api, name)

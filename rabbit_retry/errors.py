@@ -1,4 +1,4 @@
-"""Errors a user can act on, each carrying the exit code of product.md section 6."""
+"""Errors a user can act on, each carrying its exit code (README, "Commands")."""
 
 from __future__ import annotations
 

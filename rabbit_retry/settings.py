@@ -126,6 +126,12 @@ class Settings:
             return "/"
         return unquote(path[1:])
 
+    @property
+    def user(self) -> str:
+        """The user of the AMQP URL, as the broker knows it: unquoted, and ``guest`` when the
+        URL names none (aio-pika logs in as guest then)."""
+        return unquote(urlsplit(self.url).username or "guest")
+
     def for_vhost(self, vhost: str) -> Settings:
         """The same broker, another vhost (tests use this for their throwaway vhosts)."""
         parts = urlsplit(self.url)

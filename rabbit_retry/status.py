@@ -1,5 +1,5 @@
 """``rabbit-retry status``: where the messages of each queue in a topology are, and whether the
-broker still has every object the file derives.
+broker still has every object the file derives; ``status_view`` is how it reads on a terminal.
 
 A missing tier, retry exchange or parking queue is the worst thing this can report: the broker
 then drops messages silently (dead-lettering to nowhere), so drift is listed first and makes the
@@ -12,9 +12,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rich.console import Group, RenderableType
+from rich.text import Text
+
 from rabbit_retry.broker.diff import Change, diff
 from rabbit_retry.broker.inspect import LiveState, read_live
 from rabbit_retry.broker.management import Management
+from rabbit_retry.tables import cell, new_table
+from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
 
@@ -195,3 +200,48 @@ def build_status(
 def read_status(api: Management, vhost: str, plan: Plan, source: str) -> Status:
     live = read_live(api, vhost)
     return build_status(plan, live, diff(plan, live), vhost=vhost, source=source)
+
+
+def status_view(status: Status) -> RenderableType:
+    """What ``rabbit-retry status`` prints: drift first, then a row per main queue."""
+    parts: list[RenderableType] = []
+    if status.drift:
+        parts.append(
+            Text(
+                f"DRIFT: {plural(len(status.drift), 'object')} of {status.source} missing or "
+                f"different on the broker; `rabbit-retry plan {status.source}` shows the fix",
+                style="bold red",
+            )
+        )
+        for drift in status.drift:
+            style = "bold red" if drift.drops_messages else (
+                "red" if drift.kind == "missing" else "yellow"
+            )
+            parts.append(Text("  " + drift.line, style=style))
+        parts.append(Text(""))
+    table = new_table(title=f"vhost {status.vhost}")
+    table.add_column("queue")
+    for column in ("ready", "unacked", "consumers", "retrying", "parked"):
+        table.add_column(column, justify="right")
+    for row in status.queues:
+        table.add_row(
+            cell(row.queue),
+            cell(row.ready),
+            cell(row.unacked),
+            cell(row.consumers),
+            cell(row.retrying),
+            Text(str(row.parked), style="bold yellow") if row.parked else cell(row.parked),
+        )
+    parts.append(table)
+    for row in status.queues:
+        for name, count in row.held:
+            parts.append(Text(
+                f"{name}: {plural(count, 'message')} held by the broker for dead-lettering: it "
+                "cannot hand them on (a missing next queue, or a dead-letter cycle after a "
+                "delivery limit; see docs/versions.md)",
+                style="bold yellow",
+            ))
+    if not status.drift:
+        parts.append(Text(f"no drift: the broker has every object {status.source} derives",
+                          style="green"))
+    return Group(*parts)

@@ -44,7 +44,7 @@ def vhost_factory(management: Management) -> Iterator[Callable[[], Settings]]:
 
     def make() -> Settings:
         name = f"rr-test-{SESSION_ID}-{len(made)}"
-        management.create_vhost(name, user=_user(BASE))
+        management.create_vhost(name, user=BASE.user)
         made.append(name)
         return BASE.for_vhost(name)
 
@@ -70,12 +70,6 @@ def fresh_vhost(
     settings = vhost_factory()
     yield settings
     management.delete_vhost(settings.vhost)
-
-
-def _user(settings: Settings) -> str:
-    from urllib.parse import unquote, urlsplit
-
-    return unquote(urlsplit(settings.url).username or "guest")
 
 
 @pytest.fixture

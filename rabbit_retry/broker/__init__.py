@@ -1,1 +1,2 @@
-"""Talking to the live broker: the management API, AMQP declarations and the plan-vs-live diff."""
+"""Talking to the live broker: connecting, reading a vhost's state, diffing it with the plan and
+declaring what the plan needs."""

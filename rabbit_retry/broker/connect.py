@@ -12,6 +12,20 @@ from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.tls import cause_of, describe_tls_error, tls_cause
 
+# What a broker that is unreachable, refuses us, or goes away while we work raises: our own
+# BrokerError (connect() below wraps its failures in it), the client's AMQP errors, socket
+# errors and timeouts (ConnectionError and TimeoutError are OSErrors, named for the reader),
+# and the RuntimeError aiormq raises for a channel used or opened on a closed connection.
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    BrokerError,
+    aiormq.exceptions.AMQPError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+    OSError,
+    TimeoutError,
+    RuntimeError,
+)
+
 
 def describe_connect_error(exc: BaseException, settings: Settings) -> str:
     """One line for the user; never contains the password."""
@@ -78,6 +92,6 @@ async def connect(
             client_properties={"connection_name": name},
             **kwargs,
         )
-    except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+    except CONNECTION_ERRORS as exc:
         raise BrokerError(describe_connect_error(exc, settings)) from exc
     return connection

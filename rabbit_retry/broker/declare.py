@@ -22,7 +22,7 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractConnection
 from pamqp import commands
 
-from rabbit_retry.broker.connect import connect
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.broker.diff import Change
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
@@ -37,7 +37,7 @@ SETTLE_SECONDS = 0.5
 OPERATION_TIMEOUT = 60.0
 
 Progress = Callable[[int], None]
-_Op = Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
+_Operation = Callable[[aiormq.abc.AbstractChannel], Awaitable[Any]]
 
 
 @dataclass
@@ -68,11 +68,11 @@ class ChannelPool:
         self._size = max(1, size)
 
     async def run(
-        self, ops: Sequence[tuple[str, _Op]], progress: Progress | None = None
+        self, ops: Sequence[tuple[str, _Operation]], progress: Progress | None = None
     ) -> None:
         if not ops:
             return
-        work: asyncio.Queue[tuple[str, _Op]] = asyncio.Queue()
+        work: asyncio.Queue[tuple[str, _Operation]] = asyncio.Queue()
         for op in ops:
             work.put_nowait(op)
 
@@ -89,7 +89,7 @@ class ChannelPool:
                     if progress is not None:
                         progress(1)
                 await channel.close()
-            except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+            except CONNECTION_ERRORS as exc:
                 raise _fail(what, exc) from exc
 
         try:
@@ -112,7 +112,7 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return _first(inner) if isinstance(inner, BaseExceptionGroup) else inner
 
 
-def _declare_exchange(exchange: Exchange) -> _Op:
+def _declare_exchange(exchange: Exchange) -> _Operation:
     async def op(channel: aiormq.abc.AbstractChannel) -> None:
         await channel.exchange_declare(
             exchange.name,
@@ -127,7 +127,7 @@ def _declare_exchange(exchange: Exchange) -> _Op:
     return op
 
 
-def _declare_queue(queue: Queue) -> _Op:
+def _declare_queue(queue: Queue) -> _Operation:
     async def op(channel: aiormq.abc.AbstractChannel) -> None:
         await channel.queue_declare(
             queue.name,
@@ -139,7 +139,7 @@ def _declare_queue(queue: Queue) -> _Op:
     return op
 
 
-def _binding(binding: Binding, *, bind: bool) -> _Op:
+def _binding(binding: Binding, *, bind: bool) -> _Operation:
     async def op(channel: aiormq.abc.AbstractChannel) -> None:
         method = channel.queue_bind if bind else channel.queue_unbind
         await method(
@@ -231,7 +231,7 @@ async def apply_changes(
     connection = await connect(settings, name="rabbit-retry apply")
     try:
         pool = ChannelPool(connection, concurrency)
-        objects: list[tuple[str, _Op]] = []
+        objects: list[tuple[str, _Operation]] = []
         for change in _with_kind(changes, "create", "exchange"):
             assert isinstance(change.item, Exchange)
             objects.append((f"declaring {_describe(change)}", _declare_exchange(change.item)))
@@ -312,7 +312,7 @@ async def _prune_one(
         for binding in bindings:
             await _binding(binding, bind=True)(channel)
         return left
-    except (aiormq.exceptions.AMQPError, OSError, TimeoutError) as exc:
+    except CONNECTION_ERRORS as exc:
         raise _fail(f"pruning queue {tier.name}", exc) from exc
     finally:
         if not channel.is_closed:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState, NodeCapacity
+from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
@@ -55,10 +56,6 @@ def binding_name(binding: Binding) -> str:
     if binding.arguments:
         text += " " + json.dumps(dict(binding.arguments), sort_keys=True, default=str)
     return text
-
-
-def messages(n: int) -> str:
-    return f"{n} message" if n == 1 else f"{n} messages"
 
 
 def show(value: Any) -> str:
@@ -137,25 +134,12 @@ def _compare(
     return Change("unchanged", object_kind, name, "", item)
 
 
-def tier_label_of(name: str, owner: str) -> str | None:
-    """``5s`` for ``Q.retry.5s`` of ``owner`` Q; None if ``name`` is not shaped like its tier."""
-    prefix = naming.tier_prefix(owner)
-    if not name.startswith(prefix):
-        return None
-    suffix = name[len(prefix) :]
-    try:
-        ms = parse_duration(suffix)
-    except ValueError:
-        return None
-    return suffix if label(ms) == suffix else None
-
-
 def _looks_like_tier(live: LiveQueue, owner: str) -> bool:
     # Only a queue this tool made is ever proposed for deletion: its name and its wiring
     # (TTL, dead-lettering straight back to its main queue) must both say it is a tier.
     args = live.arguments
     return (
-        tier_label_of(live.name, owner) is not None
+        naming.tier_label_of(live.name, owner) is not None
         and "x-message-ttl" in args
         and args.get("x-dead-letter-exchange") == ""
         and args.get("x-dead-letter-routing-key") == owner
@@ -169,7 +153,7 @@ def _obsolete(plan: Plan, live: LiveState) -> Iterable[Change]:
             queue = live.queues[name]
             if name in planned or not _looks_like_tier(queue, main.name):
                 continue
-            tier_label = tier_label_of(name, main.name)
+            tier_label = naming.tier_label_of(name, main.name)
             assert tier_label is not None
             item = Queue(
                 name=name,
@@ -180,7 +164,7 @@ def _obsolete(plan: Plan, live: LiveState) -> Iterable[Change]:
                 delay_ms=parse_duration(tier_label),
             )
             if queue.messages:
-                detail = f"obsolete, {messages(queue.messages)} still in it"
+                detail = f"obsolete, {plural(queue.messages, 'message')} still in it"
                 yield Change("keep", "queue", name, detail, item)
             else:
                 yield Change("prune", "queue", name, "obsolete, empty", item)
@@ -200,7 +184,7 @@ def _misrouting(plan: Plan, live: LiveState) -> Iterable[Change]:
             owner in mains
             and binding.source == naming.retry_exchange(owner)
             and binding.key not in wanted
-            and tier_label_of(binding.destination, owner) is not None
+            and naming.tier_label_of(binding.destination, owner) is not None
         ):
             yield Change(
                 "unbind",

@@ -94,7 +94,7 @@ def hoist_global_options(args: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: exit codes and one-line errors of product.md section 6."""
+    """Entry point: one-line errors, and the exit codes the README lists under "Commands"."""
     args = hoist_global_options(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     if not debug:

@@ -1,6 +1,6 @@
 """The operators' verbs: ``status`` and the ``parking`` group (show, replay, purge, export).
 
-Exit codes (product.md section 6): 0 done; 1 the broker is unreachable or failed, and for
+Exit codes (README, "Commands"): 0 done; 1 the broker is unreachable or failed, and for
 ``status``, drift (so monitoring can alert on it); 2 bad input, including a queue that does not
 exist on the broker (the name given is what is wrong) and a replay or purge that has no terminal
 to confirm on and no ``--yes``; 3 the parking queue is not a classic queue.
@@ -24,6 +24,9 @@ from rabbit_retry.errors import EXIT_RUNTIME, InputError
 from rabbit_retry.parking import act, filters, peek, render
 from rabbit_retry.parking.message import group, summary_record
 from rabbit_retry.settings import Settings
+from rabbit_retry.text import plural
+
+_PARKED = "parked message"  # the noun of every count below
 
 
 def _console(stderr: bool = False) -> Console:
@@ -47,10 +50,6 @@ def _selection(wheres: tuple[str, ...], older_than: str | None = None) -> filter
         raise InputError(str(exc)) from None
 
 
-def _plural(n: int, noun: str = "parked message") -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 @cli.command("status")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -62,7 +61,7 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     parking queue makes the broker drop messages silently).
     """
     from rabbit_retry.broker.management import Management
-    from rabbit_retry.status import read_status
+    from rabbit_retry.status import read_status, status_view
     from rabbit_retry.topology import compile_topology, load_topology
 
     settings = settings_of(ctx)
@@ -72,7 +71,7 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
-        _console().print(render.status_view(report))
+        _console().print(status_view(report))
     if not report.ok:
         sys.exit(EXIT_RUNTIME)
 
@@ -155,20 +154,20 @@ def _confirm(
     peeked, matching = asyncio.run(peek.count_matching(settings, queue, selection, limit=limit))
     target = peeked.target
     if matching == 0:
-        click.echo(f"nothing to {verb}: none of the {_plural(peeked.ready)} in "
+        click.echo(f"nothing to {verb}: none of the {plural(peeked.ready, _PARKED)} in "
                    f"{target.parking!r} matches {selection.describe()}")
         return 0
     where = f" to {target.main!r}" if verb == "replay" else ""
     click.confirm(
-        f"{verb.capitalize()} {matching} of {_plural(peeked.ready)} in {target.parking!r}{where} "
-        f"({selection.describe()})?",
+        f"{verb.capitalize()} {matching} of {plural(peeked.ready, _PARKED)} in "
+        f"{target.parking!r}{where} ({selection.describe()})?",
         default=False,
         abort=True,
     )
     return matching
 
 
-def _cap(limit: int | None, confirmed: int | None) -> int | None:
+def _capped_limit(limit: int | None, confirmed: int | None) -> int | None:
     if confirmed is None:
         return limit
     return confirmed if limit is None else min(limit, confirmed)
@@ -203,12 +202,13 @@ def replay(
         return
     with _progress("replayed") as progress:
         outcome = asyncio.run(
-            act.replay(settings, queue, selection, limit=_cap(limit, confirmed), rate=rate,
+            act.replay(settings, queue, selection, limit=_capped_limit(limit, confirmed), rate=rate,
                        progress=progress)
         )
     click.echo(
-        f"replayed {outcome.acted} of {_plural(outcome.ready)} from {outcome.target.parking!r} "
-        f"to {outcome.target.main!r} ({selection.describe()}); {outcome.left} left parked"
+        f"replayed {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
+        f"{outcome.target.parking!r} to {outcome.target.main!r} ({selection.describe()}); "
+        f"{outcome.left} left parked"
     )
 
 
@@ -238,8 +238,8 @@ def purge(
             act.purge(settings, queue, selection, limit=confirmed, progress=progress)
         )
     click.echo(
-        f"deleted {outcome.acted} of {_plural(outcome.ready)} from {outcome.target.parking!r} "
-        f"({selection.describe()}); {outcome.left} left parked"
+        f"deleted {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
+        f"{outcome.target.parking!r} ({selection.describe()}); {outcome.left} left parked"
     )
 
 
@@ -257,7 +257,7 @@ def export(ctx: click.Context, queue: str, out: str) -> None:
     with peek.atomic_output(out) as stream:
         peeked = asyncio.run(peek.export(settings_of(ctx), queue, stream))
     click.echo(
-        f"exported {_plural(peeked.seen)} from {peeked.target.parking!r} to {out}; "
+        f"exported {plural(peeked.seen, _PARKED)} from {peeked.target.parking!r} to {out}; "
         "they stay parked",
         err=True,
     )

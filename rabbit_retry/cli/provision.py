@@ -25,7 +25,6 @@ from rabbit_retry.broker.diff import (
     capacity_problem,
     count,
     diff,
-    messages,
     new_quorum_queues,
     nothing_to_do,
 )
@@ -34,6 +33,7 @@ from rabbit_retry.broker.management import Management
 from rabbit_retry.cli import cli, settings_of
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
+from rabbit_retry.text import plural
 from rabbit_retry.topology import Plan, compile_topology, load_topology
 from rabbit_retry.topology.export import to_definitions, to_mermaid
 
@@ -123,18 +123,14 @@ def _progress(total: int) -> Iterator[Advance | None]:
         yield lambda n: bar.advance(task, n)
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
 def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: bool) -> None:
     if report.created:
         made = {"exchange": 0, "queue": 0, "binding": 0}
         for c in report.created:
             made[c.object] += 1
         click.echo(
-            f"created {_plural(made['exchange'], 'exchange')}, {_plural(made['queue'], 'queue')}"
-            f" and {_plural(made['binding'], 'binding')} in vhost {vhost!r}"
+            f"created {plural(made['exchange'], 'exchange')}, {plural(made['queue'], 'queue')}"
+            f" and {plural(made['binding'], 'binding')} in vhost {vhost!r}"
         )
     for c in report.unbound:
         click.echo(f"unbound {c.name}: {c.detail}")
@@ -143,8 +139,8 @@ def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: b
             click.echo(f"pruned {name} (obsolete, empty)")
         for name, left in report.kept:
             click.echo(
-                f"kept {name} (obsolete, {messages(left)} still in it); prune again once it "
-                "has drained"
+                f"kept {name} (obsolete, {plural(left, 'message')} still in it); prune again "
+                "once it has drained"
             )
         return
     for c in changes:
@@ -158,8 +154,8 @@ def validate(file: str) -> None:
     """Check FILE and print what it would create; touches no broker."""
     compiled = _load(file)
     click.echo(
-        f"{file}: valid; {_plural(len(compiled.exchanges), 'exchange')}, "
-        f"{_plural(len(compiled.queues), 'queue')}, {_plural(len(compiled.bindings), 'binding')}"
+        f"{file}: valid; {plural(len(compiled.exchanges), 'exchange')}, "
+        f"{plural(len(compiled.queues), 'queue')}, {plural(len(compiled.bindings), 'binding')}"
     )
     for c in diff(compiled, LiveState.empty()):
         click.echo(f"  {c.object:<8} {c.name}" + (f"  ({c.detail})" if c.detail else ""))

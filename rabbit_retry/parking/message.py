@@ -12,7 +12,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from rabbit_retry import contract as c
+from rabbit_retry import contract
 from rabbit_retry.parking.headers import parked_at
 
 PREVIEW_CHARS = 60
@@ -25,29 +25,33 @@ class ParkedMessage:
     headers: Mapping[str, Any] = field(default_factory=dict)
     properties: Mapping[str, Any] = field(default_factory=dict)  # PROPERTY_NAMES that are set
 
+    def header(self, name: str) -> str | None:
+        """Header ``name`` as text; None when the message does not carry it."""
+        return contract.header_text(self.headers.get(name))
+
     @property
     def message_id(self) -> str | None:
-        return c.header_text(self.properties.get("message_id"))
+        return contract.header_text(self.properties.get("message_id"))
 
     @property
     def reason(self) -> str | None:
-        return c.header_text(self.headers.get(c.PARKED_REASON))
+        return self.header(contract.PARKED_REASON)
 
     @property
     def exception_type(self) -> str | None:
-        return c.header_text(self.headers.get(c.EXCEPTION_TYPE))
+        return self.header(contract.EXCEPTION_TYPE)
 
     @property
     def exception_message(self) -> str | None:
-        return c.header_text(self.headers.get(c.EXCEPTION_MESSAGE))
+        return self.header(contract.EXCEPTION_MESSAGE)
 
     @property
     def attempts(self) -> int | None:
-        return c.as_count(self.headers.get(c.RETRY_COUNT))
+        return contract.as_count(self.headers.get(contract.RETRY_COUNT))
 
     @property
     def replay_count(self) -> int:
-        return c.as_count(self.headers.get(c.REPLAY_COUNT)) or 0
+        return contract.as_count(self.headers.get(contract.REPLAY_COUNT)) or 0
 
     @property
     def parked_at(self) -> datetime | None:
@@ -121,15 +125,15 @@ def summary_record(message: ParkedMessage) -> dict[str, Any]:
     return {
         "position": message.position,
         "message_id": message.message_id,
-        "parked_at": c.header_text(message.headers.get(c.PARKED_AT)),  # as the worker wrote it
+        "parked_at": message.header(contract.PARKED_AT),  # as the worker wrote it
         "reason": message.reason,
         "exception_type": message.exception_type,
         "exception_message": message.exception_message,
         "attempts": message.attempts,
         "replay_count": message.replay_count,
-        "original_exchange": c.header_text(message.headers.get(c.ORIGINAL_EXCHANGE)),
-        "original_routing_key": c.header_text(message.headers.get(c.ORIGINAL_ROUTING_KEY)),
-        "original_queue": c.header_text(message.headers.get(c.ORIGINAL_QUEUE)),
+        "original_exchange": message.header(contract.ORIGINAL_EXCHANGE),
+        "original_routing_key": message.header(contract.ORIGINAL_ROUTING_KEY),
+        "original_queue": message.header(contract.ORIGINAL_QUEUE),
         "body_bytes": len(message.body),
         "body_preview": preview(message.body),
     }

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aiormq.exceptions
 from aio_pika.abc import AbstractConnection
@@ -153,11 +152,6 @@ class ParkingQueue:
             self._held.clear()
 
 
-def _user(settings: Settings) -> str:
-    # aio-pika logs in as guest when the URL names no user
-    return unquote(urlsplit(settings.url).username or "guest")
-
-
 def _reply_text(exc: aiormq.exceptions.PublishError) -> str:
     frame = exc.frame
     if isinstance(frame, spec.Basic.Return):
@@ -165,24 +159,24 @@ def _reply_text(exc: aiormq.exceptions.PublishError) -> str:
     return "returned"
 
 
-async def _exists(connection: AbstractConnection, queue: str) -> int | None:
-    """Ready messages in ``queue``, or None when it does not exist (a passive declare)."""
+async def _queue_exists(connection: AbstractConnection, queue: str) -> bool:
+    """Whether the broker has ``queue`` (a passive declare, on a channel of its own)."""
     channel = await connection.channel(publisher_confirms=False)
     raw = await channel.get_underlay_channel()
     try:
-        ok = await raw.queue_declare(queue, passive=True)
+        await raw.queue_declare(queue, passive=True)
     except aiormq.exceptions.ChannelNotFoundEntity:
-        return None
+        return False
     finally:
         with suppress(Exception):
             await channel.close()
-    return int(ok.message_count or 0)
+    return True
 
 
 async def locate(connection: AbstractConnection, name: str, vhost: str) -> Target:
     """The target ``name`` designates on the broker; ``InputError`` when no queue fits."""
     for target in candidates(name):
-        if await _exists(connection, target.parking) is not None:
+        if await _queue_exists(connection, target.parking):
             return target
     if naming.main_queue_of_parking(name) is not None:
         raise InputError(f"queue {name!r} does not exist in vhost {vhost!r}")
@@ -210,7 +204,7 @@ async def open_parking(
     connection = await connect(settings, name="rabbit-retry parking")
     try:
         target = await locate(connection, name, settings.vhost)
-        if need_main and await _exists(connection, target.main) is None:
+        if need_main and not await _queue_exists(connection, target.main):
             raise InputError(
                 f"queue {target.main!r} does not exist in vhost {settings.vhost!r}: replay would "
                 "have nowhere to send the messages"
@@ -224,7 +218,7 @@ async def open_parking(
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         raw = await channel.get_underlay_channel()
         ok = await raw.queue_declare(target.parking, passive=True)
-        parking = ParkingQueue(raw, target, int(ok.message_count or 0), _user(settings))
+        parking = ParkingQueue(raw, target, int(ok.message_count or 0), settings.user)
         try:
             yield parking
         finally:

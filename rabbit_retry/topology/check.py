@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rabbit_retry.text import clip, shorten
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.model import QueueConfig, TopologySpec, resolve
 
@@ -93,8 +94,8 @@ def check(spec: TopologySpec) -> list[Problem]:
             problems.append(
                 Problem(
                     path,
-                    f"exchange {_n(ename)} collides with the retry exchange of queue "
-                    f"{_n(owner)}, which rabbit-retry declares itself",
+                    f"exchange {shorten(ename)} collides with the retry exchange of queue "
+                    f"{shorten(owner)}, which rabbit-retry declares itself",
                 )
             )
         problems += _argument_problems((*path, "arguments"), exchange.arguments)
@@ -151,14 +152,15 @@ def _name_problems(path: Path, kind: str, name: str) -> list[Problem]:
         return [
             Problem(
                 path,
-                f"{kind} name {_n(name)} has characters AMQP clients cannot send ({shown}); "
+                f"{kind} name {shorten(name)} has characters AMQP clients cannot send ({shown}); "
                 "names may hold letters A-Z a-z, digits, spaces and - _ . : @ # , / +",
             )
         ]
     if name.startswith("amq."):
         return [
             Problem(
-                path, f"{kind} name {_n(name)}: names starting with amq. are reserved by RabbitMQ"
+                path,
+                f"{kind} name {shorten(name)}: names starting with amq. are reserved by RabbitMQ",
             )
         ]
     if kind == "exchange" and len(name) > MAX_EXCHANGE_NAME:
@@ -191,21 +193,25 @@ def _derived_name_problems(
         problems.append(
             Problem(
                 path,
-                f"queue {_n(name)} collides with the parking queue of queue {_n(parking_of[name])}",
+                f"queue {shorten(name)} collides with the parking queue of queue "
+                f"{shorten(parking_of[name])}",
             )
         )
     elif name in tier_of:
         problems.append(
             Problem(
-                path, f"queue {_n(name)} collides with a retry tier of queue {_n(tier_of[name])}"
+                path,
+                f"queue {shorten(name)} collides with a retry tier of queue "
+                f"{shorten(tier_of[name])}",
             )
         )
-    elif name.endswith(naming.RETRY_SUFFIX) and name[: -len(naming.RETRY_SUFFIX)] in queues:
+    elif (exchange_owner := _owner_of_retry_exchange(name, queues)) is not None:
         problems.append(
             Problem(
                 path,
-                f"queue {_n(name)} would own names under {_n(name + '.')}, which are reserved "
-                f"for the retry tiers of queue {_n(name[: -len(naming.RETRY_SUFFIX)])}",
+                f"queue {shorten(name)} would own names under "
+                f"{shorten(naming.tier_prefix(exchange_owner))}, which are reserved for the retry "
+                f"tiers of queue {shorten(exchange_owner)}",
             )
         )
     else:
@@ -215,22 +221,16 @@ def _derived_name_problems(
             problems.append(
                 Problem(
                     path,
-                    f"queue {_n(name)} is inside the names reserved for the retry tiers of queue "
-                    f"{_n(owner)} ({owner}.retry.*)",
+                    f"queue {shorten(name)} is inside the names reserved for the retry tiers of "
+                    f"queue {shorten(owner)} ({naming.tier_prefix(owner)}*)",
                 )
             )
     return problems
 
 
 def _tier_namespace_owner(name: str, queues: Mapping[str, QueueConfig]) -> str | None:
-    """The queue ``Q`` when ``name`` starts with ``Q.retry.`` (``Q`` may itself contain dots)."""
-    marker = naming.RETRY_SUFFIX + "."
-    start = name.find(marker)
-    while start > 0:
-        if name[:start] in queues:
-            return name[:start]
-        start = name.find(marker, start + 1)
-    return None
+    """The queue ``Q`` of the file when ``name`` starts with ``Q.retry.``."""
+    return next((q for q in naming.tier_namespace_owners(name) if q in queues), None)
 
 
 def _tier_names(queue: QueueConfig) -> list[str]:
@@ -238,10 +238,9 @@ def _tier_names(queue: QueueConfig) -> list[str]:
 
 
 def _owner_of_retry_exchange(name: str, queues: Mapping[str, QueueConfig]) -> str | None:
-    suffix = naming.RETRY_SUFFIX
-    if name.endswith(suffix) and name[: -len(suffix)] in queues:
-        return name[: -len(suffix)]
-    return None
+    """The queue ``Q`` of the file when ``name`` is ``Q.retry``."""
+    owner = naming.main_queue_of_retry_exchange(name)
+    return owner if owner in queues else None
 
 
 def _exchange_reference_problems(
@@ -251,20 +250,21 @@ def _exchange_reference_problems(
         return []
     if exchange.startswith("amq."):
         builtins = ", ".join(sorted(BUILTIN_EXCHANGES))
-        return [Problem(path, f"{_n(exchange)} is not a built-in exchange ({builtins})")]
+        return [Problem(path, f"{shorten(exchange)} is not a built-in exchange ({builtins})")]
     owner = _owner_of_retry_exchange(exchange, queues)
     if owner is not None:
         return [
             Problem(
                 path,
-                f"{_n(exchange)} is the retry exchange of queue {_n(owner)}; "
+                f"{shorten(exchange)} is the retry exchange of queue {shorten(owner)}; "
                 "rabbit-retry binds it itself",
             )
         ]
     return [
         Problem(
             path,
-            f"binding to exchange {_n(exchange)}, which the file does not declare under exchanges",
+            f"binding to exchange {shorten(exchange)}, which the file does not declare under "
+            "exchanges",
         )
     ]
 
@@ -301,20 +301,20 @@ def _queue_argument_problems(path: Path, queue: QueueConfig) -> list[Problem]:
 
 def _known_argument_problems(path: Path, key: str, value: Any) -> list[Problem]:
     is_int = isinstance(value, int) and not isinstance(value, bool)
-    if key in _NON_NEGATIVE_INT and not (is_int and value >= 0):
-        return [Problem(path, f"argument {key!r} must be a whole number >= 0, got {_v(value)}")]
-    if key == "x-max-priority" and not (is_int and 0 <= value <= 255):
-        return [Problem(path, f"argument {key!r} must be a whole number 0-255, got {_v(value)}")]
-    if key == "x-quorum-initial-group-size" and not (is_int and value >= 1):
-        return [Problem(path, f"argument {key!r} must be a whole number >= 1, got {_v(value)}")]
-    if key == "x-single-active-consumer" and not isinstance(value, bool):
-        return [Problem(path, f"argument {key!r} must be true or false, got {_v(value)}")]
     allowed = _ENUM_ARGUMENTS.get(key)
-    if allowed and value not in allowed:
-        return [
-            Problem(path, f"argument {key!r} must be one of {', '.join(allowed)}, got {_v(value)}")
-        ]
-    return []
+    if key in _NON_NEGATIVE_INT and not (is_int and value >= 0):
+        rule = "a whole number >= 0"
+    elif key == "x-max-priority" and not (is_int and 0 <= value <= 255):
+        rule = "a whole number 0-255"
+    elif key == "x-quorum-initial-group-size" and not (is_int and value >= 1):
+        rule = "a whole number >= 1"
+    elif key == "x-single-active-consumer" and not isinstance(value, bool):
+        rule = "true or false"
+    elif allowed and value not in allowed:
+        rule = f"one of {', '.join(allowed)}"
+    else:
+        return []
+    return [Problem(path, f"argument {key!r} must be {rule}, got {_shorten_argument(value)}")]
 
 
 def _argument_problems(path: Path, arguments: Mapping[str, Any]) -> list[Problem]:
@@ -322,7 +322,7 @@ def _argument_problems(path: Path, arguments: Mapping[str, Any]) -> list[Problem
         Problem(
             (*path, key),
             f"argument {key!r} must be a string, a number, true/false or a list "
-            f"of those, got {_v(value)}",
+            f"of those, got {_shorten_argument(value)}",
         )
         for key, value in arguments.items()
         if not _is_argument_value(value)
@@ -340,19 +340,11 @@ def _is_argument_value(value: Any) -> bool:
     return False
 
 
-def _n(name: str) -> str:
-    """A name as messages quote it, shortened so a 255-byte name keeps the line readable."""
-    text = repr(name)
-    return text if len(text) <= 72 else text[:60] + "..." + text[-9:]
-
-
-def _v(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, int) and value not in _INT64:
+def _shorten_argument(value: Any) -> str:
+    """An argument's value as a message quotes it; an integer AMQP cannot carry says so, and a
+    list is written out, since its items are what is wrong."""
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
         return "a number too large for AMQP"
-    return _n(value) if isinstance(value, str) else repr(value)
+    if isinstance(value, list):
+        return clip(repr(value))
+    return shorten(value)

@@ -1,4 +1,5 @@
-"""Topology -> Plan: product.md section 3, as one pure function.
+"""Topology -> Plan, as one pure function: the objects the README lists under "What one queue
+`Q` compiles to".
 
 Why the arguments are what they are:
 - The main queue dead-letters to its own retry exchange with its own name as routing key, so a
@@ -19,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 from rabbit_retry.topology import naming
-from rabbit_retry.topology.durations import label
 from rabbit_retry.topology.model import QueueConfig, Topology
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
 
@@ -66,8 +66,9 @@ def compile_queue(queue: QueueConfig) -> tuple[list[Exchange], list[Queue], list
                 },
             )
         )
-        bindings.append(Binding(retry_exchange, tier, label(delay_ms)))
-        if index == 0 and name != label(delay_ms):
+        routing_key = naming.tier_routing_key(delay_ms)
+        bindings.append(Binding(retry_exchange, tier, routing_key))
+        if index == 0 and name != routing_key:
             # Broker dead letters from Q carry routing key Q: they land in the first tier.
             bindings.append(Binding(retry_exchange, tier, name))
     queues.append(
@@ -92,8 +93,8 @@ def compile_topology(topology: Topology) -> Plan:
     queues: list[Queue] = []
     bindings: list[Binding] = []
     for queue in topology.queues:
-        ex, qs, bs = compile_queue(queue)
-        exchanges += ex
-        queues += qs
-        bindings += bs
+        own_exchanges, own_queues, own_bindings = compile_queue(queue)
+        exchanges += own_exchanges
+        queues += own_queues
+        bindings += own_bindings
     return Plan(tuple(exchanges), tuple(queues), tuple(bindings))

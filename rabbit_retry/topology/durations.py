@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from rabbit_retry.text import shorten
+
 _UNITS_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 _LARGEST_FIRST = sorted(_UNITS_MS.items(), key=lambda kv: -kv[1])
 # ASCII digits only: \d would also take other scripts' digits, which int() quietly accepts.
@@ -17,7 +19,7 @@ _HINT = "write a whole number and a unit (250ms, 5s, 2m, 1h, 1d) or an integer o
 def parse_duration(value: object) -> int:
     """Milliseconds for ``value``; ``ValueError`` with a message fit for a user otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"expected a duration, got {_show(value)}: {_HINT}")
+        raise ValueError(f"expected a duration, got {shorten(value)}: {_HINT}")
     if isinstance(value, int):
         ms = value
     else:
@@ -29,7 +31,7 @@ def parse_duration(value: object) -> int:
             raise ValueError(_too_long(value))
         ms = int(digits) * _UNITS_MS[unit] * (-1 if sign else 1)
     if ms <= 0:
-        raise ValueError(f"a duration must be positive, got {_show(value)}")
+        raise ValueError(f"a duration must be positive, got {shorten(value)}")
     if ms > MAX_TTL_MS:
         raise ValueError(_too_long(value))
     return ms
@@ -46,12 +48,5 @@ def label(ms: int) -> str:
 
 
 def _too_long(value: object) -> str:
-    return f"duration {_show(value)} is longer than RabbitMQ's TTL limit (about 49.7 days)"
+    return f"duration {shorten(value)} is longer than RabbitMQ's TTL limit (about 49.7 days)"
 
-
-def _show(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, str) else str(value)

@@ -13,7 +13,6 @@ import difflib
 import types
 import typing
 import warnings
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from ruamel.yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from ruamel.yaml.reader import ReaderError
 
 from rabbit_retry.errors import InputError
+from rabbit_retry.text import clip, shorten
 from rabbit_retry.topology.check import Path as KeyPath
 from rabbit_retry.topology.check import check
 from rabbit_retry.topology.model import SUPPORTED_VERSION, Topology, TopologySpec, resolve
@@ -78,7 +78,7 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
         raise TopologyError(
             [
                 f"{source}:1: expected a mapping with version: 1 at the top level, got "
-                f"{_show(document)}"
+                f"{shorten(document)}"
             ]
         )
     try:
@@ -281,7 +281,7 @@ def _message(error: ErrorDetails) -> str:
     value = error.get("input")
     ctx = error.get("ctx") or {}
     if path == ("version",) and kind != "missing":
-        return f"unsupported version {_show(value)}; this tool reads version: {SUPPORTED_VERSION}"
+        return f"unsupported version {shorten(value)}; this tool reads version: {SUPPORTED_VERSION}"
     if kind == "extra_forbidden":
         return _unknown_key(path)
     if kind == "missing":
@@ -293,9 +293,9 @@ def _message(error: ErrorDetails) -> str:
     if kind in ("too_short", "string_too_short"):
         return "must not be empty"
     if kind == "greater_than_equal":
-        return f"must be at least {ctx.get('ge')}, got {_show(value)}"
+        return f"must be at least {ctx.get('ge')}, got {shorten(value)}"
     if kind == "literal_error":
-        return f"expected {ctx.get('expected')}, got {_show(value)}"
+        return f"expected {ctx.get('expected')}, got {shorten(value)}"
     expected = {
         "int_type": "a whole number",
         "bool_type": "true or false",
@@ -304,17 +304,17 @@ def _message(error: ErrorDetails) -> str:
         "list_type": "a list",
     }
     if kind in expected:
-        return f"expected {expected[kind]}, got {_show(value)}"
+        return f"expected {expected[kind]}, got {shorten(value)}"
     if kind == "string_type":
         quote = "; quote it" if isinstance(value, int | float) else ""
-        return f"expected a string, got {_show(value)}{quote}"
+        return f"expected a string, got {shorten(value)}{quote}"
     msg = error["msg"]
-    return f"{msg[:1].lower()}{msg[1:]}, got {_show(value)}"
+    return f"{msg[:1].lower()}{msg[1:]}, got {shorten(value)}"
 
 
 def _unknown_key(path: KeyPath) -> str:
     key = str(path[-1])
-    message = f"unknown key {_shorten(repr(key))}"
+    message = f"unknown key {shorten(key)}"
     model = _model_at(path[:-1])
     if model is None:
         return message
@@ -390,27 +390,8 @@ def _dotted(path: KeyPath) -> str:
             out += f"[{part}]"
         else:
             text = part if part and part.isprintable() else repr(part)
-            out += f".{_shorten(text)}" if out else _shorten(text)
+            out += f".{clip(text)}" if out else clip(text)
     return out or "(top level)"
-
-
-def _show(value: Any) -> str:
-    """A value as the YAML file would write it, kept short."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, date):
-        return f"{value.isoformat()} (a date)"
-    return _shorten(repr(value))
-
-
-def _shorten(text: str) -> str:
-    return text if len(text) <= 72 else text[:60] + "..." + text[-9:]
 
 
 def _one_line(text: str) -> str:

@@ -1,4 +1,4 @@
-"""The topology schema (product.md section 2) as pydantic models.
+"""The topology schema (README, "Topology reference") as pydantic models.
 
 Two layers: ``*Spec`` models mirror the file exactly (every key optional where the file may omit
 it, unknown keys rejected); ``Topology`` is the resolved form, with ``defaults`` merged into every

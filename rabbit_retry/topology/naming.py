@@ -1,8 +1,9 @@
-"""Derived names of product.md section 3: every object one queue ``Q`` compiles to."""
+"""Derived names: every object one queue ``Q`` compiles to (README, "What one queue `Q` compiles
+to"), and the way back from such a name to ``Q``."""
 
 from __future__ import annotations
 
-from rabbit_retry.topology.durations import label
+from rabbit_retry.topology.durations import label, parse_duration
 
 RETRY_SUFFIX = ".retry"
 PARKING_SUFFIX = ".parking"
@@ -12,8 +13,14 @@ def retry_exchange(queue: str) -> str:
     return queue + RETRY_SUFFIX
 
 
+def tier_routing_key(delay_ms: int) -> str:
+    """The key on ``Q.retry`` that reaches the tier of ``delay_ms``: the delay's label, which
+    also ends the tier's name."""
+    return label(delay_ms)
+
+
 def tier_queue(queue: str, delay_ms: int) -> str:
-    return f"{queue}{RETRY_SUFFIX}.{label(delay_ms)}"
+    return tier_prefix(queue) + label(delay_ms)
 
 
 def tier_prefix(queue: str) -> str:
@@ -27,6 +34,40 @@ def parking_queue(queue: str) -> str:
 
 def main_queue_of_parking(name: str) -> str | None:
     """``Q`` for ``Q.parking``; None if ``name`` is not a parking queue's name."""
-    if name.endswith(PARKING_SUFFIX) and len(name) > len(PARKING_SUFFIX):
-        return name[: -len(PARKING_SUFFIX)]
+    return _before_suffix(name, PARKING_SUFFIX)
+
+
+def main_queue_of_retry_exchange(name: str) -> str | None:
+    """``Q`` for ``Q.retry``; None if ``name`` is not a retry exchange's name."""
+    return _before_suffix(name, RETRY_SUFFIX)
+
+
+def tier_label_of(name: str, queue: str) -> str | None:
+    """``5s`` for ``Q.retry.5s`` of ``queue`` Q; None if ``name`` is not shaped like its tier."""
+    prefix = tier_prefix(queue)
+    if not name.startswith(prefix):
+        return None
+    suffix = name[len(prefix) :]
+    try:
+        ms = parse_duration(suffix)
+    except ValueError:
+        return None
+    return suffix if label(ms) == suffix else None
+
+
+def tier_namespace_owners(name: str) -> list[str]:
+    """Every ``Q`` whose tier names (``Q.retry.*``) ``name`` is among, shortest first: ``Q`` may
+    itself contain dots, so ``a.retry.b.retry.5s`` is under both ``a`` and ``a.retry.b``."""
+    marker = tier_prefix("")
+    owners = []
+    start = name.find(marker, 1)
+    while start != -1:
+        owners.append(name[:start])
+        start = name.find(marker, start + 1)
+    return owners
+
+
+def _before_suffix(name: str, suffix: str) -> str | None:
+    if name.endswith(suffix) and len(name) > len(suffix):
+        return name[: -len(suffix)]
     return None

@@ -40,9 +40,10 @@ handler but counted as one failed attempt and retried or parked by the worker it
 version counts returns, and when the broker's own ``nack`` cycle may be used, is in
 ``redelivery``.
 
-Failures so far (docs/worker.md) = max(``retry-count``, sum of ``count`` over ``x-death``
-entries for queue ``Q`` with reason ``rejected`` or ``delivery_limit``). Every value read here
-may be garbled by some client on the way; a garbled value counts as 0 and nothing here raises.
+Failures so far = max(``retry-count``, sum of ``count`` over ``x-death`` entries for queue
+``Q`` with reason ``rejected`` or ``delivery_limit``) (docs/versions.md, "How attempts are
+counted"). Every value read here may be garbled by some client on the way; a garbled value
+counts as 0 and nothing here raises.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _death_entries(headers: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 
 def failures_so_far(headers: object, queue: str) -> int:
-    """Failed handler attempts on ``queue`` recorded in ``headers`` (product.md section 4)."""
+    """Failed handler attempts on ``queue`` recorded in ``headers`` (README, "The worker")."""
     if not isinstance(headers, Mapping) or not headers:
         return 0
     try:

@@ -175,7 +175,7 @@ def parked_headers(
     expiration: str | None = None,
     frame_max: int = 131072,
 ) -> dict[str, Any]:
-    """Headers of a parked copy (product.md section 4), bounded to fit one content frame.
+    """Headers of a parked copy (README, "The worker"), bounded to fit one content frame.
 
     If the delivery's own headers leave too little room under ``frame_max``, the stack trace and
     then the message shrink further, down to nothing; the copy always stays publishable.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from rabbit_retry.topology.durations import label
+from rabbit_retry.topology import naming
 from rabbit_retry.topology.model import QueueType, RetryPolicy
 from rabbit_retry.worker.consumer import HandlerTimeout, Permanent
 
@@ -133,4 +133,4 @@ def decide(
     delay_ms = policy.delay_for(after)
     if native_ok and uses_native_retry(policy, queue_type):
         return NativeRetry(after, delay_ms)
-    return TierRetry(after, delay_ms, label(delay_ms))
+    return TierRetry(after, delay_ms, naming.tier_routing_key(delay_ms))

@@ -1,4 +1,4 @@
-"""Prometheus metrics of product.md section 7, in a registry of the runner's own.
+"""Prometheus metrics (README, "The worker"), in a registry of the runner's own.
 
 A dedicated ``CollectorRegistry`` per runner (not the global one) lets several runners, or
 several tests, live in one process without colliding. Label children are bound once per queue

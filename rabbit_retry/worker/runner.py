@@ -23,13 +23,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aiormq.exceptions
 from aiormq.abc import AbstractConnection
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_never, wait_exponential_jitter
 
-from rabbit_retry.broker.connect import connect
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import load_topology, naming
@@ -43,16 +42,6 @@ log = logging.getLogger("rabbit_retry.worker")
 DEFAULT_GRACE = 30.0
 RECONNECT_INITIAL = 0.5
 RECONNECT_MAX = 30.0
-
-_CONNECTION_ERRORS = (
-    BrokerError,
-    aiormq.exceptions.AMQPError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    ConnectionError,
-    OSError,
-    TimeoutError,
-    RuntimeError,  # aiormq: "connection closed" while opening a channel
-)
 
 
 def subscribe(
@@ -145,7 +134,7 @@ class Runner:
         self.subscriptions = subscribe(consumers, topology, self.metrics)
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
-        self.user = unquote(urlsplit(self.settings.url).username or "guest")
+        self.user = self.settings.user
         self.ready = asyncio.Event()  # consuming (cleared while reconnecting)
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -185,7 +174,7 @@ class Runner:
             wait=wait_exponential_jitter(
                 multiplier=RECONNECT_INITIAL, max=RECONNECT_MAX, jitter=RECONNECT_INITIAL
             ),
-            retry=retry_if_exception_type(_CONNECTION_ERRORS),
+            retry=retry_if_exception_type(CONNECTION_ERRORS),
             stop=stop_never,
             sleep=self._sleep_unless_stopped,
             reraise=True,
@@ -197,7 +186,7 @@ class Runner:
                 attempts += 1
                 try:
                     session = await self._open()
-                except _CONNECTION_ERRORS as exc:
+                except CONNECTION_ERRORS as exc:
                     text = mask(str(exc)) or type(exc).__name__
                     if text != last_error:  # once per distinct reason, never per attempt
                         log.warning(

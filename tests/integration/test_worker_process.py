@@ -1,5 +1,5 @@
 """``rabbit-retry worker`` as users run it: a process that stops on SIGTERM without losing a
-message, and one-line errors with the exit codes of product.md section 6."""
+message, and one-line errors with the exit codes the README lists under "Commands"."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The compiler: one queue Q -> every broker object of product.md section 3, argument by
-argument."""
+"""The compiler: one queue Q -> every broker object of the README's "What one queue `Q` compiles
+to", argument by argument."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every row of the decision table of product.md section 4."""
+"""Every row of the decision table (README, "The worker": what happens to a delivery)."""
 
 from __future__ import annotations
 

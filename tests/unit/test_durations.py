@@ -73,7 +73,7 @@ def test_label_uses_the_largest_whole_unit(ms: int, expected: str) -> None:
         (True, "expected a duration, got true"),
         (False, "expected a duration, got false"),
         (None, "expected a duration, got null"),
-        (["5s"], "expected a duration, got ['5s']"),
+        (["5s"], "expected a duration, got a list"),
         ("50d", "duration '50d' is longer than RabbitMQ's TTL limit (about 49.7 days)"),
         (MAX_TTL_MS + 1, "duration 4294967296 is longer than RabbitMQ's TTL limit"),
         ("9" * 30 + "ms", "is longer than RabbitMQ's TTL limit"),

@@ -10,7 +10,8 @@ from decimal import Decimal
 
 import pytest
 
-from rabbit_retry.parking import headers as h
+from rabbit_retry.contract import ORIGINAL_QUEUE
+from rabbit_retry.parking import headers as parking_headers
 from rabbit_retry.parking.act import Pacer
 from rabbit_retry.parking.filters import Selection, Where, parse_age, parse_where, selection
 from rabbit_retry.parking.message import (
@@ -53,7 +54,7 @@ PARKED = {
 
 
 def test_replay_strips_parking_and_death_headers_and_counts_the_replay() -> None:
-    assert h.replay_headers(PARKED) == {
+    assert parking_headers.replay_headers(PARKED) == {
         "original-exchange": "orders",
         "original-routing-key": "order.created",
         "tenant": "acme",
@@ -63,19 +64,19 @@ def test_replay_strips_parking_and_death_headers_and_counts_the_replay() -> None
 
 def test_replay_count_increments_and_the_input_is_left_alone() -> None:
     before = {**PARKED, "replay-count": 1}
-    assert h.replay_headers(before)["replay-count"] == 2
+    assert parking_headers.replay_headers(before)["replay-count"] == 2
     assert before["replay-count"] == 1 and "x-death" in before
 
 
 @pytest.mark.parametrize("garbled", ["two", -1, True, None, 1.5e300 * 1e10, b"\xff"])
 def test_a_garbled_replay_count_counts_as_zero(garbled: object) -> None:
-    assert h.replay_headers({"replay-count": garbled})["replay-count"] == 1
+    assert parking_headers.replay_headers({"replay-count": garbled})["replay-count"] == 1
 
 
 def test_replay_count_written_as_text_or_bytes_still_counts() -> None:
-    assert h.replay_headers({"replay-count": "2"})["replay-count"] == 3
-    assert h.replay_headers({"replay-count": b"4"})["replay-count"] == 5
-    assert h.replay_headers(None) == {"replay-count": 1}
+    assert parking_headers.replay_headers({"replay-count": "2"})["replay-count"] == 3
+    assert parking_headers.replay_headers({"replay-count": b"4"})["replay-count"] == 5
+    assert parking_headers.replay_headers(None) == {"replay-count": 1}
 
 
 @pytest.mark.parametrize(
@@ -93,7 +94,7 @@ def test_replay_count_written_as_text_or_bytes_still_counts() -> None:
     ],
 )
 def test_parked_at(value: object, expected: dt.datetime | None) -> None:
-    assert h.parked_at({"parked-at": value}) == expected
+    assert parking_headers.parked_at({"parked-at": value}) == expected
 
 
 # --- filters ------------------------------------------------------------------------------------
@@ -209,6 +210,12 @@ def test_summary_record_is_what_show_json_prints() -> None:
         "body_bytes": 12,
         "body_preview": '{"order": 7}',
     }
+
+
+def test_a_header_as_text_or_none() -> None:
+    message = _message(**{"original-queue": b"orders"})
+    assert message.header(ORIGINAL_QUEUE) == "orders"  # AMQP bytes read as text
+    assert message.header("no-such-header") is None
 
 
 def test_export_record_has_properties_headers_and_body() -> None:

@@ -3,9 +3,14 @@ where it drops messages."""
 
 from __future__ import annotations
 
+import io
+
+from rich.console import Console, RenderableType
+
 from rabbit_retry.broker.diff import diff
 from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState
-from rabbit_retry.status import build_status
+from rabbit_retry.status import build_status, status_view
+from rabbit_retry.tables import cell
 from rabbit_retry.topology import Plan, compile_topology, parse_topology
 
 TOPOLOGY = """
@@ -117,3 +122,33 @@ def test_messages_a_quorum_queue_holds_for_dead_lettering_are_reported_per_queue
     orders, payments = build_status(plan, live, (), vhost="v", source="t.yml").queues
     assert orders.to_json()["held_for_dead_lettering"] == {"orders": 2, "orders.retry.1s": 3}
     assert payments.held == ()
+
+
+def printed(renderable: RenderableType) -> list[str]:
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(renderable)
+    return [line.rstrip() for line in out.getvalue().splitlines()]
+
+
+def test_the_status_view_puts_drift_before_the_counts() -> None:
+    plan = plan_of()
+    live = live_of(plan, drop=("orders.parking",), counts={"orders": (7, 2, 1)})
+    lines = printed(status_view(build_status(plan, live, diff(plan, live), vhost="v",
+                                             source="t.yml")))
+    assert lines[0] == ("DRIFT: 1 object of t.yml missing or different on the broker; "
+                        "`rabbit-retry plan t.yml` shows the fix")
+    assert lines[1].startswith("  missing queue orders.parking (parking queue of orders)")
+    assert lines[3].strip() == "vhost v"
+    orders = next(line.replace("│", " ").split() for line in lines if line.startswith("orders"))
+    assert orders == ["orders", "7", "2", "1", "0", "-"]  # no parking queue: a dash
+
+
+def test_the_status_view_says_no_drift() -> None:
+    plan = plan_of()
+    live = live_of(plan)
+    lines = printed(status_view(build_status(plan, live, (), vhost="v", source="t.yml")))
+    assert lines[-1] == "no drift: the broker has every object t.yml derives"
+
+
+def test_an_empty_cell_is_a_dash_and_never_markup() -> None:
+    assert [cell(v).plain for v in (None, "", 0, "[bold]x")] == ["-", "-", "0", "[bold]x"]

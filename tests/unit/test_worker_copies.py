@@ -57,7 +57,7 @@ def test_retry_copy_keeps_an_existing_original_source() -> None:
     assert headers["original-expiration"] == "60000"
 
 
-def test_parked_headers_of_product_section_4() -> None:
+def test_parked_headers_the_readme_lists() -> None:
     try:
         raise ValueError("bad card")
     except ValueError as exc:
@@ -78,7 +78,7 @@ def test_parked_headers_of_product_section_4() -> None:
     assert headers["exception-message"] == "bad card"
     assert headers["exception-stacktrace"].startswith("Traceback (most recent call last):\n")
     assert headers["exception-stacktrace"].endswith("ValueError: bad card\n")
-    assert "test_parked_headers_of_product_section_4" in headers["exception-stacktrace"]
+    assert "test_parked_headers_the_readme_lists" in headers["exception-stacktrace"]
     assert headers["original-exchange"] == "orders"
     assert headers["original-routing-key"] == "order.created"
     assert headers["original-queue"] == "orders.fraud-check"
