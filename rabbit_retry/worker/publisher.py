@@ -22,6 +22,8 @@ from aiormq import spec
 from aiormq.abc import AbstractChannel, AbstractConnection
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_never, wait_exponential_jitter
 
+from rabbit_retry.broker.connect import CONNECTION_ERRORS
+
 log = logging.getLogger("rabbit_retry.worker")
 
 CONFIRM_TIMEOUT = 30.0
@@ -61,7 +63,7 @@ class Publisher:
                     self._channel = await self._connection.channel(
                         publisher_confirms=True, on_return_raises=True
                     )
-                except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
+                except CONNECTION_ERRORS as exc:
                     raise PublishFailed(f"cannot open a publishing channel: {exc}") from exc
             return self._channel
 
@@ -109,11 +111,7 @@ class Publisher:
                 ) from exc
             except aiormq.exceptions.ChannelNotFoundEntity as exc:
                 raise PublishFailed(f"{where}: {exc}") from exc
-            except (
-                aiormq.exceptions.AMQPError,
-                aiormq.exceptions.ChannelInvalidStateError,
-                ConnectionError,
-            ) as exc:
+            except CONNECTION_ERRORS as exc:
                 raise PublishFailed(f"publishing to {where} failed: {exc!r}") from exc
             if not isinstance(result, spec.Basic.Ack):
                 raise PublishFailed(f"no publisher confirm for {where} (got {result!r})")
