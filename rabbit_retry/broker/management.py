@@ -89,7 +89,8 @@ class Management:
             reason = str(response.json().get("reason") or "")
         except (ValueError, AttributeError):
             reason = ""
-        if reason and reason != "Login failed":
+        # Wrong credentials: "Login failed" on 3.x, "Not_Authorized" on 4.x.
+        if reason and reason not in ("Login failed", "Not_Authorized"):
             # The password was right; the user lacks a tag the API asks for.
             hint = (
                 "; it needs the management or monitoring tag"
