@@ -6,12 +6,11 @@ the normal ``pytest tests`` run. The vhost fixtures come from ``tests/conftest.p
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.broker import ctl
 
 from rabbit_retry.broker.management import Management
 
@@ -31,12 +30,8 @@ def records(tmp_path: Path) -> Path:
     return path
 
 
-def _dlx_supervisor(node: str) -> str:
-    done = subprocess.run(
-        ["rabbitmqctl", "-n", node, "eval", "whereis(rabbit_fifo_dlx_sup)."],
-        capture_output=True, text=True, timeout=60,
-    )
-    return done.stdout.strip()
+def _dlx_supervisor(management: Management) -> str:
+    return ctl(management, "eval", "whereis(rabbit_fifo_dlx_sup).", timeout=60).strip()
 
 
 @pytest.fixture
@@ -46,17 +41,12 @@ def dlx_guard(management: Management) -> Iterator[None]:
     is not a table, and two crashes stop its supervisor, which breaks every quorum queue with
     at-least-once dead-lettering on the node (a shared broker). If that happened, restart the
     supervisor at once and fail the test, naming it."""
-    node = str(management.overview()["node"])
-    if shutil.which("rabbitmqctl") is None or _dlx_supervisor(node) in ("", "undefined"):
-        yield
-        return
+    # Positive control: the supervisor runs before the test, so "undefined" after it means died.
+    assert _dlx_supervisor(management) not in ("", "undefined")
     yield
-    if _dlx_supervisor(node) == "undefined":
-        subprocess.run(
-            ["rabbitmqctl", "-n", node, "eval",
-             "supervisor:restart_child(rabbit_sup, rabbit_fifo_dlx_sup)."],
-            capture_output=True, text=True, timeout=60,
-        )
+    if _dlx_supervisor(management) == "undefined":
+        ctl(management, "eval", "supervisor:restart_child(rabbit_sup, rabbit_fifo_dlx_sup).",
+            timeout=60)
         pytest.fail("the broker's quorum dead-letter supervisor (rabbit_fifo_dlx_sup) died "
                     "during this test: a client-written x-death reached the broker's "
                     "dead-lettering (restarted it)")

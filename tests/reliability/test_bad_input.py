@@ -9,6 +9,7 @@ tests/unit/test_worker_copies.py; here a few examples go through the broker.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiormq
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,7 +38,9 @@ from rel_support import (
     total_depth,
     wait_for,
 )
+from support.broker import ctl
 
+from rabbit_retry.broker.management import Management
 from rabbit_retry.contract import copy_properties
 from rabbit_retry.settings import Settings
 from rabbit_retry.wire import encoded_size
@@ -136,19 +140,59 @@ MODEL_BODIES = {
 }
 
 
+def _json_of_size(fields: dict[str, Any], pad: str, size: int) -> bytes:
+    """A JSON object of exactly ``size`` bytes: ``fields`` and a ``pad`` string filling it."""
+    empty = len(json.dumps({**fields, pad: ""}).encode())
+    body = json.dumps({**fields, pad: "a" * (size - empty)}).encode()
+    assert len(body) == size
+    return body
+
+
+def _max_message_size(management: Management) -> int:
+    """The broker's limit on a message body (4.x: 16 MiB by default; 3.10: 128 MiB)."""
+    text = ctl(management, "eval", "application:get_env(rabbit, max_message_size).").strip()
+    assert text.startswith("{ok,") and text.endswith("}"), text
+    return int(text[4:-1])
+
+
+def _refused(settings: Settings, size: int) -> bool:
+    """Whether the broker refuses a body of ``size`` bytes (the channel closes)."""
+
+    async def go() -> bool:
+        connection = await aiormq.connect(settings.url)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            try:
+                await channel.basic_publish(b"\x00" * size, routing_key="nowhere")
+            except aiormq.exceptions.ChannelPreconditionFailed as exc:
+                return "larger than" in str(exc)
+            return False
+        finally:
+            await connection.close()
+
+    return bool(asyncio.run(go()))
+
+
 def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
-    fresh_vhost: Settings, worker: Worker
+    fresh_vhost: Settings, worker: Worker, management: Management
 ) -> None:
     started = time.monotonic()
-    # 3.10 refuses bodies above max_message_size (128 MiB by default); 16 MiB is far below it
-    # and far above frame_max, so the body travels in 128 body frames each way.
-    big_json = json.dumps({"id": "big-json", "pad": "a" * (16 * MiB)}).encode()
-    big_binary = os.urandom(16 * MiB)
+    # Bodies as large as the broker takes, up to 16 MiB: far above frame_max, so each travels
+    # in 128 body frames each way. RabbitMQ 4.x refuses bodies above max_message_size (16 MiB
+    # by default), so there they are exactly at the limit, and parking one proves that the
+    # headers the worker adds do not count towards it (only the body does).
+    limit = _max_message_size(management)
+    size = min(16 * MiB, limit)
+    if size == limit:  # the positive control: one byte more is refused
+        assert _refused(fresh_vhost, limit + 1)
+    print(f"[reliability] max_message_size {limit} bytes; big bodies of {size} bytes")
+    big_json = _json_of_size({"id": "big-json"}, "pad", size)
+    big_binary = os.urandom(size)
     big_binary = b"\x80" + big_binary[1:]  # never valid UTF-8, so never JSON
+    big_order = _json_of_size({"amount": 7}, "id", size)
     publish(fresh_vhost, [Outgoing(f"o-{name}", body) for name, (body, _) in JSON_BODIES.items()]
             + [Outgoing("o-big-json", big_json), Outgoing("o-big-binary", big_binary),
                Outgoing("o-json-list", b"[1, 2]")], routing_key="rel.orders")
-    big_order = json.dumps({"id": "t" * (16 * MiB), "amount": 7}).encode()
     publish(fresh_vhost, [Outgoing(f"t-{name}", body) for name, (body, _) in MODEL_BODIES.items()]
             + [Outgoing("t-ok", b'{"id": "t-ok", "amount": 3}'), Outgoing("t-big", big_order)],
             routing_key="rel.typed")
@@ -195,7 +239,7 @@ def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
     for message_id, message in shown.items():
         assert view[message_id]["reason"] == "invalid"
         assert view[message_id]["exception_message"] == message
-    assert view["o-big-binary"]["body_bytes"] == 16 * MiB
+    assert view["o-big-binary"]["body_bytes"] == size
     assert total_depth(fresh_vhost, ["rel.orders.parking"]) == len(JSON_BODIES) + 1
 
 

@@ -10,7 +10,6 @@ or is parked with its expected reason, none is left behind, duplicates are count
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from rel_support import (
     wait_for,
     worker_connections,
 )
+from support.broker import ctl
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -146,19 +146,12 @@ def test_connection_closed_by_the_broker_reconnects_by_itself_and_loses_nothing(
     ledger.check("connection closed by the broker", started)
 
 
-def _ctl(node: str, *args: str, timeout: float = 180.0) -> None:
-    done = subprocess.run(["rabbitmqctl", "-n", node, *args], capture_output=True, text=True,
-                          timeout=timeout)
-    assert done.returncode == 0, f"rabbitmqctl {' '.join(args)}: {done.stderr or done.stdout}"
-
-
 def test_broker_app_stopped_and_started_mid_stream_loses_nothing(
     fresh_vhost: Settings, tmp_path: Path, records: Path, management: Management,
     worker_guard: list[Worker],
 ) -> None:
     """The shared broker goes down for a few seconds; ``finally`` always brings it back."""
     started = time.monotonic()
-    node = str(management.overview()["node"])
     # Durable queues, persistent messages: rel.orders quorum with two tiers, rel.payments
     # classic with one (a classic queue always takes the confirmed-copy path).
     topology, expected = _setup(fresh_vhost, tmp_path, "quorum", "classic", 200, 150)
@@ -171,11 +164,11 @@ def test_broker_app_stopped_and_started_mid_stream_loses_nothing(
     wait_for(lambda: len(ok_ids(records)) >= threshold, f"{threshold} successes")
     stopped_at = time.monotonic()
     try:
-        _ctl(node, "stop_app")  # itself takes several seconds: it closes every queue cleanly
+        ctl(management, "stop_app")  # itself takes several seconds: it closes every queue cleanly
         time.sleep(1)
     finally:
-        _ctl(node, "start_app")
-        _ctl(node, "await_startup")
+        ctl(management, "start_app")
+        ctl(management, "await_startup")
     outage = time.monotonic() - stopped_at
     wait_for(lambda: "reconnected after" in worker.log(), "the worker to reconnect", within=180)
     assert not worker.exited() and worker.pid == pid, "the worker must reconnect by itself"

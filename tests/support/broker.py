@@ -1,0 +1,32 @@
+"""The broker under test, beyond its URLs (test-only): its version, and its own rabbitmqctl.
+
+``scripts/broker.sh env VERSION`` exports ``RABBIT_RETRY_TEST_CTL`` (a command that runs the
+rabbitmqctl of that broker's version, aimed at its node) and ``RABBIT_RETRY_TEST_NODE``: the
+machine's rabbitmqctl cannot reach a node of another version (Erlang cookie and distribution).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+
+from rabbit_retry.broker.management import Management
+
+
+def ctl(management: Management, *args: str, timeout: float = 180.0) -> str:
+    """``rabbitmqctl ARGS`` against the broker under test; its output, or AssertionError."""
+    prefix = shlex.split(os.environ.get("RABBIT_RETRY_TEST_CTL", "rabbitmqctl"))
+    if prefix == ["rabbitmqctl"]:
+        node = os.environ.get("RABBIT_RETRY_TEST_NODE") or str(management.overview()["node"])
+        prefix += ["-n", node]
+    done = subprocess.run([*prefix, *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"rabbitmqctl {' '.join(args)}: {done.stderr or done.stdout}"
+    return done.stdout
+
+
+def version(management: Management) -> tuple[int, int]:
+    """(major, minor) of the broker under test."""
+    major, minor = str(management.overview()["rabbitmq_version"]).split(".")[:2]
+    return int(major), int(minor)
