@@ -265,12 +265,13 @@ class Session:
         return decide(outcome, failures, sub.config.retry, sub.config.queue_type, native_ok=native)
 
     @staticmethod
-    async def _call(sub: Subscription, delivery: Delivery[Any]) -> None:
+    def _call(sub: Subscription, delivery: Delivery[Any]) -> Awaitable[Any]:
+        """The handler's awaitable: the coroutine itself, or its run in the thread pool."""
         if sub.threads is None:
-            await cast(Awaitable[None], sub.consumer.handle(delivery))
-        else:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(sub.threads, sub.consumer.handle, delivery)
+            return cast(Awaitable[None], sub.consumer.handle(delivery))
+        return asyncio.get_running_loop().run_in_executor(
+            sub.threads, sub.consumer.handle, delivery
+        )
 
     @classmethod
     async def _call_within(cls, sub: Subscription, delivery: Delivery[Any], seconds: float) -> None:
