@@ -100,10 +100,13 @@ run_pytest() {
     stage "$label"
     log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-pytest.XXXXXX")"
     # SIGINT first, so a timed-out pytest still tears down (deleting its vhosts) and reports.
-    timeout --signal=INT --kill-after=60 "$PYTEST_TIMEOUT" \
+    # pytest's own exit code, through the pipe to tee (PIPESTATUS would be lost to `|| true`).
+    { timeout --signal=INT --kill-after=60 "$PYTEST_TIMEOUT" \
         pytest ${run_targets[@]+"${run_targets[@]}"} "$verbosity" -ra --durations=10 \
-        -p no:cacheprovider "$@" </dev/null 2>&1 | tee "$log" || true
-    rc="${PIPESTATUS[0]}"
+        -p no:cacheprovider "$@" </dev/null 2>&1 && echo 0 >"$log.rc" || echo $? >"$log.rc"; } |
+        tee "$log"
+    rc="$(cat "$log.rc")"
+    rm -f "$log.rc"
     line="$(grep -E '(passed|failed|error|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 || true)"
     local n
     for n in $(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+' || true); do
