@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from rel_support import Worker
 from support.broker import ctl
 
 from rabbit_retry.broker.management import Management
@@ -50,3 +51,12 @@ def dlx_guard(management: Management) -> Iterator[None]:
         pytest.fail("the broker's quorum dead-letter supervisor (rabbit_fifo_dlx_sup) died "
                     "during this test: a client-written x-death reached the broker's "
                     "dead-lettering (restarted it)")
+
+
+@pytest.fixture
+def worker_guard() -> Iterator[list[Worker]]:
+    """Kills whatever worker a failed test left running."""
+    made: list[Worker] = []
+    yield made
+    for worker in made:
+        worker.ensure_dead()

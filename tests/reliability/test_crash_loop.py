@@ -11,7 +11,6 @@ none, the worker's own 20).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,13 +34,6 @@ from rabbit_retry.settings import Settings
 INNOCENT = 20
 PREFETCH = 10
 
-
-@pytest.fixture
-def worker_guard() -> Iterator[list[Worker]]:
-    made: list[Worker] = []
-    yield made
-    for worker in made:
-        worker.ensure_dead()
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,8 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from rel_support import (
     Outgoing,
     Worker,
@@ -52,13 +50,6 @@ queues:
     retry: {{delays: %(delays)s, max_attempts: %(attempts)d}}
 """
 
-
-@pytest.fixture
-def worker_guard() -> Iterator[list[Worker]]:
-    made: list[Worker] = []
-    yield made
-    for worker in made:
-        worker.ensure_dead()
 
 
 def _topology(tmp_path: Path, settings: Settings, *, queue_type: str = "quorum",

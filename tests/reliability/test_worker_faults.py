@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from rel_support import (
     Worker,
     apply,
@@ -61,14 +59,6 @@ def _setup(settings: Settings, tmp_path: Path, orders_type: str, payments_type: 
     publish(settings, p_messages, exchange="rel", routing_key="payments")
     return topology, expected
 
-
-@pytest.fixture
-def worker_guard() -> Iterator[list[Worker]]:
-    """Kills whatever worker a failed test left running."""
-    made: list[Worker] = []
-    yield made
-    for worker in made:
-        worker.ensure_dead()
 
 
 def _thresholds(expected: dict[str, str], fractions: tuple[float, ...]) -> list[int]:
