@@ -459,3 +459,35 @@ def test_a_replay_the_main_queue_refuses_stops_and_keeps_the_rest_parked(
     assert [m.message_id for m in asyncio.run(take_all(fresh_vhost, "cap"))] == ["c0"]
     assert [s.properties["message_id"] for s in look(management, fresh_vhost, "cap.parking")] \
         == ["c1", "c2"]
+
+
+def test_a_replay_keeps_doubles_and_binary_headers_exactly(
+    fresh_vhost: Settings, run_cli: Run
+) -> None:
+    # pamqp's own encoder writes every float as a 32-bit float and refuses bytes; replays go
+    # through the exact encoder (rabbit_retry.wire), as retry and parked copies do.
+    import aiormq
+
+    from rabbit_retry.contract import copy_properties
+
+    asyncio.run(provision(fresh_vhost, TOPOLOGY))
+    headers = {"ratio": 0.1, "raw": b"\xff\xfe", "parked-reason": "exhausted", "retry-count": 3}
+
+    async def park_exactly() -> None:
+        connection = await aiormq.connect(fresh_vhost.url)
+        try:
+            channel = await connection.channel(publisher_confirms=True)
+            properties = copy_properties(
+                aiormq.spec.Basic.Properties(delivery_mode=2, message_id="d"), headers
+            )
+            await channel.basic_publish(b"{}", routing_key="orders.parking", properties=properties)
+        finally:
+            await connection.close()
+
+    asyncio.run(park_exactly())
+    result = run_cli("parking", "replay", "orders", "--yes", settings=fresh_vhost)
+    assert result.code == 0, result.err
+    (replayed,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    assert replayed.headers["ratio"] == 0.1  # a 32-bit float would read 0.10000000149011612
+    assert replayed.headers["raw"] == b"\xff\xfe"
+    assert "retry-count" not in replayed.headers
