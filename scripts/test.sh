@@ -49,6 +49,29 @@ timeout 600 ruff check --output-format=concise rabbit_retry tests bench </dev/nu
 stage "mypy --strict rabbit_retry"
 timeout 900 mypy --strict rabbit_retry </dev/null || FAILED+=(mypy)
 
+# What users install: the wheel, in a fresh venv, run from outside the source tree.
+wheel_smoke() {
+    local tmp rc=0
+    tmp="$(mktemp -d "${TMPDIR:-/tmp}/rabbit-retry-wheel.XXXXXX")"
+    {
+        "$VENV/bin/python" -m pip wheel --no-deps -q -w "$tmp/dist" "$ROOT" </dev/null &&
+            "$(find_python)" -m venv "$tmp/venv" &&
+            timeout 900 "$tmp/venv/bin/python" -m pip install -q "$tmp"/dist/*.whl </dev/null &&
+            (
+                cd "$tmp" &&
+                    "$tmp/venv/bin/rabbit-retry" --version &&
+                    "$tmp/venv/bin/rabbit-retry" validate "$ROOT/topologies/orders.yml" &&
+                    "$tmp/venv/bin/python" -c '
+import importlib.resources, rabbit_retry, rabbit_retry.worker, rabbit_retry.contract
+assert rabbit_retry.__file__.startswith("'"$tmp"'/venv/"), rabbit_retry.__file__
+assert importlib.resources.files("rabbit_retry").joinpath("py.typed").is_file()
+print("wheel smoke: imports, py.typed and the CLI work from", rabbit_retry.__file__)'
+            )
+    } </dev/null || rc=$?
+    rm -rf "$tmp"
+    return "$rc"
+}
+
 BROKERS=()
 args=()
 while [ $# -gt 0 ]; do
@@ -138,6 +161,11 @@ version_targets() {
         *) echo tests ;;
     esac
 }
+
+if [ -z "$only_unit" ]; then
+    stage "wheel: build it, install it in a fresh venv, smoke it"
+    wheel_smoke || FAILED+=(wheel)
+fi
 
 label=""
 if [ -n "$only_unit" ]; then
