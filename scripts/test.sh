@@ -53,14 +53,18 @@ timeout 900 mypy --strict rabbit_retry </dev/null || FAILED+=(mypy)
 wheel_smoke() {
     local tmp rc=0
     tmp="$(mktemp -d "${TMPDIR:-/tmp}/rabbit-retry-wheel.XXXXXX")"
+    # Build and install quietly; their output is shown only when they fail.
     {
-        "$VENV/bin/python" -m pip wheel --no-deps -q -w "$tmp/dist" "$ROOT" </dev/null &&
+        "$VENV/bin/python" -m pip wheel --no-deps -q -w "$tmp/dist" "$ROOT" >"$tmp/build.log" 2>&1 &&
             "$(find_python)" -m venv "$tmp/venv" &&
-            timeout 900 "$tmp/venv/bin/python" -m pip install -q "$tmp"/dist/*.whl </dev/null &&
+            timeout 900 "$tmp/venv/bin/python" -m pip install -q "$tmp"/dist/*.whl \
+                >>"$tmp/build.log" 2>&1 &&
+            note "built and installed $(basename "$tmp"/dist/*.whl)" &&
             (
                 cd "$tmp" &&
                     "$tmp/venv/bin/rabbit-retry" --version &&
-                    "$tmp/venv/bin/rabbit-retry" validate "$ROOT/topologies/orders.yml" &&
+                    "$tmp/venv/bin/rabbit-retry" validate "$ROOT/topologies/orders.yml" \
+                        >"$tmp/validate.out" && head -n 1 "$tmp/validate.out" &&
                     "$tmp/venv/bin/python" -c '
 import importlib.resources, rabbit_retry, rabbit_retry.worker, rabbit_retry.contract
 assert rabbit_retry.__file__.startswith("'"$tmp"'/venv/"), rabbit_retry.__file__
@@ -68,6 +72,7 @@ assert importlib.resources.files("rabbit_retry").joinpath("py.typed").is_file()
 print("wheel smoke: imports, py.typed and the CLI work from", rabbit_retry.__file__)'
             )
     } </dev/null || rc=$?
+    [ "$rc" -eq 0 ] || tail -n 40 "$tmp/build.log" >&2 2>/dev/null || true
     rm -rf "$tmp"
     return "$rc"
 }
