@@ -189,6 +189,9 @@ queues:
 """
 
 
+MAX_RETURNS = 50  # far above the test's x-delivery-limit of 1: the broker must have acted
+
+
 async def _return_until_dead_lettered(settings: Settings, queue: str) -> int:
     """Publish one message to ``queue`` and requeue it (reject, requeue) until the broker's
     delivery limit dead-letters it; the number of deliveries seen. A reject, because since 4.3
@@ -203,7 +206,7 @@ async def _return_until_dead_lettered(settings: Settings, queue: str) -> int:
         q = await channel.get_queue(queue, ensure=False)
         deliveries = 0
         deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline and deliveries < 50:
+        while time.monotonic() < deadline and deliveries < MAX_RETURNS:
             message = await q.get(no_ack=False, fail=False)
             if message is None:
                 if deliveries:
@@ -212,7 +215,11 @@ async def _return_until_dead_lettered(settings: Settings, queue: str) -> int:
                 continue
             deliveries += 1
             await message.reject(requeue=True)
-        raise AssertionError(f"{queue}: still deliverable after {deliveries} deliveries")
+        raise AssertionError(
+            f"{queue}: still deliverable after {deliveries} deliveries, each rejected with "
+            f"requeue: the broker's delivery limit never dead-lettered it (gave up at "
+            f"{MAX_RETURNS} or after {DEADLINE_S}s)"
+        )
 
 
 def test_messages_stuck_in_dead_lettering_are_reported(

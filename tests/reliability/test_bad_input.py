@@ -1,7 +1,8 @@
 """Bad input through the real worker process: bodies that are empty, not UTF-8, not JSON or
-16 MiB; headers of the wrong types, by hand and fuzzed with hypothesis; exceptions megabytes
-long. Each message ends parked with the reason and the text a user sees, or handled with the
-attempt number the rules give; nothing is lost and the worker never logs an internal error.
+as large as the broker takes (16 MiB, its limit on 4.x); headers of the wrong types, by hand
+and fuzzed with hypothesis; exceptions megabytes long. Each message ends parked with the
+reason and the text a user sees, or handled with the attempt number the rules give; nothing is
+lost and the worker never logs an internal error.
 
 The pure rules are fuzzed with many more examples in tests/unit/test_attempts.py and
 tests/unit/test_worker_copies.py; here a few examples go through the broker.
@@ -38,7 +39,7 @@ from rel_support import (
     total_depth,
     wait_for,
 )
-from support.broker import ctl
+from support.broker import ctl, version
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.contract import copy_properties
@@ -144,15 +145,27 @@ def _json_of_size(fields: dict[str, Any], pad: str, size: int) -> bytes:
     """A JSON object of exactly ``size`` bytes: ``fields`` and a ``pad`` string filling it."""
     empty = len(json.dumps({**fields, pad: ""}).encode())
     body = json.dumps({**fields, pad: "a" * (size - empty)}).encode()
-    assert len(body) == size
+    assert len(body) == size, f"built {len(body)} bytes of JSON for {size}"
     return body
+
+
+# What each version refuses when nothing configures max_message_size (rabbit.app's default).
+DEFAULT_MAX_MESSAGE_SIZE = {3: 128 * MiB, 4: 16 * MiB}
+# 4.x checks a body against the copy it keeps in persistent_term; 3.x reads the application
+# environment when a channel opens. The first that is set, else "undefined".
+_MAX_MESSAGE_SIZE = (
+    "case catch persistent_term:get(max_message_size) of N when is_integer(N) -> N; _ -> "
+    "application:get_env(rabbit, max_message_size, undefined) end."
+)
 
 
 def _max_message_size(management: Management) -> int:
     """The broker's limit on a message body (4.x: 16 MiB by default; 3.10: 128 MiB)."""
-    text = ctl(management, "eval", "application:get_env(rabbit, max_message_size).").strip()
-    assert text.startswith("{ok,") and text.endswith("}"), text
-    return int(text[4:-1])
+    text = ctl(management, "eval", _MAX_MESSAGE_SIZE).strip()
+    if text.isdigit():
+        return int(text)
+    assert text == "undefined", f"max_message_size: unexpected answer {text!r}"
+    return DEFAULT_MAX_MESSAGE_SIZE[version(management)[0]]
 
 
 def _refused(settings: Settings, size: int) -> bool:
@@ -184,7 +197,8 @@ def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
     limit = _max_message_size(management)
     size = min(16 * MiB, limit)
     if size == limit:  # the positive control: one byte more is refused
-        assert _refused(fresh_vhost, limit + 1)
+        assert _refused(fresh_vhost, limit + 1), (
+            f"a body of {limit + 1} bytes was accepted: max_message_size is not {limit}")
     print(f"[reliability] max_message_size {limit} bytes; big bodies of {size} bytes")
     big_json = _json_of_size({"id": "big-json"}, "pad", size)
     big_binary = os.urandom(size)
@@ -213,7 +227,9 @@ def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
         assert copy.headers["exception-message"] == message
         shown[f"o-{name}"] = message
     copy = parked.one("o-big-binary")
-    assert hashlib.sha256(copy.body).digest() == hashlib.sha256(big_binary).digest()
+    assert hashlib.sha256(copy.body).digest() == hashlib.sha256(big_binary).digest(), (
+        f"the parked copy of the {size}-byte body differs: {len(copy.body)} bytes "
+        f"(max_message_size {limit})")
     assert copy.headers["exception-message"] == (
         "body is not JSON: 'utf-8' codec can't decode byte 0x80 in position 0: invalid start "
         "byte")
@@ -226,7 +242,7 @@ def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
         assert message in copy.headers["exception-message"]
         assert f"t-{name}" not in calls, "a body failing the model never reaches the handler"
     print(f"[reliability] bad bodies: {len(invalid)} parked invalid, {len(succeeded)} handled "
-          f"(two of 16 MiB); {time.monotonic() - started:.1f}s")
+          f"(two of {size} bytes); {time.monotonic() - started:.1f}s")
 
     # What the operator sees: park them again and look with `parking show --json`.
     publish(fresh_vhost, [Outgoing(f"o-{name}", body) for name, (body, _) in JSON_BODIES.items()]
@@ -239,7 +255,9 @@ def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
     for message_id, message in shown.items():
         assert view[message_id]["reason"] == "invalid"
         assert view[message_id]["exception_message"] == message
-    assert view["o-big-binary"]["body_bytes"] == size
+    assert view["o-big-binary"]["body_bytes"] == size, (
+        f"parking show: {view['o-big-binary']['body_bytes']} bytes, published {size} "
+        f"(max_message_size {limit})")
     assert total_depth(fresh_vhost, ["rel.orders.parking"]) == len(JSON_BODIES) + 1
 
 

@@ -8,6 +8,13 @@ requires a client certificate (``verify_peer`` + ``fail_if_no_peer_cert``).
 
 Certificates are made with the ``openssl`` command: a CA, a server certificate for localhost, a
 client certificate (its key also encrypted), and a second CA that signed nothing of the node's.
+
+The node always comes from the machine's own rabbitmq-server package (3.10 here), whichever
+broker the rest of the run tests (RABBIT_RETRY_TEST_URL and RABBIT_RETRY_TEST_CTL may name a
+4.x node in a chroot): these tests check our TLS client (contexts, certificates, one-line
+errors), which does not depend on the broker's version, and only the machine's package can
+start a throwaway node here (its rabbitmqctl reaches it with the machine's Erlang cookie). So
+nothing here reads the broker under test: not its URL, its node nor its rabbitmqctl.
 """
 
 from __future__ import annotations
@@ -197,6 +204,7 @@ management.ssl.port = {management_port}
 
 
 def _ctl(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    # The machine's rabbitmqctl, never RABBIT_RETRY_TEST_CTL: this node is the machine's package.
     return subprocess.run(
         ["rabbitmqctl", "-n", name, *args],
         capture_output=True,

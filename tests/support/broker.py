@@ -17,12 +17,17 @@ from rabbit_retry.broker.management import Management
 def ctl(management: Management, *args: str, timeout: float = 180.0) -> str:
     """``rabbitmqctl ARGS`` against the broker under test; its output, or AssertionError."""
     prefix = shlex.split(os.environ.get("RABBIT_RETRY_TEST_CTL", "rabbitmqctl"))
+    hint = ""
     if prefix == ["rabbitmqctl"]:
         node = os.environ.get("RABBIT_RETRY_TEST_NODE") or str(management.overview()["node"])
         prefix += ["-n", node]
+        hint = ("; a broker of another version than the machine's needs RABBIT_RETRY_TEST_CTL "
+                "(eval \"$(scripts/broker.sh env VERSION)\")")
     done = subprocess.run([*prefix, *args], capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
-    assert done.returncode == 0, f"rabbitmqctl {' '.join(args)}: {done.stderr or done.stdout}"
+    assert done.returncode == 0, (
+        f"{shlex.join([*prefix, *args])}: {(done.stderr or done.stdout).strip()}{hint}"
+    )
     return done.stdout
 
 
