@@ -18,6 +18,10 @@ So a lane keeps a crash charged to the one message that caused it:
 A crash while a suspect runs alone then returns that delivery and nothing else. Changing the
 prefetch needs a new consumer: RabbitMQ applies a per-consumer QoS only to consumers created
 after it.
+
+A lane can also be *paused* (``pause``, a consumer's ``Pause``): its consumer is cancelled and
+every delivery that has not started yet is handed to ``hold`` (which sends it back to the queue
+unchanged) instead of the handler; ``resume`` consumes again at full prefetch.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Lane:
         prefetch: int,
         handle: Callable[[DeliveredMessage], Awaitable[None]],
         on_error: Callable[[str], None],
+        hold: Callable[[DeliveredMessage], Awaitable[None]] | None = None,
     ) -> None:
         self.channel = channel
         self.queue = queue
@@ -60,6 +65,8 @@ class Lane:
         self.prefetch = prefetch
         self._handle = handle
         self._on_error = on_error
+        self._hold = hold
+        self.paused = False
         self.mode: Mode = "probation"
         self.tag: str | None = None
         self._target: Mode = "probation"
@@ -70,16 +77,50 @@ class Lane:
         self._alone = False  # a suspect running
         self._changed = asyncio.Event()
 
-    async def start(self) -> None:
+    async def start(self, paused: bool = False) -> None:
+        """Consume (on probation), or stay paused: a pause outlives a reconnect."""
+        if paused:
+            self.paused = True
+            return
         await self._consume(PROBATION_PREFETCH)
 
-    async def stop(self, cancel_timeout: float) -> None:
-        """No more deliveries: cancel the consumer (what is held stays held)."""
-        self._stopped = True
+    async def pause(self) -> None:
+        """Cancel the consumer; what has not started goes to ``hold`` as it arrives or wakes."""
+        self.paused = True
+        await self._stop_mover()
+        tag, self.tag = self.tag, None
+        self._poke()  # waiting deliveries look again, and find the lane paused
+        if tag is not None and not self._stopped:
+            try:
+                await self.channel.basic_cancel(tag)
+            except Exception as exc:  # the channel died: the session reconnects
+                self._on_error(f"pausing the consumer of {self.queue!r} failed: {exc!r}")
+
+    async def resume(self) -> None:
+        """Consume again at full prefetch (a probe just succeeded: the queue is healthy)."""
+        if not self.paused or self._stopped:
+            return
+        self.paused = False
+        self.mode = self._target = "full"
+        try:
+            await self._consume(self.prefetch)
+        except Exception as exc:
+            self._on_error(f"resuming the consumer of {self.queue!r} failed: {exc!r}")
+
+    async def idle(self) -> None:
+        """Until no delivery of this lane is held."""
+        await self._until(lambda: self._held == 0)
+
+    async def _stop_mover(self) -> None:
         if self._mover is not None and not self._mover.done():
             self._mover.cancel()
             with suppress(asyncio.CancelledError, Exception):
                 await self._mover
+
+    async def stop(self, cancel_timeout: float) -> None:
+        """No more deliveries: cancel the consumer (what is held stays held)."""
+        self._stopped = True
+        await self._stop_mover()
         tag, self.tag = self.tag, None
         if tag is not None:
             with suppress(Exception):
@@ -100,12 +141,12 @@ class Lane:
 
     def _want(self, mode: Mode) -> None:
         self._target = mode
-        if not self._stopped and (self._mover is None or self._mover.done()):
+        if not self._stopped and not self.paused and (self._mover is None or self._mover.done()):
             self._mover = asyncio.create_task(self._move())
 
     async def _move(self) -> None:
         try:
-            while self.mode != self._target and not self._stopped:
+            while self.mode != self._target and not self._stopped and not self.paused:
                 target = self._target
                 tag, self.tag = self.tag, None
                 if tag is not None:
@@ -113,7 +154,7 @@ class Lane:
                 if target == "probation":
                     # Settle everything held before taking the next one alone.
                     await self._until(lambda: self._held == 0)
-                if self._stopped:
+                if self._stopped or self.paused:
                     return
                 await self._consume(PROBATION_PREFETCH if target == "probation" else self.prefetch)
                 self.mode = target
@@ -132,6 +173,9 @@ class Lane:
         )
         self._held += 1
         try:
+            if self.paused and self._hold is not None:
+                await self._hold(message)
+                return
             if suspect:
                 if self.mode == "full" and self._target == "full":
                     log.info(
@@ -142,8 +186,11 @@ class Lane:
                         extra={"queue": self.queue, "event": "probation"},
                     )
                     self._want("probation")
-                await self._until(lambda: not self._alone and self._shared == 0)
+                await self._until(lambda: self.paused or (not self._alone and self._shared == 0))
                 if self._stopped:  # stopping: it goes back to the broker unstarted
+                    return
+                if self.paused and self._hold is not None:
+                    await self._hold(message)
                     return
                 self._alone = True
                 try:
@@ -157,8 +204,13 @@ class Lane:
             if self._alone or self._shared >= self.prefetch:
                 # Leaving probation holds one delivery more than the prefetch for a moment;
                 # it waits, so no more than ``prefetch`` handlers ever run at once.
-                await self._until(lambda: not self._alone and self._shared < self.prefetch)
+                await self._until(
+                    lambda: self.paused or (not self._alone and self._shared < self.prefetch)
+                )
                 if self._stopped:
+                    return
+                if self.paused and self._hold is not None:
+                    await self._hold(message)
                     return
             self._shared += 1
             try:

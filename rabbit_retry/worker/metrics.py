@@ -34,6 +34,9 @@ class QueueMetrics:
     parked: Counter
     parked_by_reason: dict[str, Counter]
     handler_seconds: Histogram
+    paused: Gauge
+    pauses: Counter
+    duplicates: Counter
     in_flight: int = 0
 
 
@@ -65,6 +68,24 @@ class Metrics:
             ["queue"],
             registry=self.registry,
         )
+        self.paused = Gauge(
+            "rabbit_retry_paused",
+            "1 while a Pause holds the queue's consumer (its downstream fails), else 0.",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.pauses = Counter(
+            "rabbit_retry_pauses",
+            "Times a Pause stopped consuming the queue.",
+            ["queue"],
+            registry=self.registry,
+        )
+        self.duplicates = Counter(
+            "rabbit_retry_duplicates",
+            "Deliveries acked without calling the handler: their idempotency key was done.",
+            ["queue"],
+            registry=self.registry,
+        )
         self._queues: dict[str, QueueMetrics] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -79,6 +100,9 @@ class Metrics:
                 parked=self.messages.labels(queue, "parked"),
                 parked_by_reason={r.value: self.parked.labels(queue, r.value) for r in ParkReason},
                 handler_seconds=self.handler_seconds.labels(queue),
+                paused=self.paused.labels(queue),
+                pauses=self.pauses.labels(queue),
+                duplicates=self.duplicates.labels(queue),
             )
             self.in_flight.labels(queue).set_function(lambda: bound.in_flight)
             self._queues[queue] = bound
