@@ -21,6 +21,7 @@ from rabbit_retry.wire import CopyProperties
 # Written by rabbit-retry.
 RETRY_COUNT = "retry-count"  # failed handler calls so far
 REPLAY_COUNT = "replay-count"  # times an operator replayed it from parking
+HANDLE_AGAIN = "handle-again"  # true: a replay that runs even if its idempotency key is done
 PARKED_REASON = "parked-reason"  # exhausted | permanent | invalid
 PARKED_AT = "parked-at"  # ISO-8601 UTC
 EXCEPTION_TYPE = "exception-type"
@@ -67,6 +68,7 @@ STRIPPED_ON_REPLAY = BROKER_HEADERS | {
     EXCEPTION_MESSAGE,
     EXCEPTION_STACKTRACE,
     ORIGINAL_QUEUE,
+    HANDLE_AGAIN,
 }
 
 # Larger counts are not counts but garbage; capping also keeps every count we write back a
@@ -114,6 +116,16 @@ def as_count(value: object) -> int | None:
     if number is None or number < 0 or number > MAX_COUNT:
         return None
     return number
+
+
+def as_flag(value: object) -> bool:
+    """A yes/no header: true for ``True``, a non-zero count and ``"true"``/``"yes"``/``"1"``."""
+    if isinstance(value, bool):
+        return value
+    text = as_text(value)
+    if text is not None:
+        return text.strip().lower() in ("true", "yes", "1")
+    return bool(as_count(value))
 
 
 def header_text(value: Any) -> str | None:

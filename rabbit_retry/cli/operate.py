@@ -180,6 +180,8 @@ def _capped_limit(limit: int | None, confirmed: int | None) -> int | None:
               help="Only messages whose header equals VALUE (as text); repeat to require all.")
 @click.option("--rate", type=click.FloatRange(min=0, min_open=True),
               help="At most N messages a second.")
+@click.option("--handle-again", is_flag=True,
+              help="Handle them even if an idempotent consumer already handled their key.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 def replay(
@@ -188,6 +190,7 @@ def replay(
     limit: int | None,
     wheres: tuple[str, ...],
     rate: float | None,
+    handle_again: bool,
     yes: bool,
 ) -> None:
     """Move parked messages back to their main queue, headers reset and replay-count + 1.
@@ -203,7 +206,7 @@ def replay(
     with _progress("replayed") as progress:
         outcome = asyncio.run(
             act.replay(settings, queue, selection, limit=_capped_limit(limit, confirmed), rate=rate,
-                       progress=progress)
+                       progress=progress, handle_again=handle_again)
         )
     click.echo(
         f"replayed {outcome.acted} of {plural(outcome.ready, _PARKED)} from "

@@ -101,9 +101,11 @@ async def replay(
     limit: int | None = None,
     rate: float | None = None,
     progress: Progress | None = None,
+    handle_again: bool = False,
 ) -> Outcome:
     """Moves up to ``limit`` matching messages back to the main queue: each copy is confirmed
-    by the broker before its parked original is acked."""
+    by the broker before its parked original is acked. ``handle_again`` marks the copies to be
+    handled even where an idempotent consumer already handled their key."""
     pacer = Pacer(rate)
     async with open_parking(
         settings, name, need_main=True, type_of=management_type_of(settings)
@@ -111,7 +113,7 @@ async def replay(
 
         async def move(taken: Taken) -> None:
             await pacer.wait()
-            await parking.replay(taken)
+            await parking.replay(taken, handle_again=handle_again)
 
         return await _walk(parking, selection, move, limit, progress, "replay")
 

@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from rabbit_retry.contract import (
+    HANDLE_AGAIN,
     PARKED_AT,
     REPLAY_COUNT,
     STRIPPED_ON_REPLAY,
@@ -35,9 +36,12 @@ def parked_at(headers: Mapping[str, Any]) -> datetime | None:
     return moment.astimezone(UTC)
 
 
-def replay_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+def replay_headers(
+    headers: Mapping[str, Any] | None, *, handle_again: bool = False
+) -> dict[str, Any]:
     """The headers of a replayed copy: parking and death headers stripped, retries reset,
-    ``replay-count`` one more than before (a garbled one counts as 0)."""
+    ``replay-count`` one more than before (a garbled one counts as 0); with ``handle_again``,
+    ``handle-again: true`` (an idempotent consumer runs it even if its key is done)."""
     source = dict(headers or {})
     out = {
         key: value
@@ -45,4 +49,6 @@ def replay_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
         if key not in STRIPPED_ON_REPLAY and not key.startswith(STRIPPED_PREFIXES)
     }
     out[REPLAY_COUNT] = (as_count(source.get(REPLAY_COUNT)) or 0) + 1
+    if handle_again:
+        out[HANDLE_AGAIN] = True
     return out

@@ -107,14 +107,16 @@ class ParkingQueue:
         await self._channel.basic_ack(taken.delivery_tag)
         self._held.discard(taken.delivery_tag)
 
-    async def replay(self, taken: Taken) -> None:
+    async def replay(self, taken: Taken, *, handle_again: bool = False) -> None:
         """Publish the replay copy to the main queue, wait for the broker's confirm, then ack.
 
         ``mandatory`` makes a copy that cannot be routed (main queue deleted meanwhile) come back
         as an error instead of vanishing; the parked message then stays parked.
         """
         properties = republish_properties(
-            taken.properties, replay_headers(taken.message.headers), self._user
+            taken.properties,
+            replay_headers(taken.message.headers, handle_again=handle_again),
+            self._user,
         )
         try:
             await self._channel.basic_publish(

@@ -227,6 +227,24 @@ def test_replayed_again_after_parking_again_counts_two(
     assert asyncio.run(ready(fresh_vhost, "orders.parking")) == 0
 
 
+def test_replay_handle_again_marks_the_copies_and_the_next_replay_drops_the_mark(
+    fresh_vhost: Settings, run_cli: Run
+) -> None:
+    asyncio.run(provision(fresh_vhost, TOPOLOGY))
+    asyncio.run(park(fresh_vhost, "orders", [Parked(b"x", message_id="a")]))
+    result = run_cli("parking", "replay", "orders", "--handle-again", "--yes",
+                     settings=fresh_vhost)
+    assert result.code == 0, result.err
+    (marked,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    assert (marked.message_id, marked.headers["handle-again"]) == ("a", True)
+    # Parked again and replayed without the flag: the mark does not stick.
+    asyncio.run(park(fresh_vhost, "orders", [Parked(b"x", message_id="a",
+                                                   headers=sent(marked.headers))]))
+    assert run_cli("parking", "replay", "orders", "--yes", settings=fresh_vhost).code == 0
+    (plain,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    assert "handle-again" not in plain.headers and plain.headers["replay-count"] == 2
+
+
 def test_replay_limit_takes_the_first_matching_ones(
     parked: Settings, run_cli: Run, management: Management
 ) -> None:
