@@ -1,10 +1,11 @@
 """The worker: runs ``RetryConsumer`` subclasses with broker-native retries, parking and metrics.
 
 Pure core: ``attempts`` (failures so far), ``redelivery`` (how each broker version counts
-returns), ``decide`` (the decision table), ``copies`` (headers of retry and parked copies).
-Edges: ``consumer`` (what users write), ``session`` (one connection's consuming), ``lane``
-(prefetch, and returned deliveries one at a time), ``publisher`` (confirmed copies), ``runner``
-(startup check, reconnects, shutdown), ``metrics``.
+returns), ``decide`` (the decision table), ``copies`` (headers of retry and parked copies),
+``pause`` (when a failing downstream pauses a queue). Edges: ``consumer`` (what users write),
+``session`` (one connection's consuming), ``lane`` (prefetch, and returned deliveries one at a
+time), ``publisher`` (confirmed copies), ``idempotency`` and ``stores`` (each key handled once),
+``runner`` (startup check, reconnects, shutdown), ``metrics``.
 """
 
 from rabbit_retry.worker.consumer import (
@@ -15,13 +16,17 @@ from rabbit_retry.worker.consumer import (
     Permanent,
     RetryConsumer,
 )
+from rabbit_retry.worker.idempotency import Idempotency
+from rabbit_retry.worker.pause import Pause
 from rabbit_retry.worker.runner import Runner, run, run_consumers
 
 __all__ = [
     "NOT_DECODED",
     "Delivery",
     "HandlerTimeout",
+    "Idempotency",
     "InvalidPayload",
+    "Pause",
     "Permanent",
     "RetryConsumer",
     "Runner",

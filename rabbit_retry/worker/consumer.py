@@ -24,6 +24,8 @@ from pydantic import TypeAdapter
 from typing_extensions import TypeVar
 
 from rabbit_retry.errors import InputError
+from rabbit_retry.worker.idempotency import Idempotency
+from rabbit_retry.worker.pause import Pause
 
 PayloadT = TypeVar("PayloadT", default=Any)
 
@@ -140,6 +142,10 @@ class RetryConsumer(Generic[PayloadT]):
     handler_timeout: float | None = 30.0
     permanent_errors: tuple[type[BaseException], ...] = ()
     model: type[PayloadT] | None = None
+    # Stop consuming while a downstream fails (README, "Outages and duplicates").
+    pause: Pause | None = None
+    # Handle each message key once within a window.
+    idempotency: Idempotency | None = None
 
     def handle(self, delivery: Delivery[PayloadT]) -> Awaitable[None] | None:
         """Handle one message: ``async def`` (awaited) or plain ``def`` (run in a thread)."""
@@ -186,6 +192,15 @@ def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
         raise InputError(
             f"{name}.permanent_errors: expected a tuple of exception classes, got {errors!r}"
         )
+    for attribute, kind in (("pause", Pause), ("idempotency", Idempotency)):
+        value = getattr(consumer, attribute)
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            raise InputError(
+                f"{name}.{attribute}: expected {kind.__name__}(...) or None, got {value!r}"
+            )
+        value.check(name)
     if consumer.model is None:
         return None
     try:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import load_topology, naming
 from rabbit_retry.topology.model import Topology
 from rabbit_retry.worker.consumer import RetryConsumer, check_consumer, is_blocking
+from rabbit_retry.worker.idempotency import Deduper, close_stores, open_stores
 from rabbit_retry.worker.metrics import Metrics
+from rabbit_retry.worker.pause import Breaker
 from rabbit_retry.worker.session import Session, Subscription
 
 log = logging.getLogger("rabbit_retry.worker")
@@ -76,6 +79,7 @@ def subscribe(
                 retry_exchange=naming.retry_exchange(config.name),
                 parking_queue=naming.parking_queue(config.name),
                 threads=threads,
+                breaker=Breaker(consumer.pause) if consumer.pause is not None else None,
             )
         )
     return subscriptions
@@ -213,6 +217,19 @@ class Runner:
             self.metrics_port = port
             log.info("metrics on http://%s:%d/metrics", self.metrics_addr, port)
         session: Session | None = None
+        rules = {
+            id(sub): sub.consumer.idempotency
+            for sub in self.subscriptions
+            if sub.consumer.idempotency is not None
+        }
+        stores = await open_stores(rules) if rules else {}
+        self.subscriptions = [
+            replace(sub, deduper=Deduper(rule, stores[rule.store], sub.queue, sub.consumer.name,
+                                         sub.consumer.handler_timeout))
+            if (rule := sub.consumer.idempotency) is not None
+            else sub
+            for sub in self.subscriptions
+        ]
         try:
             session = await self._open()
             while session is not None:
@@ -240,6 +257,7 @@ class Runner:
             for sub in self.subscriptions:
                 if sub.threads is not None:  # a timed-out blocking handler may still run
                     sub.threads.shutdown(wait=False, cancel_futures=True)
+            await close_stores(stores)
             self.metrics.close()
         log.info("stopped")
 

@@ -1,16 +1,24 @@
 """One connection's worth of consuming: deliveries in, decisions carried out, acks out.
 
 Per delivery: count the failures so far (``attempts``), park it at once if no attempt is left,
-validate the body against the consumer's model, run the handler under its timeout, decide
-(``decide``) and carry the decision out: ack, ``nack``, or publish a copy (``copies``) through
-the confirming ``Publisher`` and ack only once the copy is confirmed. Every ack goes to the
-channel the delivery came on. When the connection or a consuming channel is lost, ``lost``
-resolves and whatever is still in flight is dropped: the broker has it back already.
+validate the body against the consumer's model, claim its idempotency key (``idempotency``),
+run the handler under its timeout, decide (``decide``) and carry the decision out: ack,
+``nack``, or publish a copy (``copies``) through the confirming ``Publisher`` and ack only once
+the copy is confirmed. Every ack goes to the channel the delivery came on. When the connection
+or a consuming channel is lost, ``lost`` resolves and whatever is still in flight is dropped:
+the broker has it back already.
+
+A consumer's ``Pause`` (``pause``) is carried out here too: its ``Breaker`` says when to pause
+and resume the queue's ``Lane``; while paused, a probe takes one message every
+``probe_every`` seconds with ``basic.get``, and a watched failure sends its message back to the
+queue as a confirmed copy with its count unchanged (a ``nack`` with requeue would be counted
+as a return by 3.x and 4.0-4.2 quorum queues, and marks the message redelivered).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -52,8 +60,10 @@ from rabbit_retry.worker.decide import (
     classify,
     decide,
 )
+from rabbit_retry.worker.idempotency import Deduper, Ticket
 from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
+from rabbit_retry.worker.pause import Breaker, Change
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
 from rabbit_retry.worker.redelivery import at_delivery_limit, counting, delivery_limit, native_ok
 
@@ -62,6 +72,11 @@ log = logging.getLogger("rabbit_retry.worker")
 CANCEL_TIMEOUT = 5.0
 
 _NO_HEADERS: MappingProxyType[str, Any] = MappingProxyType({})
+
+
+def _digest(body: bytes) -> str:
+    """Tells messages without a message_id apart, for a Pause's count."""
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
@@ -81,6 +96,8 @@ class Subscription:
     parking_queue: str
     # Blocking ``def handle`` runs here (``prefetch`` threads); None for ``async def``.
     threads: ThreadPoolExecutor | None = None
+    breaker: Breaker | None = None  # the consumer's Pause; lives as long as the runner
+    deduper: Deduper | None = None  # the consumer's Idempotency, once its store is open
 
     @property
     def queue(self) -> str:
@@ -102,6 +119,8 @@ class Session:
         self.frame_max = int(self.amqp.connection_tune.frame_max or 131072)
         self.publisher = Publisher(self.amqp)
         self.lanes: list[Lane] = []
+        self._lane_of: dict[int, Lane] = {}  # id(subscription) -> its lane
+        self._probes: dict[int, asyncio.Task[None]] = {}
         self.tasks: set[asyncio.Task[Any]] = set()
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._debug = log.isEnabledFor(logging.DEBUG)
@@ -136,11 +155,19 @@ class Session:
                 sub.queue,
                 sub.config.queue_type,
                 sub.consumer.prefetch,
-                self._callback(sub),
+                self._callback(sub, self._handle),
                 self._set_lost,
+                hold=self._callback(sub, self._hold),
             )
-            await lane.start()
+            paused = sub.breaker is not None and sub.breaker.paused
+            await lane.start(paused=paused)
             self.lanes.append(lane)
+            self._lane_of[id(sub)] = lane
+            if paused:
+                log.info("queue=%s stays paused; probing", sub.queue,
+                         extra={"queue": sub.queue, "event": "paused"})
+                self._start_probe(sub, lane)
+                continue
             log.info(
                 "consuming queue=%s consumer=%s prefetch=%d",
                 sub.queue,
@@ -156,8 +183,13 @@ class Session:
         return closed
 
     def _callback(
-        self, sub: Subscription
+        self,
+        sub: Subscription,
+        inner: Callable[[Subscription, DeliveredMessage], Awaitable[None]],
     ) -> Callable[[DeliveredMessage], Coroutine[Any, Any, None]]:
+        """``inner(sub, message)`` as a delivery's task: tracked, counted in flight, and with
+        our own failures logged rather than raised into aiormq."""
+
         async def on_message(message: DeliveredMessage) -> None:
             task = asyncio.current_task()
             assert task is not None
@@ -165,7 +197,7 @@ class Session:
             metrics = sub.metrics
             metrics.in_flight += 1
             try:
-                await self._handle(sub, message)
+                await inner(sub, message)
             except DeliveryGone:
                 log.debug("queue=%s: delivery dropped, its channel closed", sub.queue)
             except aiormq.exceptions.ChannelInvalidStateError:
@@ -233,30 +265,143 @@ class Session:
         )
         consumer = sub.consumer
         timeout = consumer.handler_timeout
+        ticket: Ticket | None = None
         started = time.perf_counter()
         try:
+            if sub.deduper is not None:
+                ticket = await sub.deduper.admit(delivery, lambda: not message.channel.is_closed)
+                if ticket.gone:
+                    return
+                if ticket.duplicate:
+                    await message.channel.basic_ack(cast(int, deliver.delivery_tag))
+                    sub.metrics.duplicates.inc()
+                    if self._debug:
+                        self._log_decision(sub, props.message_id, failures, "duplicate")
+                    return
+                started = time.perf_counter()
             if timeout is None:
                 await self._call(sub, delivery)
             else:
                 await self._call_within(sub, delivery, timeout)
         except Exception as exc:
             sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+            if ticket is not None:
+                await self._deduper(sub).failed(ticket, lambda: not message.channel.is_closed)
             invalid = payload_error(delivery)
             outcome = classify(
                 exc,
                 payload_invalid=invalid is not None,
                 permanent_errors=consumer.permanent_errors,
             )
-            action = self._decide(sub, outcome, failures, headers)
             failure = Failure.from_exception(invalid or exc)
+            breaker = sub.breaker
+            if outcome is Outcome.FAILED and breaker is not None and breaker.rule.watches(exc):
+                if breaker.paused:  # the queue is paused: this one is not charged
+                    await self._return_unchanged(sub, message, failures)
+                    return
+                if breaker.failed(props.message_id or _digest(message.body)) is Change.PAUSED:
+                    await self._pause(sub, failure)
+            action = self._decide(sub, outcome, failures, headers)
             await self._carry_out(sub, message, action, failures, failure)
             return
         sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+        if ticket is not None:  # done before the ack: a redelivery is then a duplicate
+            await self._deduper(sub).succeeded(ticket, lambda: not message.channel.is_closed)
         # The success path, kept short: it is most of the traffic.
         await message.channel.basic_ack(cast(int, deliver.delivery_tag))
         sub.metrics.success.inc()
         if self._debug:
             self._log_decision(sub, props.message_id, failures, "success")
+        if sub.breaker is not None and sub.breaker.succeeded() is Change.RESUMED:
+            await self._resume(sub)
+
+    @staticmethod
+    def _deduper(sub: Subscription) -> Deduper:
+        assert sub.deduper is not None, "a ticket comes from the deduper"
+        return sub.deduper
+
+    async def _hold(self, sub: Subscription, message: DeliveredMessage) -> None:
+        """A delivery that reached a paused lane before it started: back to the queue."""
+        headers = message.header.properties.headers
+        await self._return_unchanged(
+            sub, message, failures_so_far(headers, sub.queue) if headers else 0
+        )
+
+    async def _return_unchanged(
+        self, sub: Subscription, message: DeliveredMessage, failures: int
+    ) -> None:
+        """Back to the end of the queue as a confirmed copy that counts no failure more."""
+        props = message.header.properties
+        headers = copies.retry_headers(
+            props.headers,
+            retry_count=failures,
+            original=self._original(sub, message),
+            expiration=props.expiration,
+        )
+        await self._publish_then_ack(sub, message, "", sub.queue, headers, failures)
+
+    async def _pause(self, sub: Subscription, failure: Failure) -> None:
+        breaker = sub.breaker
+        assert breaker is not None
+        breaker.since = time.monotonic()
+        sub.metrics.paused.set(1)
+        sub.metrics.pauses.inc()
+        log.warning(
+            "paused queue=%s consumer=%s after %d failures in a row of different messages"
+            " (last: %s); probing every %gs",
+            sub.queue,
+            sub.consumer.name,
+            breaker.rule.after,
+            failure.type,
+            breaker.rule.probe_every,
+            extra={"queue": sub.queue, "event": "paused"},
+        )
+        lane = self._lane_of[id(sub)]
+        await lane.pause()
+        self._start_probe(sub, lane)
+
+    async def _resume(self, sub: Subscription) -> None:
+        breaker = sub.breaker
+        assert breaker is not None
+        sub.metrics.paused.set(0)
+        log.warning(
+            "resumed queue=%s consumer=%s after %.1fs paused: a message succeeded",
+            sub.queue,
+            sub.consumer.name,
+            time.monotonic() - breaker.since,
+            extra={"queue": sub.queue, "event": "resumed"},
+        )
+        lane = self._lane_of.get(id(sub))
+        if lane is not None:
+            await lane.resume()
+
+    def _start_probe(self, sub: Subscription, lane: Lane) -> None:
+        running = self._probes.get(id(sub))
+        if running is None or running.done():
+            self._probes[id(sub)] = asyncio.create_task(self._probe(sub, lane))
+
+    async def _probe(self, sub: Subscription, lane: Lane) -> None:
+        """While paused: every ``probe_every`` seconds, once nothing of the lane runs, take one
+        message with ``basic.get`` and handle it; its success resumes the lane."""
+        breaker = sub.breaker
+        assert breaker is not None
+        on_message = self._callback(sub, self._handle)
+        try:
+            while breaker.paused and not self.lost.done():
+                await asyncio.sleep(breaker.rule.probe_every)
+                await lane.idle()
+                if not breaker.paused or self.lost.done():
+                    return
+                message = await lane.channel.basic_get(sub.queue, no_ack=False)
+                if isinstance(message.delivery, spec.Basic.GetOk):
+                    log.info("queue=%s: probing with message_id=%s", sub.queue,
+                             message.header.properties.message_id,
+                             extra={"queue": sub.queue, "event": "probe"})
+                    await on_message(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the channel died: the session reconnects, still paused
+            self._set_lost(f"probing {sub.queue!r} failed: {exc!r}")
 
     def _decide(
         self, sub: Subscription, outcome: Outcome, failures: int, headers: Mapping[str, Any] | None
@@ -446,6 +591,7 @@ class Session:
 
     async def shutdown(self, grace: float, force: asyncio.Event) -> None:
         """Stop new deliveries, give in-flight ones ``grace`` seconds, then close."""
+        await self._stop_probes()
         for lane in self.lanes:
             await lane.stop(CANCEL_TIMEOUT)
         pending = {t for t in self.tasks if not t.done()}
@@ -477,10 +623,18 @@ class Session:
                 )
         await self.close()
 
+    async def _stop_probes(self) -> None:
+        probes = [t for t in self._probes.values() if not t.done()]
+        for task in probes:
+            task.cancel()
+        if probes:
+            await asyncio.wait(probes, timeout=CANCEL_TIMEOUT)
+
     async def close(self) -> None:
         """Close the connection and drop whatever is still in flight: the broker requeues
         every unacked delivery of a closed channel, so finishing them here would only ack on a
         dead channel or race their redelivery."""
+        await self._stop_probes()
         stale = [t for t in self.tasks if not t.done()]
         for task in stale:
             task.cancel()

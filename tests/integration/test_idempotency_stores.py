@@ -1,0 +1,116 @@
+"""The three idempotency stores against the real servers (SQLite file, PostgreSQL, Redis):
+the verdict table, claims racing from several connections, expiry, and errors a user reads."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rabbit_retry.errors import RabbitRetryError
+from rabbit_retry.worker.stores import Store, Verdict, open_store
+
+POSTGRES = os.environ.get("RABBIT_RETRY_TEST_POSTGRES_URL",
+                          "postgresql://postgres@127.0.0.1:5432/test")
+REDIS = os.environ.get("RABBIT_RETRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def url_of(kind: str, tmp_path: Path) -> str:
+    return {"sqlite": f"sqlite:///{tmp_path / 'keys.db'}", "postgresql": POSTGRES,
+            "redis": REDIS}[kind]
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "redis"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def store(kind: str, tmp_path: Path) -> AsyncIterator[Store]:
+    opened = open_store(url_of(kind, tmp_path))
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+@pytest.fixture
+def scope() -> str:
+    # The servers outlive the test: a scope of its own keeps runs apart.
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+async def test_the_verdicts(store: Store, scope: str) -> None:
+    assert (await store.claim(scope, "k", "a", 30)).verdict is Verdict.CLAIMED
+    assert (await store.claim(scope, "k", "a", 30)).verdict is Verdict.CLAIMED  # its holder
+    busy = await store.claim(scope, "k", "b", 30)
+    assert busy.verdict is Verdict.BUSY and 0 < busy.expires_in <= 30
+    await store.release(scope, "k", "b")  # not b's to release
+    assert (await store.claim(scope, "k", "b", 30)).verdict is Verdict.BUSY
+    await store.release(scope, "k", "a")
+    assert (await store.claim(scope, "k", "b", 30)).verdict is Verdict.CLAIMED
+    await store.done(scope, "k", "b", 60)
+    assert (await store.claim(scope, "k", "c", 30)).verdict is Verdict.DUPLICATE
+    await store.release(scope, "k", "b")  # a done key stays done
+    assert (await store.claim(scope, "k", "c", 30)).verdict is Verdict.DUPLICATE
+    assert (await store.claim(scope + "-other", "k", "c", 30)).verdict is Verdict.CLAIMED
+
+
+async def test_a_lease_and_a_window_run_out(store: Store, scope: str) -> None:
+    assert (await store.claim(scope, "held", "dead", 0.3)).verdict is Verdict.CLAIMED
+    await store.done(scope, "done", "x", 0.3)
+    assert (await store.claim(scope, "held", "live", 30)).verdict is Verdict.BUSY
+    assert (await store.claim(scope, "done", "live", 30)).verdict is Verdict.DUPLICATE
+    for _ in range(100):  # a generous bound; usually the first look after 0.3 s
+        await asyncio.sleep(0.1)
+        held = await store.claim(scope, "held", "live", 30)
+        if held.verdict is Verdict.CLAIMED:
+            break
+    assert held.verdict is Verdict.CLAIMED
+    assert (await store.claim(scope, "done", "live", 30)).verdict is Verdict.CLAIMED
+
+
+async def test_racing_claims_from_several_connections_give_each_key_to_one(
+    kind: str, tmp_path: Path, scope: str
+) -> None:
+    stores = [open_store(url_of(kind, tmp_path)) for _ in range(4)]
+    for s in stores:
+        await s.open()
+    try:
+        keys = [f"k{i}" for i in range(50)]
+        claims = [(s, key, f"t{n}") for n, s in enumerate(stores) for key in keys]
+        verdicts = await asyncio.gather(*(s.claim(scope, key, token, 30)
+                                          for s, key, token in claims))
+        won = Counter(key for (_, key, _), v in zip(claims, verdicts, strict=True)
+                      if v.verdict is Verdict.CLAIMED)
+        assert won == Counter({key: 1 for key in keys})
+        assert all(v.verdict in (Verdict.CLAIMED, Verdict.BUSY) for v in verdicts)
+    finally:
+        for s in stores:
+            await s.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql://rr:s3cret@127.0.0.1:1/db", "idempotency store postgresql://rr:***@"),
+        ("redis://:s3cret@127.0.0.1:1/0", "idempotency store redis://:***@"),
+    ],
+)
+async def test_an_unreachable_server_is_one_line_without_the_password(url: str,
+                                                                      says: str) -> None:
+    store = open_store(url)
+    with pytest.raises(RabbitRetryError) as caught:
+        await store.open()
+    text = str(caught.value)
+    assert text.startswith(says), text
+    assert "s3cret" not in text and "\n" not in text
+
+
+def test_a_sqlite_path_in_a_missing_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(RabbitRetryError, match="does not exist"):
+        open_store(f"sqlite:///{tmp_path / 'nowhere' / 'keys.db'}")
