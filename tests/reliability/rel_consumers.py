@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rabbit_retry import Delivery, Permanent, RetryConsumer
+from rabbit_retry import Delivery, Idempotency, Permanent, RetryConsumer
 
 RECORD_DIR = os.environ.get("RR_RECORD_DIR", ".")
 SLEEP_S = float(os.environ.get("RR_SLEEP_MS", "0")) / 1000
@@ -129,3 +129,15 @@ class Typed(RetryConsumer):
     async def handle(self, delivery: Delivery) -> None:
         record("calls", delivery)
         record("ok", delivery)
+
+
+def _idempotency() -> Idempotency | None:
+    store = os.environ.get("RR_STORE")
+    # A short lease: a claim left by a SIGKILLed worker runs out quickly in the tests.
+    return Idempotency(store, window=3600, lease=3.0) if store else None
+
+
+class IdemOrders(Orders):
+    """``Orders`` with ``Idempotency`` on the store named by ``$RR_STORE``."""
+
+    idempotency = _idempotency()
