@@ -106,6 +106,14 @@ BENCHES = (
         {"n": 50, "runs": 1},
         900,
     ),
+    Bench(
+        "resilience",
+        "bench.bench_resilience",
+        "Idempotency stores on the success path, and a Pause's reaction to an outage",
+        {"messages": 5_000, "runs": 3},
+        {"messages": 100, "runs": 1, "backlog": 300},
+        900,
+    ),
 )
 PACKAGES = (
     "rabbit-retry",

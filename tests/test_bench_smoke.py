@@ -38,6 +38,7 @@ SHAPES = {
         ],
         3,
     ),
+    "resilience": (["no idempotency", "SQLite", "PostgreSQL", "Redis"], 4),
 }
 
 
@@ -75,7 +76,8 @@ def test_smoke_run_writes_the_report_and_leaves_no_vhost(
 
     report = json.loads((tmp_path / "run.json").read_text())
     benches = report["benches"]
-    assert list(benches) == ["worker", "retry", "storm", "peers", "apply", "replay"]
+    assert list(benches) == ["worker", "retry", "storm", "peers", "apply", "replay",
+                             "resilience"]
     for key, (systems, width) in SHAPES.items():
         result = benches[key]["result"]
         assert [row[0] for row in result["rows"]] == systems, key

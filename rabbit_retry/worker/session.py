@@ -285,8 +285,6 @@ class Session:
                 await self._call_within(sub, delivery, timeout)
         except Exception as exc:
             sub.metrics.handler_seconds.observe(time.perf_counter() - started)
-            if ticket is not None:
-                await self._deduper(sub).failed(ticket, lambda: not message.channel.is_closed)
             invalid = payload_error(delivery)
             outcome = classify(
                 exc,
@@ -294,17 +292,28 @@ class Session:
                 permanent_errors=consumer.permanent_errors,
             )
             failure = Failure.from_exception(invalid or exc)
+            # The breaker hears of it before anything of ours awaits (see the success path).
             breaker = sub.breaker
+            uncharged = paused = False
             if outcome is Outcome.FAILED and breaker is not None and breaker.rule.watches(exc):
-                if breaker.paused:  # the queue is paused: this one is not charged
-                    await self._return_unchanged(sub, message, failures)
-                    return
-                if breaker.failed(props.message_id or _digest(message.body)) is Change.PAUSED:
-                    await self._pause(sub, failure)
+                uncharged = breaker.paused  # the queue is paused: this one is not charged
+                if not uncharged:
+                    change = breaker.failed(props.message_id or _digest(message.body))
+                    paused = change is Change.PAUSED
+            if ticket is not None:
+                await self._deduper(sub).failed(ticket, lambda: not message.channel.is_closed)
+            if uncharged:
+                await self._return_unchanged(sub, message, failures)
+                return
+            if paused:
+                await self._pause(sub, failure)
             action = self._decide(sub, outcome, failures, headers)
             await self._carry_out(sub, message, action, failures, failure)
             return
         sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+        # Told to the breaker as the handler returns, in the order of the failures it counts
+        # (not after the ack, when failures that came later may have been counted already).
+        resumed = sub.breaker is not None and sub.breaker.succeeded() is Change.RESUMED
         if ticket is not None:  # done before the ack: a redelivery is then a duplicate
             await self._deduper(sub).succeeded(ticket, lambda: not message.channel.is_closed)
         # The success path, kept short: it is most of the traffic.
@@ -312,7 +321,7 @@ class Session:
         sub.metrics.success.inc()
         if self._debug:
             self._log_decision(sub, props.message_id, failures, "success")
-        if sub.breaker is not None and sub.breaker.succeeded() is Change.RESUMED:
+        if resumed:
             await self._resume(sub)
 
     @staticmethod

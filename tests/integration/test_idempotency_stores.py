@@ -94,6 +94,18 @@ async def test_racing_claims_from_several_connections_give_each_key_to_one(
             await s.close()
 
 
+async def test_one_key_twice_in_one_batch_is_claimed_once(store: Store, scope: str) -> None:
+    # Concurrent calls on one store travel in one batch (one transaction or round trip).
+    verdicts = await asyncio.gather(*(store.claim(scope, key, token, 30) for key, token in
+                                      [("a", "t1"), ("b", "t1"), ("a", "t2"), ("a", "t3")]))
+    assert [v.verdict for v in verdicts] == [Verdict.CLAIMED, Verdict.CLAIMED, Verdict.BUSY,
+                                             Verdict.BUSY]
+    await asyncio.gather(store.done(scope, "a", "t1", 60), store.release(scope, "b", "t1"))
+    again = await asyncio.gather(store.claim(scope, "a", "t4", 30), store.claim(scope, "b", "t4",
+                                                                               30))
+    assert [v.verdict for v in again] == [Verdict.DUPLICATE, Verdict.CLAIMED]
+
+
 @pytest.mark.parametrize(
     ("url", "says"),
     [

@@ -11,7 +11,7 @@ from typing import Any
 
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import mask
-from rabbit_retry.worker.stores import Claim, Verdict
+from rabbit_retry.worker.stores import Claim, Held, Timed, Verdict
 
 TABLE = "rabbit_retry_keys"
 POOL_SIZE = 4
@@ -46,7 +46,7 @@ _RELEASE = f"DELETE FROM {TABLE} WHERE scope = %s AND key = %s AND token = %s AN
 _SWEEP = f"DELETE FROM {TABLE} WHERE expires < now()"
 
 
-class PostgresStore:
+class PostgresBackend:
     def __init__(self, url: str) -> None:
         try:
             import psycopg  # noqa: F401
@@ -85,27 +85,45 @@ class PostgresStore:
             raise BrokerError(f"idempotency store {self.url}: {mask(reason)}") from None
         self._pool = pool
 
-    async def claim(self, scope: str, key: str, token: str, lease: float) -> Claim:
+    async def claim_many(self, items: list[Timed]) -> list[Claim]:
+        verdicts: dict[int, Claim] = {}
+        todo = list(range(len(items)))
         async with self._pool.connection() as db:
-            while True:
-                if (await (await db.execute(_CLAIM, (scope, key, token, lease))).fetchone()):
-                    self._claims += 1
-                    if self._claims % SWEEP_EVERY == 0:
-                        await db.execute(_SWEEP)
-                    return Claim(Verdict.CLAIMED)
-                row = await (await db.execute(_LOOK, (scope, key))).fetchone()
-                if row is None:
-                    continue  # it expired or was released between the two: claim again
-                done, left = row
-                return Claim(Verdict.DUPLICATE) if done else Claim(Verdict.BUSY, float(left))
+            while todo:
+                # One round trip per pass; the statements run in order, in one transaction.
+                async with db.pipeline():
+                    claims = [await db.execute(_CLAIM, items[i]) for i in todo]
+                looks = []
+                for i, cursor in zip(todo, claims, strict=True):
+                    if await cursor.fetchone():
+                        verdicts[i] = Claim(Verdict.CLAIMED)
+                    else:
+                        looks.append(i)
+                async with db.pipeline():
+                    cursors = [await db.execute(_LOOK, items[i][:2]) for i in looks]
+                todo = []
+                for i, cursor in zip(looks, cursors, strict=True):
+                    row = await cursor.fetchone()
+                    if row is None:  # expired or released between the two: claim again
+                        todo.append(i)
+                    else:
+                        done, left = row
+                        verdicts[i] = (
+                            Claim(Verdict.DUPLICATE) if done else Claim(Verdict.BUSY, float(left))
+                        )
+            self._claims += len(items)
+            if self._claims >= SWEEP_EVERY:
+                self._claims = 0
+                await db.execute(_SWEEP)
+        return [verdicts[i] for i in range(len(items))]
 
-    async def done(self, scope: str, key: str, token: str, window: float) -> None:
-        async with self._pool.connection() as db:
-            await db.execute(_DONE, (scope, key, token, window))
+    async def done_many(self, items: list[Timed]) -> None:
+        async with self._pool.connection() as db, db.cursor() as cursor:
+            await cursor.executemany(_DONE, items)
 
-    async def release(self, scope: str, key: str, token: str) -> None:
-        async with self._pool.connection() as db:
-            await db.execute(_RELEASE, (scope, key, token))
+    async def release_many(self, items: list[Held]) -> None:
+        async with self._pool.connection() as db, db.cursor() as cursor:
+            await cursor.executemany(_RELEASE, items)
 
     async def close(self) -> None:
         if self._pool is not None:

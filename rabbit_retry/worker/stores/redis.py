@@ -11,7 +11,7 @@ from typing import Any
 
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import mask
-from rabbit_retry.worker.stores import Claim, Verdict
+from rabbit_retry.worker.stores import Claim, Held, Timed, Verdict
 
 PREFIX = "rabbit-retry:idem:"
 DONE = "done"
@@ -25,7 +25,7 @@ end
 return 0"""
 
 
-class RedisStore:
+class RedisBackend:
     def __init__(self, url: str) -> None:
         try:
             import redis.asyncio  # noqa: F401
@@ -58,28 +58,49 @@ class RedisStore:
         self._client = client
         self._release = client.register_script(_RELEASE)
 
-    async def claim(self, scope: str, key: str, token: str, lease: float) -> Claim:
-        name = self._name(scope, key)
-        mine = f"claimed:{token}"
-        while True:
-            if await self._client.set(name, mine, nx=True, px=_ms(lease)):
-                return Claim(Verdict.CLAIMED)
-            async with self._client.pipeline(transaction=True) as pipe:
-                value, left = await pipe.get(name).pttl(name).execute()
-            if value is None:
-                continue  # it expired or was released between the two: claim again
-            if value == DONE:
-                return Claim(Verdict.DUPLICATE)
-            if value == mine:
-                await self._client.pexpire(name, _ms(lease))
-                return Claim(Verdict.CLAIMED)
-            return Claim(Verdict.BUSY, max(left, 0) / 1000)
+    async def claim_many(self, items: list[Timed]) -> list[Claim]:
+        verdicts: dict[int, Claim] = {}
+        todo = list(range(len(items)))
+        while todo:
+            # One round trip per pass; a pipeline runs its commands in order.
+            async with self._client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    scope, key, token, lease = items[i]
+                    pipe.set(self._name(scope, key), f"claimed:{token}", nx=True, px=_ms(lease))
+                taken = await pipe.execute()
+            looks = [i for i, ok in zip(todo, taken, strict=True) if not ok]
+            verdicts.update((i, Claim(Verdict.CLAIMED)) for i, ok in zip(todo, taken,
+                                                                         strict=True) if ok)
+            async with self._client.pipeline(transaction=False) as pipe:
+                for i in looks:
+                    name = self._name(*items[i][:2])
+                    pipe.get(name).pttl(name)
+                seen = await pipe.execute()
+            todo = []
+            for n, i in enumerate(looks):
+                value, left = seen[2 * n], seen[2 * n + 1]
+                if value is None:  # expired or released between the two: claim again
+                    todo.append(i)
+                elif value == DONE:
+                    verdicts[i] = Claim(Verdict.DUPLICATE)
+                elif value == f"claimed:{items[i][2]}":  # its own claim: extend it
+                    await self._client.pexpire(self._name(*items[i][:2]), _ms(items[i][3]))
+                    verdicts[i] = Claim(Verdict.CLAIMED)
+                else:
+                    verdicts[i] = Claim(Verdict.BUSY, max(left, 0) / 1000)
+        return [verdicts[i] for i in range(len(items))]
 
-    async def done(self, scope: str, key: str, token: str, window: float) -> None:
-        await self._client.set(self._name(scope, key), DONE, px=_ms(window))
+    async def done_many(self, items: list[Timed]) -> None:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for scope, key, _token, window in items:
+                pipe.set(self._name(scope, key), DONE, px=_ms(window))
+            await pipe.execute()
 
-    async def release(self, scope: str, key: str, token: str) -> None:
-        await self._release(keys=[self._name(scope, key)], args=[token])
+    async def release_many(self, items: list[Held]) -> None:
+        async with self._client.pipeline(transaction=False) as pipe:
+            for scope, key, token in items:
+                await self._release(keys=[self._name(scope, key)], args=[token], client=pipe)
+            await pipe.execute()
 
     async def close(self) -> None:
         if self._client is not None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from rabbit_retry.errors import BrokerError, InputError
-from rabbit_retry.worker.stores import Claim, Verdict
+from rabbit_retry.worker.stores import Claim, Held, Timed, Verdict
 
 T = TypeVar("T")
 
@@ -25,7 +26,19 @@ SWEEP_EVERY = 60.0  # seconds between deletions of rows past their expiry
 BUSY_TIMEOUT_MS = 30_000
 
 
-class SQLiteStore:
+@contextmanager
+def _transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction, its lock taken before the first read."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+class SQLiteBackend:
     def __init__(self, url: str) -> None:
         self.url = url
         path = url.removeprefix("sqlite://")
@@ -64,50 +77,51 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise BrokerError(f"idempotency store {self.url}: {exc}") from None
 
-    async def claim(self, scope: str, key: str, token: str, lease: float) -> Claim:
-        def claim(db: sqlite3.Connection) -> Claim:
+    async def claim_many(self, items: list[Timed]) -> list[Claim]:
+        def claim(db: sqlite3.Connection) -> list[Claim]:
             now = time.time()
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                row = db.execute(
-                    f"SELECT done, token, expires FROM {TABLE} WHERE scope = ? AND key = ?",
-                    (scope, key),
-                ).fetchone()
-                if row is not None and row[2] > now and row[1] != token:
-                    db.execute("COMMIT")
-                    if row[0]:
-                        return Claim(Verdict.DUPLICATE)
-                    return Claim(Verdict.BUSY, row[2] - now)
-                db.execute(
-                    f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, 0, ?, ?)",
-                    (scope, key, token, now + lease),
-                )
+            verdicts = []
+            with _transaction(db):
+                for scope, key, token, lease in items:
+                    row = db.execute(
+                        f"SELECT done, token, expires FROM {TABLE} WHERE scope = ? AND key = ?",
+                        (scope, key),
+                    ).fetchone()
+                    if row is not None and row[2] > now and row[1] != token:
+                        done, _, expires = row
+                        busy = Claim(Verdict.BUSY, expires - now)
+                        verdicts.append(Claim(Verdict.DUPLICATE) if done else busy)
+                        continue
+                    db.execute(
+                        f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, 0, ?, ?)",
+                        (scope, key, token, now + lease),
+                    )
+                    verdicts.append(Claim(Verdict.CLAIMED))
                 if now - self._swept > SWEEP_EVERY:
                     self._swept = now
                     db.execute(f"DELETE FROM {TABLE} WHERE expires < ?", (now,))
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            return Claim(Verdict.CLAIMED)
+            return verdicts
 
         return await self._run(claim)
 
-    async def done(self, scope: str, key: str, token: str, window: float) -> None:
+    async def done_many(self, items: list[Timed]) -> None:
         def done(db: sqlite3.Connection) -> None:
-            db.execute(
-                f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, 1, ?, ?)",
-                (scope, key, token, time.time() + window),
-            )
+            now = time.time()
+            with _transaction(db):
+                db.executemany(
+                    f"INSERT OR REPLACE INTO {TABLE} VALUES (?, ?, 1, ?, ?)",
+                    [(scope, key, token, now + window) for scope, key, token, window in items],
+                )
 
         await self._run(done)
 
-    async def release(self, scope: str, key: str, token: str) -> None:
+    async def release_many(self, items: list[Held]) -> None:
         def release(db: sqlite3.Connection) -> None:
-            db.execute(
-                f"DELETE FROM {TABLE} WHERE scope = ? AND key = ? AND token = ? AND done = 0",
-                (scope, key, token),
-            )
+            with _transaction(db):
+                db.executemany(
+                    f"DELETE FROM {TABLE} WHERE scope = ? AND key = ? AND token = ? AND done = 0",
+                    items,
+                )
 
         await self._run(release)
 
