@@ -9,10 +9,11 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
-from rabbit_retry.errors import RabbitRetryError
+from rabbit_retry.errors import InputError, RabbitRetryError
 from rabbit_retry.worker.stores import Store, Verdict, open_store
 
 POSTGRES = os.environ.get("RABBIT_RETRY_TEST_POSTGRES_URL",
@@ -104,6 +105,58 @@ async def test_one_key_twice_in_one_batch_is_claimed_once(store: Store, scope: s
     again = await asyncio.gather(store.claim(scope, "a", "t4", 30), store.claim(scope, "b", "t4",
                                                                                30))
     assert [v.verdict for v in again] == [Verdict.DUPLICATE, Verdict.CLAIMED]
+
+
+async def test_racing_batches_in_different_orders_neither_deadlock_nor_share_a_key(
+    kind: str, tmp_path: Path, scope: str
+) -> None:
+    # Each store's concurrent calls travel as one batch (one transaction): two batches meeting
+    # the same keys in opposite orders must not lock each other out.
+    stores = [open_store(url_of(kind, tmp_path)) for _ in range(2)]
+    for s in stores:
+        await s.open()
+    try:
+        for round_ in range(30):  # a deadlock needs the two to interleave: give it chances
+            keys = [f"r{round_}-k{i}" for i in range(100)]
+            orders = [keys, keys[::-1]]
+            claims = [(s, key, f"t{n}") for n, s in enumerate(stores) for key in orders[n]]
+            verdicts = await asyncio.gather(*(s.claim(scope, key, token, 30)
+                                              for s, key, token in claims))
+            won = Counter(key for (_, key, _), v in zip(claims, verdicts, strict=True)
+                          if v.verdict is Verdict.CLAIMED)
+            assert won == Counter(keys)
+            await asyncio.gather(*(s.done(scope, key, token, 60) for s, key, token in claims))
+            again = await asyncio.gather(*(s.claim(scope, key, "late", 30)
+                                           for s, key, _ in claims))
+            assert {v.verdict for v in again} == {Verdict.DUPLICATE}
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_a_done_key_is_a_duplicate_for_the_token_that_did_it_too(
+    store: Store, scope: str
+) -> None:
+    await store.claim(scope, "k", "a", 30)
+    await store.done(scope, "k", "a", 60)
+    assert (await store.claim(scope, "k", "a", 30)).verdict is Verdict.DUPLICATE
+
+
+async def test_a_refused_login_says_why_in_one_line() -> None:
+    server = urlsplit(POSTGRES)  # the test server, as a user that does not exist there
+    store = open_store(f"postgresql://rr:s3cret@{server.hostname}:{server.port or 5432}/nodb")
+    with pytest.raises(RabbitRetryError) as caught:
+        await store.open()
+    text = str(caught.value)
+    assert text.startswith("idempotency store postgresql://rr:***@"), text
+    assert "does not exist" in text or "authentication" in text, text
+    assert "s3cret" not in text and "\n" not in text
+
+
+def test_a_postgresql_url_it_cannot_parse_is_an_input_error() -> None:
+    with pytest.raises(InputError) as caught:
+        open_store("postgresql://rr:s3cret@[::1/db")
+    assert "s3cret" not in str(caught.value) and "rr:***@" in str(caught.value)
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,7 @@ async def test_an_outage_parks_everything_without_a_pause(fresh_vhost: Settings)
     gateway = Gateway()
     runner = await outage(fresh_vhost, Charge(gateway), gateway, 4.0, 50)
     parked = value(runner, "messages", Q, "parked")
+    print(f"[resilience] no pause: 50 messages, 4s outage: parked {parked:g}")
     assert parked > 0
     assert await depth(fresh_vhost, f"{Q}.parking") == parked
     assert len(gateway.charged) + parked == 50
@@ -162,6 +163,10 @@ async def test_a_paused_queue_rides_out_an_outage_and_parks_nothing(
     audit = Audit()
     runner = await outage(fresh_vhost, consumer, gateway, seconds, 200, audit, queue_type)
 
+    print(f"[resilience] {queue_type}: 200 messages, {seconds:g}s outage: parked "
+          f"{value(runner, 'messages', Q, 'parked'):g}, charged attempts "
+          f"{value(runner, 'messages', Q, 'retried'):g}, gateway calls {gateway.calls}, "
+          f"pauses {value(runner, 'pauses', Q):g}")
     assert await depth(fresh_vhost, f"{Q}.parking") == 0
     assert value(runner, "messages", Q, "parked") == 0
     # Every message succeeded, once.

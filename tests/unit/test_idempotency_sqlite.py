@@ -62,11 +62,6 @@ async def test_every_verdict(store: Store) -> None:
     assert await store.claim("", "k", "c", 30) == Claim(Verdict.CLAIMED)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="claim_many re-claims a done row when the token is the one that did it (Redis says "
-    "DUPLICATE; Backend.claim_many says DUPLICATE if done)",
-)
 async def test_a_done_key_is_a_duplicate_for_the_token_that_did_it_too(store: Store) -> None:
     await store.claim(S, "k", "a", 30)
     await store.done(S, "k", "a", 60)

@@ -7,6 +7,7 @@ when neither happened, one read says whether it is done or held.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from rabbit_retry.errors import BrokerError, InputError
@@ -32,7 +33,7 @@ INSERT INTO {TABLE} AS k (scope, key, done, token, expires)
 VALUES (%s, %s, false, %s, now() + make_interval(secs => %s))
 ON CONFLICT (scope, key) DO UPDATE
     SET done = false, token = EXCLUDED.token, expires = EXCLUDED.expires
-    WHERE k.expires < now() OR k.token = EXCLUDED.token
+    WHERE k.expires < now() OR (k.token = EXCLUDED.token AND NOT k.done)
 RETURNING 1"""
 _LOOK = f"""
 SELECT done, extract(epoch FROM expires - now()) FROM {TABLE}
@@ -49,15 +50,21 @@ _SWEEP = f"DELETE FROM {TABLE} WHERE expires < now()"
 class PostgresBackend:
     def __init__(self, url: str) -> None:
         try:
-            import psycopg  # noqa: F401
+            import psycopg
             import psycopg_pool  # noqa: F401
         except ImportError:
             raise InputError(
                 "a postgresql:// idempotency store needs psycopg: "
                 "pip install 'rabbit-retry[postgres]'"
             ) from None
+        from psycopg.conninfo import conninfo_to_dict
+
         self._dsn = url
         self.url = mask(url)
+        try:
+            conninfo_to_dict(url)
+        except psycopg.Error as exc:  # its message quotes the URL
+            raise InputError(f"idempotency store {self.url}: {_line(exc)}") from None
         self._pool: Any = None
         self._claims = 0
 
@@ -74,6 +81,11 @@ class PostgresBackend:
             timeout=CONNECT_TIMEOUT,
         )
         try:
+            # One connection first: the pool would only say it timed out, this says why.
+            first = await asyncio.wait_for(
+                psycopg.AsyncConnection.connect(self._dsn), CONNECT_TIMEOUT
+            )
+            await first.close()
             await pool.open(wait=True, timeout=CONNECT_TIMEOUT)
             # Two workers starting at once may both create the table: serialise them.
             async with pool.connection() as db, db.transaction():
@@ -81,13 +93,14 @@ class PostgresBackend:
                 await db.execute(_CREATE)
         except (psycopg.Error, TimeoutError) as exc:
             await pool.close()
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise BrokerError(f"idempotency store {self.url}: {mask(reason)}") from None
+            raise BrokerError(f"idempotency store {self.url}: {_line(exc)}") from None
         self._pool = pool
 
     async def claim_many(self, items: list[Timed]) -> list[Claim]:
         verdicts: dict[int, Claim] = {}
-        todo = list(range(len(items)))
+        # Rows are locked in (scope, key) order by every worker, so two batches cannot deadlock;
+        # the sort is stable, so the calls on one key keep their order.
+        todo = sorted(range(len(items)), key=lambda i: items[i][:2])
         async with self._pool.connection() as db:
             while todo:
                 # One round trip per pass; the statements run in order, in one transaction.
@@ -119,13 +132,19 @@ class PostgresBackend:
 
     async def done_many(self, items: list[Timed]) -> None:
         async with self._pool.connection() as db, db.cursor() as cursor:
-            await cursor.executemany(_DONE, items)
+            await cursor.executemany(_DONE, sorted(items, key=lambda item: item[:2]))
 
     async def release_many(self, items: list[Held]) -> None:
         async with self._pool.connection() as db, db.cursor() as cursor:
-            await cursor.executemany(_RELEASE, items)
+            await cursor.executemany(_RELEASE, sorted(items))
 
     async def close(self) -> None:
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
+
+
+def _line(exc: BaseException) -> str:
+    """The first line of an error's message, without a password it may quote."""
+    text = str(exc).strip()
+    return mask(text.splitlines()[0]) if text else type(exc).__name__

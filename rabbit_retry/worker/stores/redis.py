@@ -17,6 +17,24 @@ PREFIX = "rabbit-retry:idem:"
 DONE = "done"
 CONNECT_TIMEOUT = 10.0
 
+# KEYS[1] the key; ARGV[1] the token, ARGV[2] the lease in ms. Free, expired or its own (renewed):
+# claimed; else done, or busy for the milliseconds left. Atomic, so a renewal cannot extend a claim
+# that ran out and was taken over between a read and a write.
+_CLAIM = """
+local value = redis.call('GET', KEYS[1])
+if not value or value == 'claimed:' .. ARGV[1] then
+    redis.call('SET', KEYS[1], 'claimed:' .. ARGV[1], 'PX', ARGV[2])
+    return {0, 0}
+elseif value == 'done' then
+    return {1, 0}
+end
+return {2, redis.call('PTTL', KEYS[1])}"""
+_VERDICTS = (
+    lambda _: Claim(Verdict.CLAIMED),
+    lambda _: Claim(Verdict.DUPLICATE),
+    lambda left: Claim(Verdict.BUSY, max(left, 0) / 1000),
+)
+
 # KEYS[1] the key; ARGV[1] the token. Only the holder's claim is dropped.
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == 'claimed:' .. ARGV[1] then
@@ -36,7 +54,6 @@ class RedisBackend:
         self._dsn = url
         self.url = mask(url)
         self._client: Any = None
-        self._release: Any = None
 
     @staticmethod
     def _name(scope: str, key: str) -> str:
@@ -56,39 +73,15 @@ class RedisBackend:
             await client.aclose()
             raise BrokerError(f"idempotency store {self.url}: {mask(str(exc))}") from None
         self._client = client
-        self._release = client.register_script(_RELEASE)
 
     async def claim_many(self, items: list[Timed]) -> list[Claim]:
-        verdicts: dict[int, Claim] = {}
-        todo = list(range(len(items)))
-        while todo:
-            # One round trip per pass; a pipeline runs its commands in order.
-            async with self._client.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    scope, key, token, lease = items[i]
-                    pipe.set(self._name(scope, key), f"claimed:{token}", nx=True, px=_ms(lease))
-                taken = await pipe.execute()
-            looks = [i for i, ok in zip(todo, taken, strict=True) if not ok]
-            verdicts.update((i, Claim(Verdict.CLAIMED)) for i, ok in zip(todo, taken,
-                                                                         strict=True) if ok)
-            async with self._client.pipeline(transaction=False) as pipe:
-                for i in looks:
-                    name = self._name(*items[i][:2])
-                    pipe.get(name).pttl(name)
-                seen = await pipe.execute()
-            todo = []
-            for n, i in enumerate(looks):
-                value, left = seen[2 * n], seen[2 * n + 1]
-                if value is None:  # expired or released between the two: claim again
-                    todo.append(i)
-                elif value == DONE:
-                    verdicts[i] = Claim(Verdict.DUPLICATE)
-                elif value == f"claimed:{items[i][2]}":  # its own claim: extend it
-                    await self._client.pexpire(self._name(*items[i][:2]), _ms(items[i][3]))
-                    verdicts[i] = Claim(Verdict.CLAIMED)
-                else:
-                    verdicts[i] = Claim(Verdict.BUSY, max(left, 0) / 1000)
-        return [verdicts[i] for i in range(len(items))]
+        # One script per key, all in one round trip; a pipeline runs them in order. EVAL, not a
+        # registered script: redis-py would ask SCRIPT EXISTS first, a second round trip.
+        async with self._client.pipeline(transaction=False) as pipe:
+            for scope, key, token, lease in items:
+                pipe.eval(_CLAIM, 1, self._name(scope, key), token, _ms(lease))
+            seen = await pipe.execute()
+        return [_VERDICTS[code](left) for code, left in seen]
 
     async def done_many(self, items: list[Timed]) -> None:
         async with self._client.pipeline(transaction=False) as pipe:
@@ -99,7 +92,7 @@ class RedisBackend:
     async def release_many(self, items: list[Held]) -> None:
         async with self._client.pipeline(transaction=False) as pipe:
             for scope, key, token in items:
-                await self._release(keys=[self._name(scope, key)], args=[token], client=pipe)
+                pipe.eval(_RELEASE, 1, self._name(scope, key), token)
             await pipe.execute()
 
     async def close(self) -> None:

@@ -87,7 +87,7 @@ class SQLiteBackend:
                         f"SELECT done, token, expires FROM {TABLE} WHERE scope = ? AND key = ?",
                         (scope, key),
                     ).fetchone()
-                    if row is not None and row[2] > now and row[1] != token:
+                    if row is not None and row[2] > now and (row[1] != token or row[0]):
                         done, _, expires = row
                         busy = Claim(Verdict.BUSY, expires - now)
                         verdicts.append(Claim(Verdict.DUPLICATE) if done else busy)
