@@ -24,9 +24,14 @@ KEY_PASSWORD_ENV = "RABBIT_RETRY_KEY_PASSWORD"
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@/\s]*)@")
 
 
+# libpq and redis-py also take the password as a query parameter (``?password=...``).
+_QUERY_PASSWORD = re.compile(r"(?P<key>[?&]password=)[^&\s]*", re.IGNORECASE)
+
+
 def mask(text: str) -> str:
     """Replace the password of every URL in ``text`` with ``***``."""
-    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    return _QUERY_PASSWORD.sub(lambda m: f"{m['key']}***", text)
 
 
 @dataclass(frozen=True)

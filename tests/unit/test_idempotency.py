@@ -157,3 +157,19 @@ def test_a_bad_idempotency_is_refused_in_one_line(rule: Idempotency, message: st
 def test_an_unknown_store_url_is_refused() -> None:
     with pytest.raises(InputError, match=r"expected sqlite:///PATH, postgresql://\.\.\. or redis://"):
         open_store("mysql://localhost/db")
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("postgresql://rr:s3cret@db/x", "postgresql://rr:***@db/x"),
+        ("redis://:s3cret@cache:6379/0", "redis://:***@cache:6379/0"),
+        ("postgresql://db/x?user=rr&password=s3cret&sslmode=require",
+         "postgresql://db/x?user=rr&password=***&sslmode=require"),
+        ("redis://cache/0?Password=s3cret", "redis://cache/0?Password=***"),
+    ],
+)
+def test_store_urls_never_show_a_password(text: str, shown: str) -> None:
+    from rabbit_retry.settings import mask
+
+    assert mask(text) == shown
