@@ -34,6 +34,27 @@ def mask(text: str) -> str:
     return _QUERY_PASSWORD.sub(lambda m: f"{m['key']}***", text)
 
 
+def management_url_for(url: str) -> str:
+    """The management API of the broker ``url`` names, where none is given: the same host and
+    credentials, RabbitMQ's default port (``http://...:15672``, ``https://...:15671`` for
+    ``amqps://``). A bad URL is left to ``Settings.vhost`` to report."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - a bad port: the default below; vhost reports it
+    except ValueError:
+        return DEFAULT_MANAGEMENT_URL
+    secure = parts.scheme == "amqps"
+    host = parts.hostname or "localhost"
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    # No user in the URL: AMQP clients log in as guest, and so does this.
+    userinfo = parts.netloc.rpartition("@")[0] or "guest:guest"
+    return (
+        f"{'https' if secure else 'http'}://{userinfo}@"
+        f"{host}:{15671 if secure else 15672}"
+    )
+
+
 @dataclass(frozen=True)
 class Settings:
     """Where the broker is. The vhost always comes from the AMQP URL, never from a topology file.
@@ -61,11 +82,12 @@ class Settings:
         key_file: str | None = None,
         key_password: str | None = None,
     ) -> Settings:
+        url = url or os.environ.get(URL_ENV) or DEFAULT_URL
         settings = cls(
-            url=url or os.environ.get(URL_ENV) or DEFAULT_URL,
+            url=url,
             management_url=management_url
             or os.environ.get(MANAGEMENT_URL_ENV)
-            or DEFAULT_MANAGEMENT_URL,
+            or management_url_for(url),
             ca_file=ca_file or os.environ.get(CA_FILE_ENV) or None,
             cert_file=cert_file or os.environ.get(CERT_FILE_ENV) or None,
             key_file=key_file or os.environ.get(KEY_FILE_ENV) or None,

@@ -60,6 +60,7 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     Exits 1 when the broker lacks or differs from any object FILE derives (a missing tier or
     parking queue makes the broker drop messages silently).
     """
+    from rabbit_retry.broker.identity import check_same_broker
     from rabbit_retry.broker.management import Management
     from rabbit_retry.status import read_status, status_view
     from rabbit_retry.topology import compile_topology, load_topology
@@ -67,6 +68,7 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     settings = settings_of(ctx)
     plan = compile_topology(load_topology(file))
     with Management.for_settings(settings) as api:
+        check_same_broker(settings, api)
         report = read_status(api, settings.vhost, plan, file)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))

@@ -28,6 +28,7 @@ from rabbit_retry.broker.diff import (
     new_quorum_queues,
     nothing_to_do,
 )
+from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live
 from rabbit_retry.broker.management import Management
 from rabbit_retry.cli import cli, settings_of
@@ -53,6 +54,7 @@ def _load(file: str) -> Plan:
 
 def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
     with Management.for_settings(settings) as api:
+        check_same_broker(settings, api)
         live = read_live(api, settings.vhost)
     return diff(plan, live), live
 

@@ -191,3 +191,44 @@ def test_user_without_configure_permission(
         _, err = process.communicate(timeout=60)
     assert process.returncode == 0, err.decode()
     assert password not in err.decode()
+
+
+def test_a_management_url_left_unset_follows_the_amqp_url(
+    fresh_vhost: Settings, topology: Path
+) -> None:
+    """Nothing listens on the AMQP port named; the management API of that host answers (the
+    machine's own broker): the command must not report on that broker as if it were the one
+    named."""
+    nowhere = _with(fresh_vhost.url, port=5999)
+    env = {"RABBIT_RETRY_URL": nowhere, "RABBIT_RETRY_MANAGEMENT_URL": ""}
+    for verb in ("apply", "status"):
+        args = [a.format(topology=topology) for a in VERBS[verb]]
+        result = cli(None, *args, timeout=60, cwd=topology.parent, env=env)
+        got = _one_line(result, ":guest@")
+        assert ":5999" in got or ":15672" in got, (verb, got)
+        assert "nothing to do" not in result.out
+
+
+def _cluster_name(management_url: str) -> str | None:
+    try:
+        with Management(management_url, timeout=5) as api:
+            return str(api.overview()["cluster_name"])
+    except Exception:
+        return None
+
+
+def test_urls_of_two_different_brokers_are_refused(fresh_vhost: Settings,
+                                                   topology: Path) -> None:
+    ours = _cluster_name(fresh_vhost.management_url)
+    # Another broker of the test matrix on this machine (3.10's, 4.0's or 4.3's own port).
+    others = [f"http://guest:guest@127.0.0.1:{port}" for port in (15672, 15740, 15743)]
+    other = next((u for u in others if _cluster_name(u) not in (None, ours)), None)
+    if other is None:
+        pytest.skip("needs a second broker: scripts/broker.sh up 4.3 (CI starts every version)")
+    mixed = Settings(fresh_vhost.url, other)
+    for verb in ("apply", "status"):
+        result = _run(mixed, verb, topology)
+        assert result.code == 2, result
+        (line,) = result.err.splitlines()
+        assert line.startswith("error: --url and --management-url reach different brokers: "), line
+        assert f"is cluster {ours!r}" in line and ":guest@" not in line

@@ -45,3 +45,25 @@ def test_connect_turns_each_into_one_broker_error(
         asyncio.run(connect(Settings(url="amqp://u:secret@h:5672/")))
     assert "secret" not in str(excinfo.value)
     assert excinfo.value.__cause__ is error
+
+
+@pytest.mark.parametrize(
+    ("url", "management"),
+    [
+        ("amqp://guest:guest@127.0.0.1:5999/", "http://guest:guest@127.0.0.1:15672"),
+        ("amqps://u:p%40w@rabbit.example:5671/v", "https://u:p%40w@rabbit.example:15671"),
+        ("amqp://[::1]:5672/", "http://guest:guest@[::1]:15672"),
+        ("amqp://rabbit", "http://guest:guest@rabbit:15672"),
+    ],
+)
+def test_a_management_url_left_unset_follows_the_amqp_url(
+    url: str, management: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rabbit_retry.settings import MANAGEMENT_URL_ENV, URL_ENV, Settings
+
+    monkeypatch.delenv(MANAGEMENT_URL_ENV, raising=False)
+    monkeypatch.delenv(URL_ENV, raising=False)
+    assert Settings.from_env(url).management_url == management
+    monkeypatch.setenv(URL_ENV, url)
+    assert Settings.from_env().management_url == management
+    assert Settings.from_env(url, "http://other:15672").management_url == "http://other:15672"
