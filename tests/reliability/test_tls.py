@@ -13,7 +13,6 @@ import json
 import os
 import ssl
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -23,6 +22,7 @@ from typing import Any
 import aio_pika
 import aiormq
 import pytest
+from support.process import CLI
 from tls_node import (
     KEY_PASSWORD,
     NodeUnavailable,
@@ -40,7 +40,6 @@ from rabbit_retry.settings import Settings
 from rabbit_retry.tls import client_context
 from rabbit_retry.worker import Delivery, Permanent, RetryConsumer, Runner
 
-CLI = str(Path(sys.executable).with_name("rabbit-retry"))
 DEADLINE = 60.0
 
 
