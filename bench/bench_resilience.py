@@ -29,7 +29,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench.bench_worker import RUN_ID, Clock, declare, fill, measure, topology
+from support.provision import provision
+
+from bench.bench_worker import RUN_ID, Clock, fill, measure, topology
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import Topology
@@ -150,7 +152,7 @@ async def reaction(settings: Settings, management: Management, prefetch: int,
     management.create_vhost(vhost, user=settings.user)
     try:
         scoped = settings.for_vhost(vhost)
-        await declare(scoped, topo)
+        await provision(scoped, topo)
         await fill(scoped, backlog)
         consumer = Flaky(prefetch, rule, up_for=backlog // 3)
         runner = Runner([consumer], topology=topo, settings=scoped, metrics=Metrics())

@@ -33,10 +33,12 @@ from typing import Any
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage
+from support.amqp import persistent, publish_stream
+from support.provision import provision
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
-from rabbit_retry.topology import Topology, compile_topology, parse_topology
+from rabbit_retry.topology import Topology, parse_topology
 from rabbit_retry.worker import Delivery, RetryConsumer, Runner
 from rabbit_retry.worker.metrics import Metrics
 
@@ -94,39 +96,14 @@ class Clock:
         return (self.cpu_last - self.cpu_first) / max(self.count - 1, 1) * 1e6
 
 
-async def declare(settings: Settings, topo: Topology) -> None:
-    plan = compile_topology(topo)
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel()
-        for ex in plan.exchanges:
-            await channel.declare_exchange(ex.name, ex.type, durable=True)
-        for q in plan.queues:
-            await channel.declare_queue(q.name, durable=True, arguments=dict(q.arguments))
-        for b in plan.bindings:
-            queue = await channel.get_queue(b.destination, ensure=False)
-            await queue.bind(b.source, b.routing_key)
-
-
 async def fill(settings: Settings, n: int) -> None:
     """``n`` persistent messages, confirmed in windows of 500."""
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        body = json.dumps({"order": 1, "total": 9.5, "sku": "x" * 64}).encode()
-        pending = []
-        for i in range(n):
-            message = aio_pika.Message(
-                body,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                content_type="application/json",
-                message_id=f"m-{i}",
-            )
-            pending.append(channel.default_exchange.publish(message, routing_key=QUEUE))
-            if len(pending) == 500:
-                await asyncio.gather(*pending)
-                pending = []
-        await asyncio.gather(*pending)
+    body = json.dumps({"order": 1, "total": 9.5, "sku": "x" * 64}).encode()
+
+    def make(i: int) -> aio_pika.Message:
+        return persistent(body, content_type="application/json", message_id=f"m-{i}")
+
+    await publish_stream(settings, QUEUE, n, make, window=500)
 
 
 async def bare_loop(settings: Settings, n: int, prefetch: int) -> Clock:
@@ -203,7 +180,7 @@ async def measure(
     try:
         management.create_vhost(vhost, user=settings.user)
         scoped = settings.for_vhost(vhost)
-        await declare(scoped, topo)
+        await provision(scoped, topo)
         await fill(scoped, n)
         return await side(scoped)
     finally:
