@@ -8,6 +8,7 @@ import datetime
 import decimal
 import itertools
 import logging
+import re
 import time
 from typing import Any
 
@@ -94,6 +95,12 @@ async def depth_is(settings: Settings, queue: str, expected: int) -> bool:
 
 def tiers(*labels: str) -> list[str]:
     return [f"{Q}.retry.{label}" for label in labels]
+
+
+def logged_count(caplog: pytest.LogCaptureFixture, pattern: str) -> int:
+    """The number the one log line matching ``pattern`` (a regex with one group) reports."""
+    [found] = [m for r in caplog.records if (m := re.search(pattern, r.getMessage()))]
+    return int(found.group(1))
 
 
 # --- success -----------------------------------------------------------------------------------
@@ -551,11 +558,13 @@ async def test_failed_park_publish_holds_the_message_without_hot_looping(
     assert len(consumer.calls) == 1
     [message] = await drain(fresh_vhost, PARKING)
     assert message.message_id == "held"
-    assert any("works again" in r.getMessage() for r in caplog.records)
+    # Positive control of the window: the held publish was tried again inside it (every failed
+    # attempt came before the repair), so a spin would have had its chance to show above.
+    assert logged_count(caplog, r"works again after (\d+) failed attempt") >= 2
 
 
 async def test_failed_retry_publish_holds_until_the_tier_is_bound_again(
-    fresh_vhost: Settings,
+    fresh_vhost: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
     topo = topology(orders_yaml(queue_type="classic", delays="[200ms, 300ms]", attempts=3))
     await provision(fresh_vhost, topo)
@@ -563,6 +572,7 @@ async def test_failed_retry_publish_holds_until_the_tier_is_bound_again(
     channel = await connection.channel()
     await channel.queue_unbind(f"{Q}.retry.200ms", f"{Q}.retry", "200ms")
     consumer = Recorder(fail_until(2))
+    caplog.set_level(logging.WARNING, logger="rabbit_retry.worker")
     async with running([consumer], topo, fresh_vhost):
         await publish(fresh_vhost, b"{}", routing_key=Q, message_id="unbound")
         await eventually(lambda: len(consumer.calls) == 1, what="first attempt")
@@ -574,6 +584,9 @@ async def test_failed_retry_publish_holds_until_the_tier_is_bound_again(
     await connection.close()
     assert consumer.calls[1][1].headers["retry-count"] == 1
     assert await all_empty(fresh_vhost, *tiers("200ms", "300ms"), PARKING)
+    # Positive control of the window: the retry copy was published again inside it (every
+    # failed attempt came before the repair), and still the handler was not called again.
+    assert logged_count(caplog, r"works again after (\d+) failed attempt") >= 2
 
 
 # --- startup, reconnect, metrics ---------------------------------------------------------------
@@ -736,6 +749,9 @@ async def test_a_deleted_queue_is_waited_for_and_consumed_again_once_restored(
     await connection.close()
     missing = [r for r in caplog.records if "does not exist" in r.getMessage()]
     assert len(missing) == 1, [r.getMessage() for r in missing]  # once, not per attempt
+    # Positive control of the window: besides the logged failure and the final success, at
+    # least one more attempt failed in it (silently), so "once" means "not per attempt".
+    assert logged_count(caplog, r"reconnected after [\d.]+s \((\d+) attempt") >= 3
     assert f"queue '{Q}' does not exist on the broker" in missing[0].getMessage()
     assert await all_empty(fresh_vhost, Q, PARKING)
 
