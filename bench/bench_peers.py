@@ -27,6 +27,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from support.amqp import blocking
+from support.provision import provision_sync
+
 from bench import common
 from bench.baseline_aiopika import declare_retry_by_hand
 from bench.baseline_dramatiq import declare_queues, encode
@@ -83,7 +86,7 @@ def run(
     peers: dict[str, dict[str, Any]] = {
         OURS: {
             "argv": ours_argv,
-            "setup": lambda s: common.declare_topology(s, topology),
+            "setup": lambda s: provision_sync(s, topology),
             "make": lambda i: common.json_message(message_body(i, flagged(i)), message_id=str(i)),
             "env": {"BENCH_PREFETCH": str(prefetch)},
         },
@@ -96,8 +99,8 @@ def run(
         FASTSTREAM: {
             "argv": faststream_argv,
             # FastStream declares its queues when it starts: the backlog needs them first.
-            "setup": lambda s: common.arun(
-                declare_retry_by_hand(s.url, QUEUE, delay_ms, queue_type)
+            "setup": lambda s: blocking(
+                declare_retry_by_hand(s.url, QUEUE, delay_ms, queue_type), timeout=None
             ),
             "make": lambda i: common.json_message(message_body(i, flagged(i))),
             "env": None,

@@ -19,6 +19,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
+from support.amqp import blocking, depth_sync
+from support.poll import wait_for
+from support.provision import provision_sync
 
 from bench import common
 from bench.probe import QUEUE
@@ -76,10 +79,10 @@ def run(
 
     def measure(tag: str, replay: Callable[[Settings], Any]) -> float:
         with common.throwaway_vhost(settings, tag) as s:
-            common.declare_topology(s, topology)
+            provision_sync(s, topology)
             common.publish_sync(s, parking, n, parked_message)
             start = time.perf_counter()
-            common.arun(asyncio.wait_for(replay(s), timeout))
+            blocking(replay(s), timeout)
             seconds = time.perf_counter() - start
             _check_moved(s, parking, n)
         return n / seconds
@@ -132,11 +135,9 @@ def _parking_available() -> bool:
 
 def _check_moved(settings: Settings, parking: str, n: int) -> None:
     def moved() -> bool:
-        main = common.depth_sync(settings, QUEUE)
-        left = common.depth_sync(settings, parking)
-        return main is not None and left is not None and main[0] == n and left[0] == 0
+        return depth_sync(settings, QUEUE) == n and depth_sync(settings, parking) == 0
 
-    common.wait_for(f"{n} messages moved from {parking} to {QUEUE}", moved, 30, interval=0.5)
+    wait_for(moved, f"{n} messages moved from {parking} to {QUEUE}", within=30, interval=0.5)
 
 
 async def bare_replay(settings: Settings, parking: str, queue: str, *, window: int) -> None:

@@ -29,44 +29,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench.bench_worker import RUN_ID, Clock, declare, fill, measure, topology
-from rabbit_retry.broker.management import Management
+from support.provision import provision
+
+from bench.bench_worker import QUEUE, Clock, fill, measure, our_worker, topology
+from bench.common import throwaway_vhost
 from rabbit_retry.settings import Settings
-from rabbit_retry.topology import Topology
 from rabbit_retry.worker import Delivery, Idempotency, Pause, RetryConsumer, Runner
 from rabbit_retry.worker.metrics import Metrics
 from rabbit_retry.worker.stores import open_store
 
-QUEUE = "bench.worker"
 POSTGRES = os.environ.get("RABBIT_RETRY_BENCH_POSTGRES_URL",
                           "postgresql://postgres@127.0.0.1:5432/test")
 REDIS = os.environ.get("RABBIT_RETRY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 GOAL = "measured, no target: each store's ratio to the worker without one"
-
-
-class NoOp(RetryConsumer):
-    queue = QUEUE
-
-    def __init__(self, clock: Clock, prefetch: int, idempotency: Idempotency | None) -> None:
-        self.clock = clock
-        self.prefetch = prefetch
-        self.idempotency = idempotency
-
-    async def handle(self, delivery: Delivery) -> None:
-        self.clock.start()
-        self.clock.complete()
-
-
-async def worker(settings: Settings, n: int, prefetch: int, topo: Topology,
-                 idempotency: Idempotency | None) -> Clock:
-    clock = Clock(n)
-    runner = Runner([NoOp(clock, prefetch, idempotency)], topology=topo, settings=settings,
-                    metrics=Metrics())
-    task = asyncio.create_task(runner.run())
-    await clock.done.wait()
-    runner.stop()
-    await task
-    return clock
 
 
 async def reachable(url: str) -> bool:
@@ -80,7 +55,7 @@ async def reachable(url: str) -> bool:
     return True
 
 
-async def throughput(settings: Settings, management: Management, messages: int, runs: int,
+async def throughput(settings: Settings, messages: int, runs: int,
                      prefetch: int, scratch: Path) -> dict[str, list[float]]:
     topo = topology("quorum")
     stores: dict[str, str | None] = {"no idempotency": None,
@@ -98,9 +73,9 @@ async def throughput(settings: Settings, management: Management, messages: int, 
                 url, window=3600, key=lambda d, space=space: f"{space}-{d.message_id}")
 
             def side(s: Settings, rule: Idempotency | None = rule) -> Awaitable[Clock]:
-                return worker(s, messages, prefetch, topo, rule)
+                return our_worker(s, messages, prefetch, topo, rule)
 
-            clock = await measure(settings, management, side, messages, topo)
+            clock = await measure(settings, side, messages, topo)
             rates[name].append(clock.rate)
             print(f"run {i + 1}/{runs} {name:<16} {clock.rate:8.0f} msg/s", file=sys.stderr)
     return rates
@@ -143,14 +118,11 @@ async def until(condition: Callable[[], bool], what: str, within: float = 120.0)
         await asyncio.sleep(0.001)
 
 
-async def reaction(settings: Settings, management: Management, prefetch: int,
+async def reaction(settings: Settings, prefetch: int,
                    rule: Pause, backlog: int) -> dict[str, float]:
     topo = topology("quorum")
-    vhost = f"rr-bench-{RUN_ID}-resilience-{uuid.uuid4().hex[:8]}"
-    management.create_vhost(vhost, user=settings.user)
-    try:
-        scoped = settings.for_vhost(vhost)
-        await declare(scoped, topo)
+    with throwaway_vhost(settings, "resilience") as scoped:
+        await provision(scoped, topo)
         await fill(scoped, backlog)
         consumer = Flaky(prefetch, rule, up_for=backlog // 3)
         runner = Runner([consumer], topology=topo, settings=scoped, metrics=Metrics())
@@ -173,18 +145,14 @@ async def reaction(settings: Settings, management: Management, prefetch: int,
                 "seconds from recovery to resume": resumed_after,
                 "retried (charged attempts)": runner.metrics.messages.labels(
                     QUEUE, "retried")._value.get()}
-    finally:
-        management.delete_vhost(vhost)
 
 
 async def bench(settings: Settings, messages: int, runs: int, prefetch: int,
                 backlog: int) -> dict[str, Any]:
     rule = Pause(after=5, probe_every=2.0)
-    with Management(settings.management_url) as management, \
-            tempfile.TemporaryDirectory() as scratch:
-        rates = await throughput(settings, management, messages, runs, prefetch, Path(scratch))
-        reactions = [await reaction(settings, management, prefetch, rule, backlog)
-                     for _ in range(runs)]
+    with tempfile.TemporaryDirectory() as scratch:
+        rates = await throughput(settings, messages, runs, prefetch, Path(scratch))
+        reactions = [await reaction(settings, prefetch, rule, backlog) for _ in range(runs)]
     base = statistics.median(rates["no idempotency"])
     rows = [[name, round(statistics.median(r)), round(statistics.median(r) / base, 3),
              ", ".join(f"{x:.0f}" for x in r)] for name, r in rates.items()]

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.amqp import blocking
+from support.provision import provision_sync
+
 from bench import common
 from bench.baseline_aiopika import declare_retry_by_hand
 from bench.probe import QUEUE
@@ -50,7 +53,7 @@ def run(
         drain = common.measure_drain(
             settings,
             "retry-ours",
-            setup=lambda s: common.declare_topology(s, topology),
+            setup=lambda s: provision_sync(s, topology),
             argv=argv,
             n=n,
             make=message,
@@ -64,7 +67,9 @@ def run(
         drain = common.measure_drain(
             settings,
             "retry-bare",
-            setup=lambda s: common.arun(declare_retry_by_hand(s.url, QUEUE, delay_ms, queue_type)),
+            setup=lambda s: blocking(
+                declare_retry_by_hand(s.url, QUEUE, delay_ms, queue_type), timeout=None
+            ),
             argv=lambda s, _: common.python_module(
                 "bench.baseline_aiopika",
                 "retry",

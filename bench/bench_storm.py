@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.provision import provision_sync
+
 from bench import common
 from bench.baseline_dramatiq import encode
 from bench.probe import QUEUE, message_body
@@ -60,7 +62,7 @@ def run(
         return storm(
             settings,
             "storm-ours",
-            setup=lambda s: common.declare_topology(s, topology),
+            setup=lambda s: provision_sync(s, topology),
             argv=argv,
             make=lambda i: common.json_message(message_body(i), message_id=str(i)),
             holding=[tier],

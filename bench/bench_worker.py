@@ -26,25 +26,23 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aio_pika
 import aiormq
 from aio_pika.abc import AbstractIncomingMessage
+from support.amqp import persistent, publish_stream
+from support.provision import provision
 
-from rabbit_retry.broker.management import Management
+from bench.common import throwaway_vhost
 from rabbit_retry.settings import Settings
-from rabbit_retry.topology import Topology, compile_topology, parse_topology
-from rabbit_retry.worker import Delivery, RetryConsumer, Runner
+from rabbit_retry.topology import Topology, parse_topology
+from rabbit_retry.worker import Delivery, Idempotency, RetryConsumer, Runner
 from rabbit_retry.worker.metrics import Metrics
 
 QUEUE = "bench.worker"
 GOAL = 0.9
-# Vhosts are named rr-bench-<run id>-..., like the rest of bench/, so a harness can check that a
-# run left none behind.
-RUN_ID = os.environ.get("BENCH_RUN_ID") or uuid.uuid4().hex[:8]
 
 
 def topology(queue_type: str) -> Topology:
@@ -94,39 +92,14 @@ class Clock:
         return (self.cpu_last - self.cpu_first) / max(self.count - 1, 1) * 1e6
 
 
-async def declare(settings: Settings, topo: Topology) -> None:
-    plan = compile_topology(topo)
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel()
-        for ex in plan.exchanges:
-            await channel.declare_exchange(ex.name, ex.type, durable=True)
-        for q in plan.queues:
-            await channel.declare_queue(q.name, durable=True, arguments=dict(q.arguments))
-        for b in plan.bindings:
-            queue = await channel.get_queue(b.destination, ensure=False)
-            await queue.bind(b.source, b.routing_key)
-
-
 async def fill(settings: Settings, n: int) -> None:
     """``n`` persistent messages, confirmed in windows of 500."""
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        body = json.dumps({"order": 1, "total": 9.5, "sku": "x" * 64}).encode()
-        pending = []
-        for i in range(n):
-            message = aio_pika.Message(
-                body,
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                content_type="application/json",
-                message_id=f"m-{i}",
-            )
-            pending.append(channel.default_exchange.publish(message, routing_key=QUEUE))
-            if len(pending) == 500:
-                await asyncio.gather(*pending)
-                pending = []
-        await asyncio.gather(*pending)
+    body = json.dumps({"order": 1, "total": 9.5, "sku": "x" * 64}).encode()
+
+    def make(i: int) -> aio_pika.Message:
+        return persistent(body, content_type="application/json", message_id=f"m-{i}")
+
+    await publish_stream(settings, QUEUE, n, make, window=500)
 
 
 async def bare_loop(settings: Settings, n: int, prefetch: int) -> Clock:
@@ -171,20 +144,25 @@ async def bare_aiormq(settings: Settings, n: int, prefetch: int) -> Clock:
 class NoOp(RetryConsumer):
     queue = QUEUE
 
-    def __init__(self, clock: Clock, prefetch: int) -> None:
+    def __init__(self, clock: Clock, prefetch: int, idempotency: Idempotency | None = None) -> None:
         self.clock = clock
         self.prefetch = prefetch
+        self.idempotency = idempotency
 
     async def handle(self, delivery: Delivery) -> None:
         self.clock.start()
         self.clock.complete()
 
 
-async def our_worker(settings: Settings, n: int, prefetch: int, topo: Topology) -> Clock:
+async def our_worker(
+    settings: Settings, n: int, prefetch: int, topo: Topology,
+    idempotency: Idempotency | None = None,
+) -> Clock:
     clock = Clock(n)
     # The handler counts before its message is acked; the last ack follows within one step,
     # and is counted by waiting for the runner to finish the in-flight ones on stop.
-    runner = Runner([NoOp(clock, prefetch)], topology=topo, settings=settings, metrics=Metrics())
+    runner = Runner([NoOp(clock, prefetch, idempotency)], topology=topo, settings=settings,
+                    metrics=Metrics())
     task = asyncio.create_task(runner.run())
     await clock.done.wait()
     runner.stop()
@@ -194,20 +172,14 @@ async def our_worker(settings: Settings, n: int, prefetch: int, topo: Topology) 
 
 async def measure(
     settings: Settings,
-    management: Management,
     side: Callable[[Settings], Awaitable[Clock]],
     n: int,
     topo: Topology,
 ) -> Clock:
-    vhost = f"rr-bench-{RUN_ID}-worker-{uuid.uuid4().hex[:8]}"
-    try:
-        management.create_vhost(vhost, user=settings.user)
-        scoped = settings.for_vhost(vhost)
-        await declare(scoped, topo)
+    with throwaway_vhost(settings, "worker") as scoped:
+        await provision(scoped, topo)
         await fill(scoped, n)
         return await side(scoped)
-    finally:
-        management.delete_vhost(vhost)
 
 
 async def bench(
@@ -217,25 +189,24 @@ async def bench(
     names = ("bare aio-pika", "rabbit-retry worker", "bare aiormq")
     rates: dict[str, list[float]] = {name: [] for name in names}
     cpu: dict[str, list[float]] = {name: [] for name in names}
-    with Management(settings.management_url) as management:
-        for i in range(runs):
-            for name, side in zip(
-                names,
-                (
-                    lambda s: bare_loop(s, messages, prefetch),
-                    lambda s: our_worker(s, messages, prefetch, topo),
-                    lambda s: bare_aiormq(s, messages, prefetch),
-                ),
-                strict=True,
-            ):
-                clock = await measure(settings, management, side, messages, topo)
-                rates[name].append(clock.rate)
-                cpu[name].append(clock.cpu_us)
-                print(
-                    f"run {i + 1}/{runs} {name:<20} {clock.rate:8.0f} msg/s"
-                    f" {clock.cpu_us:6.1f} us CPU/msg",
-                    file=sys.stderr,
-                )
+    for i in range(runs):
+        for name, side in zip(
+            names,
+            (
+                lambda s: bare_loop(s, messages, prefetch),
+                lambda s: our_worker(s, messages, prefetch, topo),
+                lambda s: bare_aiormq(s, messages, prefetch),
+            ),
+            strict=True,
+        ):
+            clock = await measure(settings, side, messages, topo)
+            rates[name].append(clock.rate)
+            cpu[name].append(clock.cpu_us)
+            print(
+                f"run {i + 1}/{runs} {name:<20} {clock.rate:8.0f} msg/s"
+                f" {clock.cpu_us:6.1f} us CPU/msg",
+                file=sys.stderr,
+            )
     bare, ours, floor = (statistics.median(rates[n]) for n in names)
     bare_cpu, ours_cpu, floor_cpu = (statistics.median(cpu[n]) for n in names)
     return {
@@ -282,17 +253,10 @@ async def profile(settings: Settings, messages: int, prefetch: int, queue_type: 
         print("pip install pyinstrument to profile", file=sys.stderr)
         return
     topo = topology(queue_type)
-    with Management(settings.management_url) as management:
-        profiler = Profiler(async_mode="enabled")
-        profiler.start()
-        await measure(
-            settings,
-            management,
-            lambda s: our_worker(s, messages, prefetch, topo),
-            messages,
-            topo,
-        )
-        profiler.stop()
+    profiler = Profiler(async_mode="enabled")
+    profiler.start()
+    await measure(settings, lambda s: our_worker(s, messages, prefetch, topo), messages, topo)
+    profiler.stop()
     print(profiler.output_text(unicode=True, color=False, show_all=False))
 
 

@@ -1,5 +1,6 @@
-"""Shared plumbing of the benchmarks: throwaway vhosts, fast confirmed publishing, queue depth,
-consumer subprocesses with RSS sampling, and the alternate-then-median rule every figure follows.
+"""What the benchmarks share beyond the tests' plumbing (``tests/support``): throwaway vhosts,
+consumer subprocesses with RSS sampling, results and plots, and the alternate-then-median rule
+every figure follows.
 
 The interface every bench module offers ``bench/run.py``: ``run(settings, **params) -> dict``,
 where ``settings`` is a ``rabbit_retry.settings.Settings`` naming the broker (its vhost is
@@ -9,12 +10,10 @@ ignored: each measurement makes its own throwaway vhost) and the dict is a ``Res
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -22,18 +21,19 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aio_pika
 import psutil
-from aio_pika.abc import AbstractChannel, AbstractExchange
+from support.amqp import blocking, counts, persistent, publish_stream
+from support.poll import wait_for
+from support.process import CLI, stop
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
-from rabbit_retry.topology import Plan
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -48,10 +48,6 @@ BROKER_WAIT = 180.0
 # Seconds to let the broker settle between measurements and after a backlog is published; a
 # smoke run (which measures nothing) sets BENCH_PAUSE=0.
 PAUSE = float(os.environ.get("BENCH_PAUSE", "1.0"))
-
-
-class BenchError(RuntimeError):
-    """A measurement could not be taken (a deadline passed, a consumer died)."""
 
 
 # --- results --------------------------------------------------------------------------------
@@ -294,89 +290,8 @@ def leftover_vhosts(base: Settings, run_id: str = RUN_ID) -> list[str]:
     return [n for n in names if n.startswith(f"{VHOST_PREFIX}{run_id}-")]
 
 
-# --- AMQP helpers ---------------------------------------------------------------------------
-
-
-def arun(coro: Awaitable[T]) -> T:
-    async def main() -> T:
-        return await coro
-
-    return asyncio.run(main())
-
-
-async def declare_plan(settings: Settings, plan: Plan) -> None:
-    """Declares a compiled topology over AMQP (the harness does not depend on ``apply``)."""
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel()
-        exchanges: dict[str, AbstractExchange] = {}
-        for ex in plan.exchanges:
-            exchanges[ex.name] = await channel.declare_exchange(
-                ex.name,
-                ex.type,
-                durable=ex.durable,
-                auto_delete=ex.auto_delete,
-                internal=ex.internal,
-                arguments=dict(ex.arguments),
-            )
-        for q in plan.queues:
-            await channel.declare_queue(q.name, durable=q.durable, arguments=dict(q.arguments))
-        for b in plan.bindings:
-            queue = await channel.get_queue(b.destination, ensure=False)
-            await queue.bind(exchanges[b.source], b.routing_key, arguments=dict(b.arguments))
-
-
-def declare_topology(settings: Settings, yaml_text: str) -> Plan:
-    from rabbit_retry.topology import compile_topology, parse_topology
-
-    plan = compile_topology(parse_topology(yaml_text, "<bench>"))
-    arun(declare_plan(settings, plan))
-    return plan
-
-
-async def publish(
-    settings: Settings,
-    routing_key: str,
-    count: int,
-    make: Callable[[int], aio_pika.Message],
-    *,
-    exchange: str = "",
-    window: int = 1000,
-    rate: float | None = None,
-) -> float:
-    """Publishes ``count`` messages with publisher confirms, ``window`` in flight at a time;
-    ``make(i)`` builds each one just before it is sent (so a timestamp in it is the send time).
-    With ``rate``, sends small batches on a fixed schedule of ``rate`` messages a second.
-    Returns the seconds it took. Unroutable messages raise: a bench never loses its input."""
-    if rate is not None:
-        window = max(1, round(rate / 100))  # a batch every 10 ms
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-        target = await _exchange(channel, exchange)
-        start = time.perf_counter()
-        for offset in range(0, count, window):
-            if rate is not None:
-                ahead = start + offset / rate - time.perf_counter()
-                if ahead > 0:
-                    await asyncio.sleep(ahead)
-            await asyncio.gather(
-                *(
-                    target.publish(make(i), routing_key, mandatory=True)
-                    for i in range(offset, min(count, offset + window))
-                )
-            )
-        return time.perf_counter() - start
-
-
-async def _exchange(channel: AbstractChannel, name: str) -> AbstractExchange:
-    if name == "":
-        return channel.default_exchange
-    return await channel.get_exchange(name, ensure=False)
-
-
-def persistent(body: bytes, **kwargs: Any) -> aio_pika.Message:
-    return aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, **kwargs)
+# --- messages and waiting -------------------------------------------------------------------
+# Publishing, depths, provisioning and polling are the tests' own (tests/support).
 
 
 def json_message(body: Mapping[str, Any], **kwargs: Any) -> aio_pika.Message:
@@ -392,56 +307,30 @@ def publish_sync(
     make: Callable[[int], aio_pika.Message],
     **kwargs: Any,
 ) -> float:
-    return arun(publish(settings, routing_key, count, make, **kwargs))
+    """``publish_stream`` from the harness's synchronous code: the seconds it took."""
+    return blocking(publish_stream(settings, routing_key, count, make, **kwargs), timeout=None)
 
 
-async def depth(settings: Settings, queue: str) -> tuple[int, int] | None:
-    """(ready messages, consumers) of ``queue`` right now, or None if it does not exist.
-    A passive declare answers at once; the management API's counts lag by a stats interval."""
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel()
-        try:
-            declared = await channel.declare_queue(queue, passive=True)
-        except aio_pika.exceptions.ChannelClosed:
+def consumer_gone(proc: subprocess.Popen[bytes], log: Path | None) -> Callable[[], str | None]:
+    """For ``wait_for(..., unless=...)``: a consumer that exited ends the wait at once."""
+
+    def reason() -> str | None:
+        if proc.poll() is None:
             return None
-        ok = declared.declaration_result
-        return ok.message_count or 0, ok.consumer_count or 0
+        return f"consumer exited with {proc.returncode}{_tail(log)}"
 
-
-def depth_sync(settings: Settings, queue: str) -> tuple[int, int] | None:
-    return arun(depth(settings, queue))
-
-
-def wait_for(
-    what: str,
-    check: Callable[[], bool],
-    timeout: float,
-    *,
-    interval: float = 0.1,
-    proc: subprocess.Popen[bytes] | None = None,
-    log: Path | None = None,
-) -> None:
-    """Polls ``check`` until true; a deadline or a dead consumer is a ``BenchError``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if check():
-            return
-        if proc is not None and proc.poll() is not None:
-            raise BenchError(f"{what}: consumer exited with {proc.returncode}{_tail(log)}")
-        if time.monotonic() > deadline:
-            raise BenchError(f"{what}: not done after {timeout:.0f}s{_tail(log)}")
-        time.sleep(interval)
+    return reason
 
 
 def wait_for_consumer(
     settings: Settings, queue: str, timeout: float, proc: subprocess.Popen[bytes], log: Path
 ) -> None:
     def consuming() -> bool:
-        state = depth_sync(settings, queue)
+        state = blocking(counts(settings, queue))
         return state is not None and state[1] > 0
 
-    wait_for(f"a consumer on {queue}", consuming, timeout, interval=0.2, proc=proc, log=log)
+    wait_for(consuming, f"a consumer on {queue}", within=timeout, interval=0.2,
+             unless=consumer_gone(proc, log))
 
 
 def _tail(log: Path | None, lines: int = 15) -> str:
@@ -522,14 +411,8 @@ class Consumer:
     started: float
 
     def result(self, timeout: float) -> dict[str, Any]:
-        wait_for(
-            f"result of pid {self.proc.pid}",
-            self.out.exists,
-            timeout,
-            interval=0.05,
-            proc=self.proc,
-            log=self.log,
-        )
+        wait_for(self.out.exists, f"result of pid {self.proc.pid}", within=timeout,
+                 interval=0.05, unless=consumer_gone(self.proc, self.log))
         data: dict[str, Any] = json.loads(self.out.read_text())
         return data
 
@@ -568,7 +451,7 @@ def consumer_process(
     try:
         yield Consumer(proc, out, log, time.monotonic())
     finally:
-        stop_process(proc)
+        stop(proc)
         if spy is not None:
             # py-spy writes its profile once the process it watches has exited.
             try:
@@ -627,27 +510,13 @@ def summarize_profile(path: Path, top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 def python_module(module: str, *args: str) -> list[str]:
     return [PYTHON, "-m", module, *args]
 
 
 def rabbit_retry_cli(*args: str) -> list[str]:
-    """``rabbit-retry ARGS`` with the venv's interpreter (the console script's own process)."""
-    script = Path(PYTHON).with_name("rabbit-retry")
-    if script.exists():
-        return [str(script), *args]
-    return [PYTHON, "-c", "from rabbit_retry.cli import main; main()", *args]
+    """``rabbit-retry ARGS``: the venv's console script, in a process of its own."""
+    return [CLI, *args]
 
 
 def our_worker_available() -> bool:

@@ -38,8 +38,10 @@ from typing import Any
 
 if __package__ in (None, ""):  # `python bench/run.py` as well as `python -m bench.run`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import bench  # noqa: F401  (puts tests/ on sys.path, for tests/support)
 
 import psutil
+from support.process import stop
 
 from bench import common
 from rabbit_retry.broker.management import Management
@@ -285,7 +287,7 @@ def parent_run(
         except subprocess.TimeoutExpired:
             common.say(f"   {bench.key}: over its {budget:.0f}s budget, stopping it")
         finally:
-            common.stop_process(proc, grace=60)
+            stop(proc, grace=60)
     wall = time.monotonic() - start
     if out.exists():
         record = json.loads(out.read_text())

@@ -14,7 +14,9 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
-from parking_support import Parked, Seen, exists, look, park, provision, ready, take_all
+from support.amqp import Outgoing, depth_sync, drain_sync, on_channel, publish_raw
+from support.parked import Parked, Seen, look, park
+from support.provision import provision
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -100,7 +102,7 @@ def test_show_lists_every_message_and_leaves_them_parked_in_order_twice(
             "orders.parking", "orders", 6, 6)
         assert [m["message_id"] for m in data["messages"]] == IDS
         assert [m["position"] for m in data["messages"]] == [1, 2, 3, 4, 5, 6]
-        assert asyncio.run(ready(parked, "orders.parking")) == 6
+        assert depth_sync(parked, "orders.parking") == 6
         assert snapshot(parking_of(management, parked)) == snapshot(before)
     second = data["messages"][1]
     assert second == {
@@ -189,7 +191,7 @@ def test_replay_where_moves_exactly_the_matching_ones_with_reset_headers(
     assert ids_of(after) == ["m0", "m2", "m4", "m5"]
     assert snapshot(after) == [s for s in snapshot(before) if s[2]["message_id"] in ids_of(after)]
 
-    moved = asyncio.run(take_all(parked, "orders"))
+    moved = drain_sync(parked, "orders")
     assert [m.message_id for m in moved] == ["m1", "m3"]
     assert [m.body for m in moved] == [b'{"order": 1}', b'{"order": 3}']
     assert sent(moved[0].headers) == {
@@ -202,7 +204,7 @@ def test_replay_where_moves_exactly_the_matching_ones_with_reset_headers(
     assert sent(rich.headers) == {"original-exchange": "orders",
                             "original-routing-key": "order.created", "replay-count": 1}
     assert (rich.content_type, rich.content_encoding, rich.priority, rich.correlation_id,
-            rich.reply_to, rich.type, rich.app_id, rich.user_id, rich.timestamp,
+            rich.reply_to, rich.message_type, rich.app_id, rich.user_id, rich.timestamp,
             rich.delivery_mode) == (
         "application/json", "utf-8", 3, "corr-3", "replies", "order.created", "shop", "guest",
         RICH_PROPERTIES["timestamp"], 2)
@@ -215,16 +217,16 @@ def test_replayed_again_after_parking_again_counts_two(
     asyncio.run(provision(fresh_vhost, TOPOLOGY))
     asyncio.run(park(fresh_vhost, "orders", [Parked(b"again", message_id="a")]))
     assert run_cli("parking", "replay", "orders", "--yes", settings=fresh_vhost).code == 0
-    (first,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    (first,) = drain_sync(fresh_vhost, "orders")
     assert first.headers["replay-count"] == 1
     asyncio.run(park(fresh_vhost, "orders", [Parked(first.body, message_id="a",
                                                    headers=sent(first.headers))]))
     result = run_cli("parking", "replay", "orders.parking", "--yes", settings=fresh_vhost)
     assert result.out.startswith("replayed 1 of 1 parked message from 'orders.parking'")
-    (second,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    (second,) = drain_sync(fresh_vhost, "orders")
     assert (second.body, second.headers["replay-count"]) == (b"again", 2)
     assert "retry-count" not in second.headers and "x-death" not in second.headers
-    assert asyncio.run(ready(fresh_vhost, "orders.parking")) == 0
+    assert depth_sync(fresh_vhost, "orders.parking") == 0
 
 
 def test_replay_handle_again_marks_the_copies_and_the_next_replay_drops_the_mark(
@@ -235,13 +237,13 @@ def test_replay_handle_again_marks_the_copies_and_the_next_replay_drops_the_mark
     result = run_cli("parking", "replay", "orders", "--handle-again", "--yes",
                      settings=fresh_vhost)
     assert result.code == 0, result.err
-    (marked,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    (marked,) = drain_sync(fresh_vhost, "orders")
     assert (marked.message_id, marked.headers["handle-again"]) == ("a", True)
     # Parked again and replayed without the flag: the mark does not stick.
     asyncio.run(park(fresh_vhost, "orders", [Parked(b"x", message_id="a",
                                                    headers=sent(marked.headers))]))
     assert run_cli("parking", "replay", "orders", "--yes", settings=fresh_vhost).code == 0
-    (plain,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    (plain,) = drain_sync(fresh_vhost, "orders")
     assert "handle-again" not in plain.headers and plain.headers["replay-count"] == 2
 
 
@@ -255,7 +257,7 @@ def test_replay_limit_takes_the_first_matching_ones(
     assert result.out == ("replayed 2 of 6 parked messages from 'orders.parking' to 'orders' "
                           "(exception-type=ValueError and parked-reason=exhausted); 4 left "
                           "parked\n")
-    assert [m.message_id for m in asyncio.run(take_all(parked, "orders"))] == ["m0", "m2"]
+    assert [m.message_id for m in drain_sync(parked, "orders")] == ["m0", "m2"]
     assert ids_of(parking_of(management, parked)) == ["m1", "m3", "m4", "m5"]
 
 
@@ -268,7 +270,7 @@ def test_replay_with_nothing_matching_changes_nothing(
     assert result.out.startswith("replayed 0 of 6 parked messages")
     assert result.out.endswith("; 6 left parked\n")
     assert snapshot(parking_of(management, parked)) == before
-    assert asyncio.run(ready(parked, "orders")) == 0
+    assert depth_sync(parked, "orders") == 0
 
 
 def test_replay_when_the_main_queue_is_gone_refuses_and_keeps_everything(
@@ -298,7 +300,7 @@ def test_purge_where_deletes_exactly_the_matching_ones(
     after = parking_of(management, parked)
     assert ids_of(after) == ["m0", "m2", "m4", "m5"]
     assert snapshot(after) == [s for s in before if s[2]["message_id"] in ids_of(after)]
-    assert asyncio.run(ready(parked, "orders")) == 0  # deleted, not moved
+    assert depth_sync(parked, "orders") == 0  # deleted, not moved
 
 
 def test_purge_older_than_uses_parked_at(
@@ -321,8 +323,8 @@ def test_purge_without_a_filter_deletes_everything_that_was_parked(
     result = run_cli("parking", "purge", "orders.parking", "--yes", settings=parked)
     assert result.out == "deleted 6 of 6 parked messages from 'orders.parking' (all); 0 left " \
                          "parked\n"
-    assert asyncio.run(ready(parked, "orders.parking")) == 0
-    assert asyncio.run(exists(parked, "orders.parking"))  # the queue itself stays
+    assert depth_sync(parked, "orders.parking") == 0
+    assert depth_sync(parked, "orders.parking") is not None  # the queue itself stays
 
 
 # --- export -------------------------------------------------------------------------------------
@@ -384,7 +386,7 @@ def test_without_yes_and_without_a_terminal_nothing_changes(
                           "terminal; pass --yes\n")
     assert result.out == ""
     assert snapshot(parking_of(management, parked)) == before
-    assert asyncio.run(ready(parked, "orders")) == 0
+    assert depth_sync(parked, "orders") == 0
 
 
 @pytest.mark.parametrize(
@@ -415,7 +417,7 @@ def test_bad_filters_are_exit_2(parked: Settings, run_cli: Run) -> None:
     assert (result.code, result.err) == (
         2, "error: --older-than: bad duration 'soon': use a positive whole number with ms, s, "
            "m, h or d (90m, 2d)\n")
-    assert asyncio.run(ready(parked, "orders.parking")) == 6
+    assert depth_sync(parked, "orders.parking") == 6
 
 
 def test_an_unreachable_broker_is_exit_1(run_cli: Run) -> None:
@@ -431,16 +433,8 @@ def test_a_parking_queue_that_is_not_classic_is_refused(
 ) -> None:
     # Declared by hand as quorum: a peek requeues every message, and 4.x quorum queues drop a
     # message after 20 deliveries, so rabbit-retry will not read it.
-    async def declare() -> None:
-        import aio_pika
-
-        connection = await aio_pika.connect(fresh_vhost.url)
-        async with connection:
-            channel = await connection.channel()
-            await channel.declare_queue("jobs.parking", durable=True,
-                                        arguments={"x-queue-type": "quorum"})
-
-    asyncio.run(declare())
+    asyncio.run(on_channel(fresh_vhost, lambda ch: ch.queue_declare(
+        "jobs.parking", durable=True, arguments={"x-queue-type": "quorum"})))
     asyncio.run(park(fresh_vhost, "jobs", [Parked(b"x", message_id="j")]))
     result = run_cli("parking", "show", "jobs", settings=fresh_vhost)
     assert result.code == 3
@@ -455,18 +449,13 @@ def test_a_replay_the_main_queue_refuses_stops_and_keeps_the_rest_parked(
     fresh_vhost: Settings, run_cli: Run, management: Management
 ) -> None:
     # A main queue with room for one more message: the second copy is nacked by the broker.
-    async def declare() -> None:
-        import aio_pika
-
-        connection = await aio_pika.connect(fresh_vhost.url)
-        async with connection:
-            channel = await connection.channel()
-            await channel.declare_queue("cap", durable=True, arguments={
-                "x-queue-type": "classic", "x-max-length": 1, "x-overflow": "reject-publish"})
-            await channel.declare_queue("cap.parking", durable=True,
-                                        arguments={"x-queue-type": "classic"})
-
-    asyncio.run(declare())
+    asyncio.run(on_channel(
+        fresh_vhost,
+        lambda ch: ch.queue_declare("cap", durable=True, arguments={
+            "x-queue-type": "classic", "x-max-length": 1, "x-overflow": "reject-publish"}),
+        lambda ch: ch.queue_declare("cap.parking", durable=True,
+                                    arguments={"x-queue-type": "classic"}),
+    ))
     asyncio.run(park(fresh_vhost, "cap", [Parked(b"%d" % i, message_id=f"c{i}")
                                           for i in range(3)]))
     result = run_cli("parking", "replay", "cap", "--yes", settings=fresh_vhost)
@@ -474,7 +463,7 @@ def test_a_replay_the_main_queue_refuses_stops_and_keeps_the_rest_parked(
     assert result.err == ("error: replay stopped after 1 of 3 parked messages in 'cap.parking': "
                           "the broker refused the copy of parked message #2 (publisher nack; is "
                           "'cap' full?); it stays parked\n")
-    assert [m.message_id for m in asyncio.run(take_all(fresh_vhost, "cap"))] == ["c0"]
+    assert [m.message_id for m in drain_sync(fresh_vhost, "cap")] == ["c0"]
     assert [s.properties["message_id"] for s in look(management, fresh_vhost, "cap.parking")] \
         == ["c1", "c2"]
 
@@ -484,28 +473,13 @@ def test_a_replay_keeps_doubles_and_binary_headers_exactly(
 ) -> None:
     # pamqp's own encoder writes every float as a 32-bit float and refuses bytes; replays go
     # through the exact encoder (rabbit_retry.wire), as retry and parked copies do.
-    import aiormq
-
-    from rabbit_retry.contract import copy_properties
-
     asyncio.run(provision(fresh_vhost, TOPOLOGY))
     headers = {"ratio": 0.1, "raw": b"\xff\xfe", "parked-reason": "exhausted", "retry-count": 3}
-
-    async def park_exactly() -> None:
-        connection = await aiormq.connect(fresh_vhost.url)
-        try:
-            channel = await connection.channel(publisher_confirms=True)
-            properties = copy_properties(
-                aiormq.spec.Basic.Properties(delivery_mode=2, message_id="d"), headers
-            )
-            await channel.basic_publish(b"{}", routing_key="orders.parking", properties=properties)
-        finally:
-            await connection.close()
-
-    asyncio.run(park_exactly())
+    asyncio.run(publish_raw(fresh_vhost, [Outgoing("d", b"{}", headers).wire()],
+                            routing_key="orders.parking"))
     result = run_cli("parking", "replay", "orders", "--yes", settings=fresh_vhost)
     assert result.code == 0, result.err
-    (replayed,) = asyncio.run(take_all(fresh_vhost, "orders"))
+    (replayed,) = drain_sync(fresh_vhost, "orders")
     assert replayed.headers["ratio"] == 0.1  # a 32-bit float would read 0.10000000149011612
     assert replayed.headers["raw"] == b"\xff\xfe"
     assert "retry-count" not in replayed.headers

@@ -7,17 +7,16 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
 
-from parking_support import Parked, look, park, provision, ready, take_all
+from support.amqp import depth_sync, drain_sync, total_depth
+from support.parked import Parked, look, park
+from support.poll import wait_for
+from support.process import CLI
+from support.provision import provision
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 
-COMMAND = str(Path(sys.executable).with_name("rabbit-retry"))
 TOPOLOGY = """
 version: 1
 queues:
@@ -27,14 +26,6 @@ queues:
 DEADLINE_S = 60.0
 
 
-def wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_a_replay_killed_midway_loses_nothing(fresh_vhost: Settings, capsys: object) -> None:
     total = 60
     ids = [f"k{i:02d}" for i in range(total)]
@@ -42,12 +33,12 @@ def test_a_replay_killed_midway_loses_nothing(fresh_vhost: Settings, capsys: obj
     asyncio.run(park(fresh_vhost, "orders", [Parked(i.encode(), message_id=i) for i in ids]))
 
     process = subprocess.Popen(
-        [COMMAND, "--url", fresh_vhost.url, "--management-url", fresh_vhost.management_url,
+        [CLI, "--url", fresh_vhost.url, "--management-url", fresh_vhost.management_url,
          "parking", "replay", "orders", "--yes", "--rate", "20"],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     try:
-        wait_for(lambda: asyncio.run(ready(fresh_vhost, "orders")) >= 5, "the replay to start")
+        wait_for(lambda: depth_sync(fresh_vhost, "orders") >= 5, "the replay to start")
     finally:
         process.send_signal(signal.SIGKILL)
         out, _ = process.communicate(timeout=30)
@@ -56,12 +47,11 @@ def test_a_replay_killed_midway_loses_nothing(fresh_vhost: Settings, capsys: obj
 
     # The broker requeues what the dead process held once it notices the closed socket.
     def settled() -> bool:
-        return asyncio.run(ready(fresh_vhost, "orders")) + asyncio.run(
-            ready(fresh_vhost, "orders.parking")) >= total
+        return total_depth(fresh_vhost, ["orders", "orders.parking"]) >= total
 
     wait_for(settled, "the killed process's messages to be requeued")
-    replayed = [m.message_id for m in asyncio.run(take_all(fresh_vhost, "orders"))]
-    parked = [m.message_id for m in asyncio.run(take_all(fresh_vhost, "orders.parking"))]
+    replayed = [m.message_id for m in drain_sync(fresh_vhost, "orders")]
+    parked = [m.message_id for m in drain_sync(fresh_vhost, "orders.parking")]
     duplicates = len(replayed) + len(parked) - total
     print(f"killed after {len(replayed)} replayed; {len(parked)} still parked; "
           f"{duplicates} duplicate(s)")
@@ -77,7 +67,7 @@ def _run_on_a_terminal(settings: Settings, args: list[str], answer: bytes) -> tu
 
     primary, secondary = pty.openpty()
     process = subprocess.Popen(
-        [COMMAND, "--url", settings.url, "--management-url", settings.management_url, *args],
+        [CLI, "--url", settings.url, "--management-url", settings.management_url, *args],
         stdin=secondary, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     os.close(secondary)
@@ -110,8 +100,8 @@ def test_on_a_terminal_replay_asks_with_the_count_and_no_means_nothing(
     assert code == 0, out
     assert out.endswith("replayed 2 of 3 parked messages from 'orders.parking' to 'orders' "
                         "(exception-type=KeyError); 1 left parked\n")
-    assert [m.message_id for m in asyncio.run(take_all(fresh_vhost, "orders"))] == ["a", "c"]
-    assert asyncio.run(ready(fresh_vhost, "orders.parking")) == 1
+    assert [m.message_id for m in drain_sync(fresh_vhost, "orders")] == ["a", "c"]
+    assert depth_sync(fresh_vhost, "orders.parking") == 1
 
 
 def test_on_a_terminal_purge_says_when_nothing_matches(fresh_vhost: Settings) -> None:
@@ -122,4 +112,4 @@ def test_on_a_terminal_purge_says_when_nothing_matches(fresh_vhost: Settings) ->
     assert code == 0
     assert out == ("nothing to purge: none of the 1 parked message in 'orders.parking' matches "
                    "parked more than 1d ago\n")
-    assert asyncio.run(ready(fresh_vhost, "orders.parking")) == 1
+    assert depth_sync(fresh_vhost, "orders.parking") == 1

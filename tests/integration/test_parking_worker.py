@@ -7,14 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import aio_pika
-from parking_support import look, provision, ready
+from support.amqp import blocking, depth_sync, persistent, publish_stream
+from support.parked import look
+from support.poll import wait_for
+from support.provision import provision
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -102,29 +104,19 @@ class Worker:
         self._thread.join(DEADLINE_S)
 
 
-def wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.1)
+def publish_orders(settings: Settings) -> None:
+    def make(i: int) -> aio_pika.Message:
+        message_id, kind = MESSAGES[i]
+        body = b"not json" if kind is None else json.dumps({"kind": kind}).encode()
+        return persistent(body, message_id=message_id, content_type="application/json")
 
-
-async def publish_orders(settings: Settings) -> None:
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        exchange = await channel.get_exchange("orders", ensure=False)
-        for message_id, kind in MESSAGES:
-            body = b"not json" if kind is None else json.dumps({"kind": kind}).encode()
-            await exchange.publish(
-                aio_pika.Message(body, message_id=message_id, content_type="application/json",
-                                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-                routing_key="order.created", mandatory=True)
+    # One at a time: the test reads the parking queue in the order they were published.
+    blocking(publish_stream(settings, "order.created", len(MESSAGES), make, exchange="orders",
+                            window=1))
 
 
 def parked_now(settings: Settings) -> int:
-    return asyncio.run(ready(settings, "orders.parking"))
+    return depth_sync(settings, "orders.parking")
 
 
 def show(run_cli: Run, settings: Settings) -> dict[str, Any]:
@@ -140,7 +132,7 @@ def test_parked_by_the_worker_then_shown_replayed_purged_and_exported(
     asyncio.run(provision(fresh_vhost, TOPOLOGY))
     consumer = Orders()
     with Worker(consumer, fresh_vhost):
-        asyncio.run(publish_orders(fresh_vhost))
+        publish_orders(fresh_vhost)
         wait_for(lambda: parked_now(fresh_vhost) == 6 and len(consumer.done) == 2,
                  "6 parked and 2 handled")
         assert sorted(consumer.done) == ["ok0", "ok1"]
@@ -204,4 +196,4 @@ def test_parked_by_the_worker_then_shown_replayed_purged_and_exported(
     assert (record["properties"]["message_id"], record["body"], record["body_encoding"],
             record["headers"]["parked-reason"]) == ("bad", "not json", "utf-8", "invalid")
     assert parked_now(fresh_vhost) == 1
-    assert asyncio.run(ready(fresh_vhost, "orders")) == 0
+    assert depth_sync(fresh_vhost, "orders") == 0

@@ -15,7 +15,9 @@ from urllib.parse import quote
 
 import aio_pika
 import pytest
-from parking_support import Parked, park, provision, publish
+from support.amqp import on_channel, publish
+from support.parked import Parked, park
+from support.provision import provision
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -73,13 +75,10 @@ class Holder:
 
 async def declare_old_tier(settings: Settings, name: str, ttl_ms: int, main: str) -> None:
     """A tier left behind by an earlier delay of ``main``: still draining, so still counted."""
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel()
-        await channel.declare_queue(name, durable=True, arguments={
-            "x-queue-type": "quorum", "x-dead-letter-strategy": "at-least-once",
-            "x-overflow": "reject-publish", "x-message-ttl": ttl_ms,
-            "x-dead-letter-exchange": "", "x-dead-letter-routing-key": main})
+    await on_channel(settings, lambda ch: ch.queue_declare(name, durable=True, arguments={
+        "x-queue-type": "quorum", "x-dead-letter-strategy": "at-least-once",
+        "x-overflow": "reject-publish", "x-message-ttl": ttl_ms,
+        "x-dead-letter-exchange": "", "x-dead-letter-routing-key": main}))
 
 
 @pytest.fixture
@@ -100,12 +99,12 @@ def test_status_counts_what_each_queue_holds(
 ) -> None:
     asyncio.run(provision(fresh_vhost, TOPOLOGY))
     asyncio.run(declare_old_tier(fresh_vhost, "orders.retry.5m", 300_000, "orders"))
-    asyncio.run(publish(fresh_vhost, "orders", [b"o"] * 6))
-    asyncio.run(publish(fresh_vhost, "orders.retry.1h", [b"t1"] * 3))
-    asyncio.run(publish(fresh_vhost, "orders.retry.2h", [b"t2"]))
-    asyncio.run(publish(fresh_vhost, "orders.retry.5m", [b"old"] * 2))
+    asyncio.run(publish(fresh_vhost, b"o", routing_key="orders", count=6))
+    asyncio.run(publish(fresh_vhost, b"t1", routing_key="orders.retry.1h", count=3))
+    asyncio.run(publish(fresh_vhost, b"t2", routing_key="orders.retry.2h"))
+    asyncio.run(publish(fresh_vhost, b"old", routing_key="orders.retry.5m", count=2))
     asyncio.run(park(fresh_vhost, "orders", [Parked(b"p")] * 5))
-    asyncio.run(publish(fresh_vhost, "payments", [b"pay"]))
+    asyncio.run(publish(fresh_vhost, b"pay", routing_key="payments"))
     asyncio.run(park(fresh_vhost, "payments", [Parked(b"pp")] * 2))
     expected = [
         {"queue": "orders", "ready": 4, "unacked": 2, "consumers": 1, "retrying": 6,

@@ -6,7 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from test_worker_support import depth, drain, eventually, provision, publish, running
+from support.amqp import depth, drain, publish
+from support.poll import eventually
+from support.provision import provision
+from support.worker import running
 
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import load_topology
@@ -53,7 +56,7 @@ async def test_example_consumers_handle_and_park_sample_orders(fresh_vhost: Sett
 
         await eventually(settled, what="every sample settled")
     parked = {
-        m.header.properties.message_id: m.header.properties.headers
+        m.message_id: m.headers
         for m in await drain(fresh_vhost, "orders.fraud-check.parking")
     }
     assert parked["o-3"]["parked-reason"] == "permanent"

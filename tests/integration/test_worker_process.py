@@ -12,12 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_worker_support import depth, eventually, provision, publish, topology
+from support.amqp import depth, publish
+from support.poll import eventually
+from support.process import CLI
+from support.provision import provision, topology
 
 from rabbit_retry.settings import Settings
 
 Q = "orders.fraud-check"
-CLI = str(Path(sys.executable).with_name("rabbit-retry"))
 
 TOPOLOGY = f"""\
 version: 1

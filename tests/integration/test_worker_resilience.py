@@ -11,9 +11,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aio_pika
 import pytest
-from test_worker_support import depth, eventually, provision, publish, running, topology
+from support.amqp import all_empty, depth, persistent, publish, publish_stream
+from support.poll import eventually
+from support.provision import provision, topology
+from support.worker import running
 
 from rabbit_retry.settings import Settings
 from rabbit_retry.worker import Delivery, Idempotency, Pause, RetryConsumer
@@ -118,27 +120,15 @@ async def outage(settings: Settings, consumer: Charge, gateway: Gateway, seconds
         gateway.up = True
         await eventually(lambda: len(set(gateway.charged)) + int(
             value(runner, "messages", Q, "parked")) >= count, within=120, what="all settled")
-        await eventually(lambda: _empty(settings, Q, f"{Q}.retry.1s"), within=30, what="drained")
+        await eventually(lambda: all_empty(settings, Q, f"{Q}.retry.1s"), within=30, what="drained")
         return runner
 
 
 async def publish_ids(settings: Settings, ids: list[str], routing_key: str = "charge") -> None:
     """One persistent, confirmed message per id, in order, on one connection."""
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        exchange = await channel.get_exchange("payments", ensure=False)
-        for message_id in ids:
-            message = aio_pika.Message(b"{}", message_id=message_id,
-                                       delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
-            await exchange.publish(message, routing_key=routing_key)
-
-
-async def _empty(settings: Settings, *queues: str) -> bool:
-    for name in queues:
-        if await depth(settings, name) != 0:
-            return False
-    return True
+    await publish_stream(settings, routing_key, len(ids),
+                         lambda i: persistent(b"{}", message_id=ids[i]), exchange="payments",
+                         window=1)
 
 
 async def test_an_outage_parks_everything_without_a_pause(fresh_vhost: Settings) -> None:
@@ -286,7 +276,7 @@ async def test_duplicates_run_the_handler_once_across_two_workers(
         dupes = lambda: sum(value(r, "duplicates", Q) for r in (first, second))  # noqa: E731
         await eventually(lambda: len(effects) == 700 and dupes() == 300, within=120,
                          what="700 effects and 300 duplicates")
-        await eventually(lambda: _empty(fresh_vhost, Q, f"{Q}.retry.1s"), within=30,
+        await eventually(lambda: all_empty(fresh_vhost, Q, f"{Q}.retry.1s"), within=30,
                          what="drained")
     assert sum(effects.values()) == 700
     assert set(effects) == set(ids)

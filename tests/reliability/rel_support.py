@@ -1,5 +1,6 @@
-"""Helpers of the reliability suite (no tests here): real ``rabbit-retry`` processes, publishing
-with exact headers, exact queue depths, and the conservation ledger every fault test ends with.
+"""Helpers of the reliability suite (no tests here): the worker as a real ``rabbit-retry worker``
+process running ``rel_consumers``, what it recorded, and the conservation ledger every fault test
+ends with. Publishing, depths, waiting and the command line come from ``tests/support``.
 
 Every wait is "until something happens, within a generous deadline"; nothing asserts how long
 anything took.
@@ -7,78 +8,29 @@ anything took.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import aiormq
-from aiormq import spec
+from support.amqp import Outgoing, drain_sync, total_depth
+from support.poll import DEADLINE_S, wait_for
+from support.process import CLI
 
 from rabbit_retry.broker.management import Management
-from rabbit_retry.contract import copy_properties
 from rabbit_retry.settings import Settings
 
 HERE = Path(__file__).resolve().parent
-CLI = str(Path(sys.executable).with_name("rabbit-retry"))
 WORKER_CONNECTION = "rabbit-retry worker"
-DEADLINE_S = 120.0
-
-T = TypeVar("T")
 
 
-# --- waiting -----------------------------------------------------------------------------------
-
-
-def wait_for(
-    check: Callable[[], T], what: str, *, within: float = DEADLINE_S, interval: float = 0.1
-) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``within``."""
-    deadline = time.monotonic() + within
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"gave up after {within:g}s waiting for {what} (last: {last!r})")
-
-
-# --- the command line ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Ran:
-    code: int
-    out: str
-    err: str
-
-
-def cli(settings: Settings | None, *args: str, timeout: float = 120.0, cwd: Path | None = None,
-        env: Mapping[str, str] | None = None) -> Ran:
-    """``rabbit-retry [--url U --management-url M] ARGS`` as a separate process."""
-    argv = [CLI]
-    if settings is not None:
-        argv += ["--url", settings.url, "--management-url", settings.management_url]
-    argv += list(args)
-    done = subprocess.run(
-        argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-        cwd=cwd, env={**os.environ, **(env or {})},
-    )
-    return Ran(done.returncode, done.stdout, done.stderr)
-
-
-def apply(settings: Settings, topology: Path) -> None:
-    result = cli(settings, "apply", str(topology))
-    assert result.code == 0, result.err
+# --- the worker ------------------------------------------------------------------------------
 
 
 class Worker:
@@ -156,121 +108,12 @@ class Worker:
         return self.log_path.read_text(errors="replace")
 
 
-# --- AMQP ------------------------------------------------------------------------------------
-
-
-AMQP_TIMEOUT_S = 60.0
-
-
-def _run(coro: Any) -> Any:
-    """Run one short AMQP exchange; a broker that stops answering fails it within a minute."""
-    return asyncio.run(asyncio.wait_for(coro, AMQP_TIMEOUT_S))
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    message_id: str
-    body: bytes
-    headers: Mapping[str, Any] | None = None
+# --- what the broker and the worker did -------------------------------------------------------
 
 
 def spec_body(message_id: str, **behaviour: Any) -> bytes:
+    """A body for ``rel_consumers``: what the handler does with this message."""
     return json.dumps({"id": message_id, **behaviour}).encode()
-
-
-def publish(settings: Settings, messages: Sequence[Outgoing], *, routing_key: str,
-            exchange: str = "") -> None:
-    """Persistent, mandatory, each confirmed (and not returned) by the broker."""
-
-    async def go() -> None:
-        connection = await aiormq.connect(settings.url)
-        try:
-            channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            for start in range(0, len(messages), 50):
-                batch = messages[start : start + 50]
-                confirms = await asyncio.gather(*(
-                    channel.basic_publish(
-                        m.body, exchange=exchange, routing_key=routing_key, mandatory=True,
-                        properties=copy_properties(
-                            spec.Basic.Properties(message_id=m.message_id, delivery_mode=2),
-                            m.headers or {},
-                        ),
-                    )
-                    for m in batch
-                ))
-                assert all(isinstance(c, spec.Basic.Ack) for c in confirms), confirms
-        finally:
-            await connection.close()
-
-    _run(go())
-
-
-def depth(settings: Settings, queue: str) -> int | None:
-    """Ready messages of ``queue`` (exact: a passive declare), None when it does not exist."""
-
-    async def go() -> int | None:
-        connection = await aiormq.connect(settings.url)
-        try:
-            channel = await connection.channel()
-            try:
-                ok = await channel.queue_declare(queue, passive=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                return None
-            return int(ok.message_count or 0)
-        finally:
-            await connection.close()
-
-    result: int | None = _run(go())
-    return result
-
-
-def total_depth(settings: Settings, queues: Iterable[str]) -> int:
-    return sum(depth(settings, q) or 0 for q in queues)
-
-
-@dataclass(frozen=True)
-class Taken:
-    message_id: str | None
-    headers: dict[str, Any]
-    body: bytes
-
-
-def drain(settings: Settings, queue: str) -> list[Taken]:
-    """Take (and ack) every ready message of ``queue``, in order."""
-
-    async def go() -> list[Taken]:
-        connection = await aiormq.connect(settings.url)
-        taken = []
-        try:
-            channel = await connection.channel()
-            while True:
-                message = await channel.basic_get(queue)
-                if not isinstance(message.delivery, spec.Basic.GetOk):
-                    break
-                props = message.header.properties
-                taken.append(Taken(props.message_id, dict(props.headers or {}), message.body))
-                await channel.basic_ack(message.delivery.delivery_tag)
-        finally:
-            await connection.close()
-        return taken
-
-    result: list[Taken] = _run(go())
-    return result
-
-
-def amqp(settings: Settings, *calls: Callable[[Any], Any]) -> None:
-    """Run channel operations (``lambda ch: ch.queue_delete(...)``) on one fresh channel."""
-
-    async def go() -> None:
-        connection = await aiormq.connect(settings.url)
-        try:
-            channel = await connection.channel()
-            for call in calls:
-                await call(channel)
-        finally:
-            await connection.close()
-
-    _run(go())
 
 
 def worker_connections(api: Management, settings: Settings) -> list[str]:
@@ -403,7 +246,7 @@ def settle(settings: Settings, worker: Worker, expected: Mapping[str, str],
     ledger.succeeded.update(m for m, _ in records(worker.records, "ok"))
     ledger.left = total_depth(settings, queues)
     for queue in parking:
-        for message in drain(settings, queue):
+        for message in drain_sync(settings, queue):
             assert message.message_id is not None
             ledger.parked[message.message_id] += 1
             reason = message.headers.get("parked-reason")

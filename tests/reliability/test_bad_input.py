@@ -25,21 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pamqp import header as pamqp_header
-from rel_support import (
-    Outgoing,
-    Taken,
-    Worker,
-    apply,
-    cli,
-    drain,
-    ok_ids,
-    publish,
-    records,
-    spec_body,
-    total_depth,
-    wait_for,
-)
+from rel_support import Worker, ok_ids, records, spec_body
+from support.amqp import Outgoing, Taken, drain_sync, publish_sync, total_depth
 from support.broker import ctl, version
+from support.poll import wait_for
+from support.process import apply, cli
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.contract import copy_properties
@@ -95,7 +85,7 @@ class Parked:
 
     def take(self) -> dict[str, list[Taken]]:
         for queue in QUEUES:
-            for message in drain(self.settings, f"{queue}.parking"):
+            for message in drain_sync(self.settings, f"{queue}.parking"):
                 assert message.message_id is not None
                 self.by_id.setdefault(message.message_id, []).append(message)
         return self.by_id
@@ -204,12 +194,14 @@ def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
     big_binary = os.urandom(size)
     big_binary = b"\x80" + big_binary[1:]  # never valid UTF-8, so never JSON
     big_order = _json_of_size({"amount": 7}, "id", size)
-    publish(fresh_vhost, [Outgoing(f"o-{name}", body) for name, (body, _) in JSON_BODIES.items()]
-            + [Outgoing("o-big-json", big_json), Outgoing("o-big-binary", big_binary),
-               Outgoing("o-json-list", b"[1, 2]")], routing_key="rel.orders")
-    publish(fresh_vhost, [Outgoing(f"t-{name}", body) for name, (body, _) in MODEL_BODIES.items()]
-            + [Outgoing("t-ok", b'{"id": "t-ok", "amount": 3}'), Outgoing("t-big", big_order)],
-            routing_key="rel.typed")
+    publish_sync(fresh_vhost,
+                 [Outgoing(f"o-{name}", body) for name, (body, _) in JSON_BODIES.items()]
+                 + [Outgoing("o-big-json", big_json), Outgoing("o-big-binary", big_binary),
+                    Outgoing("o-json-list", b"[1, 2]")], routing_key="rel.orders")
+    publish_sync(fresh_vhost,
+                 [Outgoing(f"t-{name}", body) for name, (body, _) in MODEL_BODIES.items()]
+                 + [Outgoing("t-ok", b'{"id": "t-ok", "amount": 3}'), Outgoing("t-big", big_order)],
+                 routing_key="rel.typed")
     parked = Parked(fresh_vhost)
     invalid = ({f"o-{n}" for n in JSON_BODIES} | {"o-big-binary"}
                | {f"t-{n}" for n in MODEL_BODIES})
@@ -245,8 +237,9 @@ def test_bad_bodies_park_invalid_with_the_reason_and_16_mib_bodies_go_through(
           f"(two of {size} bytes); {time.monotonic() - started:.1f}s")
 
     # What the operator sees: park them again and look with `parking show --json`.
-    publish(fresh_vhost, [Outgoing(f"o-{name}", body) for name, (body, _) in JSON_BODIES.items()]
-            + [Outgoing("o-big-binary", big_binary)], routing_key="rel.orders")
+    publish_sync(fresh_vhost,
+                 [Outgoing(f"o-{name}", body) for name, (body, _) in JSON_BODIES.items()]
+                 + [Outgoing("o-big-binary", big_binary)], routing_key="rel.orders")
     wait_for(lambda: total_depth(fresh_vhost, ["rel.orders.parking"]) == len(JSON_BODIES) + 1,
              "parked again")
     result = cli(fresh_vhost, "parking", "show", "rel.orders", "--json")
@@ -324,7 +317,7 @@ def _check_headers(settings: Settings, worker: Worker, parked: Parked,
                    cases: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Counter[str]:
     """Publish ``cases[queue][id] = headers``; check each message's calls and end."""
     for queue, by_id in cases.items():
-        publish(settings, [Outgoing(m, spec_body(m, fail=FAIL), h) for m, h in by_id.items()],
+        publish_sync(settings, [Outgoing(m, spec_body(m, fail=FAIL), h) for m, h in by_id.items()],
                 routing_key=queue)
     ids = {m for by_id in cases.values() for m in by_id}
     _settled(settings, worker, parked, ids)
@@ -380,7 +373,7 @@ def test_headers_of_the_wrong_types_count_as_the_rules_say(
     print(f"[reliability] wrong-typed headers: {dict(ends)}; {time.monotonic() - started:.1f}s")
 
     # The operator's view of messages parked with junk headers still works.
-    publish(fresh_vhost, [Outgoing("o-junk-parked", spec_body("o-junk-parked", permanent=True),
+    publish_sync(fresh_vhost, [Outgoing("o-junk-parked", spec_body("o-junk-parked", permanent=True),
                                    _cases("rel.orders")["x-death-junk"])],
             routing_key="rel.orders")
     wait_for(lambda: total_depth(fresh_vhost, ["rel.orders.parking"]) == 1, "parked")
@@ -459,7 +452,7 @@ def test_exceptions_megabytes_long_still_park_with_bounded_headers(
 ) -> None:
     started = time.monotonic()
     parked = Parked(fresh_vhost)
-    publish(fresh_vhost, [Outgoing(f"x-{kind}", spec_body(f"x-{kind}", **{"raise": kind}))
+    publish_sync(fresh_vhost, [Outgoing(f"x-{kind}", spec_body(f"x-{kind}", **{"raise": kind}))
                           for kind in NASTY], routing_key="rel.orders")
     _settled(fresh_vhost, worker, parked, {f"x-{kind}" for kind in NASTY})
     calls = _calls(worker)

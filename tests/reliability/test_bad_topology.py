@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rel_support import HERE, Ran, apply, cli
+from rel_support import HERE
 from ruamel.yaml import YAML
+from support.process import Ran, apply, cli
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings

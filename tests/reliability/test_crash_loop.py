@@ -14,20 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rel_support import (
-    Outgoing,
-    Worker,
-    apply,
-    depth,
-    drain,
-    ok_ids,
-    publish,
-    spec_body,
-    wait_for,
-)
-from rel_support import (
-    records as recorded,
-)
+from rel_support import Worker, ok_ids, spec_body
+from rel_support import records as recorded
+from support.amqp import Outgoing, depth_sync, drain_sync, publish_sync
+from support.poll import wait_for
+from support.process import apply
 
 from rabbit_retry.settings import Settings
 
@@ -56,7 +47,7 @@ def test_a_crash_looping_message_is_parked_alone(
     # of them when the poison one kills it.
     innocents = [Outgoing(f"i-{n}", spec_body(f"i-{n}")) for n in range(INNOCENT)]
     poison = Outgoing("poison", spec_body("poison", crash=300))
-    publish(fresh_vhost, [*innocents[:PREFETCH - 1], poison, *innocents[PREFETCH - 1:]],
+    publish_sync(fresh_vhost, [*innocents[:PREFETCH - 1], poison, *innocents[PREFETCH - 1:]],
             routing_key="rel.orders")
 
     worker = Worker(fresh_vhost, topology, records, "Orders", sleep_ms=1000,
@@ -71,7 +62,7 @@ def test_a_crash_looping_message_is_parked_alone(
                 + worker.log()[-3000:]
             )
             worker.start()  # as a supervisor would
-        parked = depth(fresh_vhost, "rel.orders.parking") or 0
+        parked = depth_sync(fresh_vhost, "rel.orders.parking") or 0
         assert parked <= 1, f"{parked} messages parked: innocent ones were blamed for the crash"
         return parked == 1 and len(ok_ids(records)) == INNOCENT
 
@@ -89,9 +80,9 @@ def test_a_crash_looping_message_is_parked_alone(
     print(f"innocent deliveries in flight at the first crash: {sorted(in_flight)}")
     assert in_flight, "the poison message crashed the worker with no other delivery in flight"
 
-    assert depth(fresh_vhost, "rel.orders") == 0
-    assert depth(fresh_vhost, "rel.orders.retry.200ms") == 0
-    [parked] = drain(fresh_vhost, "rel.orders.parking")
+    assert depth_sync(fresh_vhost, "rel.orders") == 0
+    assert depth_sync(fresh_vhost, "rel.orders.retry.200ms") == 0
+    [parked] = drain_sync(fresh_vhost, "rel.orders.parking")
     assert parked.message_id == "poison"
     assert parked.headers["parked-reason"] == "exhausted"
     assert parked.headers["exception-type"] == "rabbit_retry.worker.DeliveryLimitReached"

@@ -12,19 +12,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from rel_support import (
-    Outgoing,
-    Worker,
-    apply,
-    ok_ids,
-    publish,
-    settle,
-    spec_body,
-    wait_for,
-)
-from rel_support import (
-    records as read_records,
-)
+from rel_support import Worker, ok_ids, settle, spec_body
+from rel_support import records as read_records
+from support.amqp import Outgoing, publish_sync
+from support.poll import wait_for
+from support.process import apply
 
 from rabbit_retry.settings import Settings
 
@@ -71,7 +63,7 @@ def test_two_idempotent_workers_one_killed_twice_lose_nothing_and_run_no_duplica
         worker.env["RR_STORE"] = store
         worker_guard.append(worker)
         workers.append(worker.start())
-    publish(fresh_vhost, messages, exchange="rel", routing_key="orders")
+    publish_sync(fresh_vhost, messages, exchange="rel", routing_key="orders")
     victim = workers[0]
     kills = 0
     for threshold in (100, 250):

@@ -16,22 +16,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rel_support import (
-    Outgoing,
-    Worker,
-    amqp,
-    apply,
-    channel_publishes,
-    cli,
-    drain,
-    ok_ids,
-    publish,
-    queue_info,
-    records,
-    settle,
-    spec_body,
-    wait_for,
-)
+from rel_support import Worker, channel_publishes, ok_ids, queue_info, records, settle, spec_body
+from support.amqp import Outgoing, blocking, drain_sync, on_channel, publish_sync
+from support.poll import wait_for
+from support.process import apply, cli
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -152,10 +140,11 @@ def test_parking_queue_missing_holds_the_message_then_parks_it_after_apply(
     worker = Worker(fresh_vhost, topology, records, "Orders", prefetch=6)
     worker_guard.append(worker)
     worker.start()
-    amqp(fresh_vhost, lambda ch: ch.queue_delete(PARKING))  # after the worker's startup check
+    # After the worker's startup check, which would refuse to start without it.
+    blocking(on_channel(fresh_vhost, lambda ch: ch.queue_delete(PARKING)))
     messages, expected = _stream(120, 4, permanent=True)
     failing = {m for m, v in expected.items() if v != "ok"}
-    publish(fresh_vhost, messages, routing_key=Q)
+    publish_sync(fresh_vhost, messages, routing_key=Q)
     _stalled(worker)
     _assert_held_without_spinning(fresh_vhost, management, worker, failing, held=6,
                                   main_ids=set(expected), what="parking queue missing")
@@ -187,15 +176,15 @@ def test_parking_queue_full_with_reject_publish_holds_the_message_until_fixed(
     worker.start()
     # A parking queue somebody declared by hand with a length limit: the first park fits, every
     # later one is refused (basic.nack) by the broker.
-    amqp(
+    blocking(on_channel(
         fresh_vhost,
         lambda ch: ch.queue_delete(PARKING),
         lambda ch: ch.queue_declare(PARKING, durable=True, arguments={
             "x-queue-type": "classic", "x-max-length": 1, "x-overflow": "reject-publish"}),
-    )
+    ))
     messages, expected = _stream(100, 5, permanent=True)
     failing = {m for m, v in expected.items() if v != "ok"}
-    publish(fresh_vhost, messages, routing_key=Q)
+    publish_sync(fresh_vhost, messages, routing_key=Q)
     _stalled(worker)
     _assert_held_without_spinning(fresh_vhost, management, worker, failing, held=5, parked=1,
                                   main_ids=set(expected), what="parking queue full")
@@ -209,9 +198,9 @@ def test_parking_queue_full_with_reject_publish_holds_the_message_until_fixed(
     assert re.search(rf"^conflict\s+queue\s+{re.escape(PARKING)}\b", plan.out, re.M), plan.out
 
     # The fix: take out what it holds, delete it, apply again.
-    first = drain(fresh_vhost, PARKING)
+    first = drain_sync(fresh_vhost, PARKING)
     assert [m.headers["parked-reason"] for m in first] == ["permanent"]
-    amqp(fresh_vhost, lambda ch: ch.queue_delete(PARKING))
+    blocking(on_channel(fresh_vhost, lambda ch: ch.queue_delete(PARKING)))
     apply(fresh_vhost, topology)
     taken = {m.message_id for m in first}
     rest = {m: v for m, v in expected.items() if m not in taken}
@@ -255,16 +244,16 @@ def test_retry_tier_missing_holds_the_message_then_retries_it_after_apply(
     worker = Worker(fresh_vhost, topology, records, "Orders", "Payments", prefetch=5)
     worker_guard.append(worker)
     worker.start()
-    amqp(fresh_vhost, lambda ch: ch.queue_delete("rel.orders.retry.200ms"),
-         lambda ch: ch.queue_delete("rel.payments.retry.300ms"))
+    blocking(on_channel(fresh_vhost, lambda ch: ch.queue_delete("rel.orders.retry.200ms"),
+         lambda ch: ch.queue_delete("rel.payments.retry.300ms")))
 
     o_messages, expected = _stream(100, 4, prefix="o", fail=1)
     p_messages, p_expected = _stream(60, 3, prefix="p", fail=1)
     expected.update(p_expected)
     o_failing = {m.message_id for m in o_messages if b'"fail"' in m.body}
     p_failing = {m.message_id for m in p_messages if b'"fail"' in m.body}
-    publish(fresh_vhost, o_messages, routing_key="rel.orders")
-    publish(fresh_vhost, p_messages, routing_key="rel.payments")
+    publish_sync(fresh_vhost, o_messages, routing_key="rel.orders")
+    publish_sync(fresh_vhost, p_messages, routing_key="rel.payments")
 
     if counting(management.overview()["rabbitmq_version"]).native_cycle == "adds":
         # RabbitMQ 4.0-4.2: no native path (a nack cycle counts as a return there, see

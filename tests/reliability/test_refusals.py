@@ -18,8 +18,11 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pytest
-from rel_support import CLI, HERE, Ran, apply, cli, ok_ids, publish, spec_body, wait_for
-from rel_support import Outgoing as Out
+from rel_support import HERE, ok_ids, spec_body
+from support.amqp import Outgoing as Out
+from support.amqp import publish_sync
+from support.poll import wait_for
+from support.process import CLI, Ran, apply, cli
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -180,7 +183,7 @@ def test_user_without_configure_permission(
              "RR_RECORD_DIR": str(topology.parent)},
     )
     try:
-        publish(fresh_vhost, [Out("ok-1", spec_body("ok-1")), Out("flaky-1",
+        publish_sync(fresh_vhost, [Out("ok-1", spec_body("ok-1")), Out("flaky-1",
                 spec_body("flaky-1", fail=1)), Out("no-1", spec_body("no-1", permanent=True))],
                 routing_key="rel.orders")
         wait_for(lambda: {"ok-1", "flaky-1"} <= ok_ids(topology.parent), "the limited worker")

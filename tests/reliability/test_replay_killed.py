@@ -13,19 +13,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from rel_support import (
-    CLI,
-    Outgoing,
-    Worker,
-    apply,
-    cli,
-    depth,
-    ok_ids,
-    publish,
-    settle,
-    spec_body,
-    wait_for,
-)
+from rel_support import Worker, ok_ids, settle, spec_body
+from support.amqp import Outgoing, depth_sync, publish_sync
+from support.poll import wait_for
+from support.process import CLI, apply, cli
 
 from rabbit_retry.settings import Settings
 
@@ -50,9 +41,9 @@ def test_replay_killed_twice_midway_then_finished_loses_nothing(
     try:
         worker.start()
         ids = [f"r-{i:04d}" for i in range(COUNT)]
-        publish(fresh_vhost, [Outgoing(m, spec_body(m, fixable=True)) for m in ids],
+        publish_sync(fresh_vhost, [Outgoing(m, spec_body(m, fixable=True)) for m in ids],
                 routing_key=Q)
-        wait_for(lambda: depth(fresh_vhost, f"{Q}.parking") == COUNT, "everything parked")
+        wait_for(lambda: depth_sync(fresh_vhost, f"{Q}.parking") == COUNT, "everything parked")
         (records / "fixed").touch()  # the cause is fixed: a replayed message now succeeds
 
         kills = []
@@ -72,7 +63,7 @@ def test_replay_killed_twice_midway_then_finished_loses_nothing(
             assert b"replayed" not in out, "the replay finished before it was killed"
             kills.append(len(ok_ids(records)))
         # The broker requeues what each killed replay held; a last replay moves the rest.
-        wait_for(lambda: (depth(fresh_vhost, f"{Q}.parking") or 0) + len(ok_ids(records))
+        wait_for(lambda: (depth_sync(fresh_vhost, f"{Q}.parking") or 0) + len(ok_ids(records))
                  >= COUNT, "the killed replays' messages back in the parking queue")
         last = cli(fresh_vhost, "parking", "replay", Q, "--yes")
         assert last.code == 0, last.err

@@ -13,8 +13,6 @@ import json
 import os
 import ssl
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +21,8 @@ from typing import Any
 import aio_pika
 import aiormq
 import pytest
+from support.poll import eventually
+from support.process import CLI
 from tls_node import (
     KEY_PASSWORD,
     NodeUnavailable,
@@ -40,7 +40,6 @@ from rabbit_retry.settings import Settings
 from rabbit_retry.tls import client_context
 from rabbit_retry.worker import Delivery, Permanent, RetryConsumer, Runner
 
-CLI = str(Path(sys.executable).with_name("rabbit-retry"))
 DEADLINE = 60.0
 
 
@@ -403,14 +402,6 @@ class _Orders(RetryConsumer):
         self.succeeded[delivery.message_id or ""] = delivery.attempt
 
 
-async def _eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {DEADLINE:.0f}s: {what}")
-        await asyncio.sleep(0.1)
-
-
 async def _run_worker(node: TlsNode, file: Path) -> tuple[dict[str, int], list[dict[str, Any]]]:
     consumer = _Orders()
     runner = Runner([consumer], topology=file, settings=node.settings(), grace=5.0)
@@ -418,11 +409,13 @@ async def _run_worker(node: TlsNode, file: Path) -> tuple[dict[str, int], list[d
     try:
         await asyncio.wait_for(runner.ready.wait(), DEADLINE)
         with _management(node) as api:
-            await _eventually(
+            await eventually(
                 lambda: any(
                     c.get("user_provided_name") == "rabbit-retry worker" for c in api.connections()
                 ),
-                "the worker's connection shows in the management API",
+                within=DEADLINE,
+                interval=0.1,
+                what="the worker's connection shows in the management API",
             )
             connections = [
                 c for c in api.connections() if c.get("user_provided_name") == "rabbit-retry worker"
@@ -438,10 +431,11 @@ async def _run_worker(node: TlsNode, file: Path) -> tuple[dict[str, int], list[d
         async def parked() -> int:
             return (await _passive_declare(node, ["tls.worker.parking"]))["tls.worker.parking"]
 
-        deadline = time.monotonic() + DEADLINE
-        while len(consumer.succeeded) < 2 or await parked() < 1:
-            assert time.monotonic() < deadline, f"worker over TLS: {consumer.succeeded}"
-            await asyncio.sleep(0.1)
+        async def settled() -> bool:
+            return len(consumer.succeeded) >= 2 and await parked() >= 1
+
+        await eventually(settled, within=DEADLINE, interval=0.1,
+                         what="the worker over TLS to handle two messages and park one")
     finally:
         runner.stop()
         await asyncio.wait_for(task, DEADLINE)

@@ -13,17 +13,11 @@ import re
 import time
 from pathlib import Path
 
-from rel_support import (
-    Worker,
-    apply,
-    mixed_stream,
-    ok_ids,
-    publish,
-    settle,
-    wait_for,
-    worker_connections,
-)
+from rel_support import Worker, mixed_stream, ok_ids, settle, worker_connections
+from support.amqp import publish_sync
 from support.broker import ctl
+from support.poll import wait_for
+from support.process import apply
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -55,8 +49,8 @@ def _setup(settings: Settings, tmp_path: Path, orders_type: str, payments_type: 
     o_messages, expected = mixed_stream("o", orders)
     p_messages, p_expected = mixed_stream("p", payments)
     expected.update(p_expected)
-    publish(settings, o_messages, exchange="rel", routing_key="orders")
-    publish(settings, p_messages, exchange="rel", routing_key="payments")
+    publish_sync(settings, o_messages, exchange="rel", routing_key="orders")
+    publish_sync(settings, p_messages, exchange="rel", routing_key="payments")
     return topology, expected
 
 

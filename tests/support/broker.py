@@ -7,6 +7,7 @@ machine's rabbitmqctl cannot reach a node of another version (Erlang cookie and 
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import subprocess
@@ -19,8 +20,7 @@ def ctl(management: Management, *args: str, timeout: float = 180.0) -> str:
     prefix = shlex.split(os.environ.get("RABBIT_RETRY_TEST_CTL", "rabbitmqctl"))
     hint = ""
     if prefix == ["rabbitmqctl"]:
-        node = os.environ.get("RABBIT_RETRY_TEST_NODE") or str(management.overview()["node"])
-        prefix += ["-n", node]
+        prefix += ["-n", _node(management)]
         hint = ("; a broker of another version than the machine's needs RABBIT_RETRY_TEST_CTL "
                 "(eval \"$(scripts/broker.sh env VERSION)\")")
     done = subprocess.run([*prefix, *args], capture_output=True, text=True, timeout=timeout,
@@ -29,6 +29,13 @@ def ctl(management: Management, *args: str, timeout: float = 180.0) -> str:
         f"{shlex.join([*prefix, *args])}: {(done.stderr or done.stdout).strip()}{hint}"
     )
     return done.stdout
+
+
+@functools.cache
+def _node(management: Management) -> str:
+    """The node's name, looked up once: a test that runs ``stop_app`` must still be able to run
+    ``start_app``, when the management API that names the node is down with the app."""
+    return os.environ.get("RABBIT_RETRY_TEST_NODE") or str(management.overview()["node"])
 
 
 def version(management: Management) -> tuple[int, int]:

@@ -1,0 +1,45 @@
+"""The worker under test in the test's own event loop (test-only)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+
+from rabbit_retry.settings import Settings
+from rabbit_retry.topology import Topology
+from rabbit_retry.worker import RetryConsumer, Runner
+from rabbit_retry.worker.metrics import Metrics
+
+from .poll import eventually
+
+
+@contextlib.asynccontextmanager
+async def running(
+    consumers: Sequence[RetryConsumer],
+    topo: Topology,
+    settings: Settings,
+    *,
+    grace: float = 5.0,
+    metrics_port: int | None = None,
+) -> AsyncIterator[Runner]:
+    """Run a worker in this event loop for the duration of the block."""
+    runner = Runner(
+        consumers,
+        topology=topo,
+        settings=settings,
+        grace=grace,
+        metrics=Metrics(),
+        metrics_port=metrics_port,
+    )
+    task = asyncio.create_task(runner.run())
+    try:
+        await eventually(
+            lambda: runner.ready.is_set() or task.done(), within=30, what="worker ready"
+        )
+        if task.done():
+            task.result()  # raises the startup error
+        yield runner
+    finally:
+        runner.stop()
+        await asyncio.wait_for(task, timeout=60)
