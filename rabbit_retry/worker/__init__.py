@@ -2,7 +2,8 @@
 
 Pure core: ``attempts`` (failures so far), ``redelivery`` (how each broker version counts
 returns), ``decide`` (the decision table), ``copies`` (headers of retry and parked copies),
-``pause`` (when a failing downstream pauses a queue). Edges: ``consumer`` (what users write),
+``pause`` (when a failing downstream pauses a queue), ``checks`` (what a consumer may declare).
+Edges: ``consumer`` (what users write),
 ``session`` (one connection's consuming), ``lane`` (prefetch, and returned deliveries one at a
 time), ``publisher`` (confirmed copies), ``idempotency`` and ``stores`` (each key handled once),
 ``runner`` (startup check, reconnects, shutdown), ``metrics``.

@@ -24,6 +24,7 @@ from pydantic import TypeAdapter
 from typing_extensions import TypeVar
 
 from rabbit_retry.errors import InputError
+from rabbit_retry.worker.checks import require_exception_types
 from rabbit_retry.worker.idempotency import Idempotency
 from rabbit_retry.worker.pause import Pause
 
@@ -185,13 +186,7 @@ def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
             f"{name}.handler_timeout: expected a positive number of seconds or None, "
             f"got {timeout!r}"
         )
-    errors = consumer.permanent_errors
-    if not isinstance(errors, tuple) or not all(
-        isinstance(e, type) and issubclass(e, BaseException) for e in errors
-    ):
-        raise InputError(
-            f"{name}.permanent_errors: expected a tuple of exception classes, got {errors!r}"
-        )
+    require_exception_types(f"{name}.permanent_errors", consumer.permanent_errors)
     for attribute, kind in (("pause", Pause), ("idempotency", Idempotency)):
         value = getattr(consumer, attribute)
         if value is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rabbit_retry.contract import HANDLE_AGAIN, as_flag
 from rabbit_retry.errors import InputError
 from rabbit_retry.settings import mask
+from rabbit_retry.worker.checks import require_seconds
 from rabbit_retry.worker.stores import Store, Verdict, open_store
 
 if TYPE_CHECKING:
@@ -67,19 +67,9 @@ class Idempotency:
             raise InputError(f"{owner}.idempotency.store: expected a store URL, got {self.store!r}")
         if not callable(self.key):
             raise InputError(f"{owner}.idempotency.key: expected a function, got {self.key!r}")
-        for field, value in (("window", self.window), ("lease", self.lease)):
-            if value is None and field == "lease":
-                continue
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise InputError(
-                    f"{owner}.idempotency.{field}: expected a positive number of seconds,"
-                    f" got {value!r}"
-                )
+        require_seconds(f"{owner}.idempotency.window", self.window)
+        if self.lease is not None:
+            require_seconds(f"{owner}.idempotency.lease", self.lease)
 
 
 @dataclass

@@ -16,10 +16,10 @@ pause does not watch, a ``Permanent`` error and an invalid body leave it as it i
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from rabbit_retry.errors import InputError
+from rabbit_retry.worker.checks import require_exception_types, require_seconds
 
 
 @dataclass(frozen=True)
@@ -36,19 +36,8 @@ class Pause:
         after, on, every = self.after, self.on, self.probe_every
         if isinstance(after, bool) or not isinstance(after, int) or after < 1:
             raise InputError(f"{owner}.pause.after: expected an integer >= 1, got {after!r}")
-        if not isinstance(on, tuple) or not all(
-            isinstance(e, type) and issubclass(e, BaseException) for e in on
-        ):
-            raise InputError(f"{owner}.pause.on: expected a tuple of exception classes, got {on!r}")
-        if (
-            isinstance(every, bool)
-            or not isinstance(every, int | float)
-            or not math.isfinite(every)
-            or every <= 0
-        ):
-            raise InputError(
-                f"{owner}.pause.probe_every: expected a positive number of seconds, got {every!r}"
-            )
+        require_exception_types(f"{owner}.pause.on", on)
+        require_seconds(f"{owner}.pause.probe_every", every)
 
     def watches(self, error: BaseException) -> bool:
         """Whether a transient failure with ``error`` is the kind this pause counts."""
