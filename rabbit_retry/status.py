@@ -8,6 +8,7 @@ command exit 1 for monitoring to alert on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -15,14 +16,20 @@ from typing import Any, Literal
 from rich.console import Group, RenderableType
 from rich.text import Text
 
+from rabbit_retry.broker.counts import ready_and_consumers
 from rabbit_retry.broker.diff import Change, diff
-from rabbit_retry.broker.inspect import LiveState, read_live
+from rabbit_retry.broker.inspect import LiveState, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
+from rabbit_retry.settings import Settings
 from rabbit_retry.tables import cell, new_table
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
 
+SAMPLED_NOTE = (
+    "ready, consumers, retrying and parked: exact, read now; unacked: the management API's"
+    " sample, a few seconds old"
+)
 DriftKind = Literal["missing", "different", "misrouted"]
 # The order drift is listed in: what loses messages first.
 _KIND_ORDER: dict[DriftKind, int] = {"missing": 0, "different": 1, "misrouted": 2}
@@ -121,6 +128,8 @@ class Status:
             "ok": self.ok,
             "queues": [q.to_json() for q in self.queues],
             "drift": [d.to_json() for d in self.drift],
+            # Every other count is read from the broker the moment status runs.
+            "sampled": ["unacked", "held_for_dead_lettering"],
         }
 
 
@@ -197,9 +206,13 @@ def build_status(
     return Status(vhost, source, tuple(rows), drift_of(changes, plan))
 
 
-def read_status(api: Management, vhost: str, plan: Plan, source: str) -> Status:
-    live = read_live(api, vhost)
-    return build_status(plan, live, diff(plan, live), vhost=vhost, source=source)
+def read_status(api: Management, settings: Settings, plan: Plan, source: str) -> Status:
+    """The status now: objects and unacked counts from the management API, ready and consumer
+    counts of every queue read exactly over AMQP."""
+    live = read_live(api, settings.vhost)
+    exact = asyncio.run(ready_and_consumers(settings, sorted(live.queues)))
+    live = with_exact_counts(live, exact)
+    return build_status(plan, live, diff(plan, live), vhost=settings.vhost, source=source)
 
 
 def status_view(status: Status) -> RenderableType:
@@ -233,6 +246,7 @@ def status_view(status: Status) -> RenderableType:
             Text(str(row.parked), style="bold yellow") if row.parked else cell(row.parked),
         )
     parts.append(table)
+    parts.append(Text(SAMPLED_NOTE, style="dim"))
     for row in status.queues:
         for name, count in row.held:
             parts.append(Text(

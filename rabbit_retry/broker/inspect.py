@@ -6,7 +6,7 @@ The diff compares these values with the plan; nothing here decides anything.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -23,7 +23,8 @@ class LiveQueue:
     auto_delete: bool
     arguments: Mapping[str, Any]
     # Counts come from the management statistics, which lag by a few seconds: good enough to
-    # report, never to decide a delete (declare.py deletes with broker-side checks).
+    # report, never to decide a delete (declare.py deletes with broker-side checks); `status`
+    # puts exact ready and consumer counts in their place (with_exact_counts).
     messages: int = 0
     messages_ready: int = 0
     messages_unacknowledged: int = 0
@@ -142,3 +143,20 @@ def read_capacity(api: Management) -> NodeCapacity:
         fd_total=min(limits) if limits else None,
         quorum_queues=sum(1 for q in queues if q.get("type") == "quorum"),
     )
+
+
+def with_exact_counts(live: LiveState, counts: Mapping[str, tuple[int, int]]) -> LiveState:
+    """``live`` with the ready and consumer counts of ``counts`` (queue -> (ready, consumers),
+    read from the broker this moment) in place of the management API's samples. Unacked counts
+    stay sampled: only the statistics know them."""
+    queues = dict(live.queues)
+    for name, (ready, consumers) in counts.items():
+        queue = queues.get(name)
+        if queue is not None:
+            queues[name] = replace(
+                queue,
+                messages=ready + queue.messages_unacknowledged,
+                messages_ready=ready,
+                consumers=consumers,
+            )
+    return replace(live, queues=queues)

@@ -69,7 +69,7 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     plan = compile_topology(load_topology(file))
     with Management.for_settings(settings) as api:
         check_same_broker(settings, api)
-        report = read_status(api, settings.vhost, plan, file)
+        report = read_status(api, settings, plan, file)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:

@@ -134,6 +134,22 @@ def test_status_counts_what_each_queue_holds(
                                         "derives")
 
 
+def test_parked_and_ready_counts_are_exact_at_once(
+    fresh_vhost: Settings, run_cli: Run, topology: Path
+) -> None:
+    """No waiting for the management statistics: a script that alerts on parked messages sees
+    them on its first look (the statistics take seconds to show them)."""
+    asyncio.run(provision(fresh_vhost, TOPOLOGY))
+    for round_ in (1, 2):
+        asyncio.run(park(fresh_vhost, "orders", [Parked(b"p")] * 7))
+        asyncio.run(publish(fresh_vhost, b"o", routing_key="orders", count=3))
+        code, data = status_json(run_cli, fresh_vhost, topology)
+        orders = data["queues"][0]
+        assert (code, orders["queue"], orders["parked"], orders["ready"]) == (
+            0, "orders", 7 * round_, 3 * round_)
+    assert data["sampled"] == ["unacked", "held_for_dead_lettering"]
+
+
 def test_a_deleted_tier_and_parking_queue_are_drift_first_and_exit_1(
     fresh_vhost: Settings, run_cli: Run, management: Management, topology: Path
 ) -> None:
