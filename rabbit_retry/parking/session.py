@@ -152,6 +152,11 @@ class ParkingQueue:
             # name the highest tag still held, which covers every held one below it.
             await self._channel.basic_nack(max(self._held), multiple=True, requeue=True)
             self._held.clear()
+            # A nack has no answer; the broker hands it to the queue and we could leave before
+            # the queue took them back, and a verb run right after would miss them. A passive
+            # declare on the same channel reaches the queue after the nack, so once it answers
+            # they are all back.
+            await self._channel.queue_declare(self.target.parking, passive=True)
 
 
 def _reply_text(exc: aiormq.exceptions.PublishError) -> str:
