@@ -28,3 +28,16 @@ def test_a_type_checker_learns_the_payload_type_and_the_run_options() -> None:
     assert 'Unexpected keyword argument "graze"' in out, out
     # Nothing else is wrong in the file: no complaint about the blocking handler's override.
     assert out.count("error:") == 1, out
+
+
+def test_the_worker_path_imports_neither_the_terminal_nor_the_http_libraries() -> None:
+    """An idle worker's memory is its imports (docs/worker-benchmark.md): the worker's start
+    path must not pull in what only the operators' commands use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rabbit_retry.cli, rabbit_retry.cli.worker, rabbit_retry.worker;"
+            "print(sorted(m for m in ('rich', 'httpx', 'psycopg', 'redis') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"
