@@ -38,9 +38,12 @@ from rabbit_retry.worker import Delivery, Idempotency, Pause, RetryConsumer, Run
 from rabbit_retry.worker.metrics import Metrics
 from rabbit_retry.worker.stores import open_store
 
-POSTGRES = os.environ.get("RABBIT_RETRY_BENCH_POSTGRES_URL",
-                          "postgresql://postgres@127.0.0.1:5432/test")
-REDIS = os.environ.get("RABBIT_RETRY_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+# The servers scripts/test.sh makes sure of (it exports the TEST variables).
+POSTGRES = (os.environ.get("RABBIT_RETRY_BENCH_POSTGRES_URL")
+            or os.environ.get("RABBIT_RETRY_TEST_POSTGRES_URL")
+            or "postgresql://postgres@127.0.0.1:5432/test")
+REDIS = (os.environ.get("RABBIT_RETRY_BENCH_REDIS_URL")
+         or os.environ.get("RABBIT_RETRY_TEST_REDIS_URL") or "redis://127.0.0.1:6379/0")
 GOAL = "measured, no target: each store's ratio to the worker without one"
 
 

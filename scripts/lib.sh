@@ -65,3 +65,59 @@ ensure_venv() {
     "$python" -m venv --clear "$VENV" || die "could not create $VENV (on Debian/Ubuntu: apt-get install python3-venv)"
     pip_quiet install --upgrade pip
 }
+
+# apt-get install PACKAGES..., quietly, updating the index once if a package is not found.
+apt_install() {
+    command -v apt-get >/dev/null 2>&1 || die "need $* (no apt-get here: install them by hand)"
+    note "apt-get install $*"
+    if ! DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q "$@" </dev/null >/dev/null 2>&1; then
+        timeout 900 apt-get update -q </dev/null >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -q "$@" </dev/null >/dev/null ||
+            die "apt-get install $* failed"
+    fi
+}
+
+# The idempotency stores' servers the tests use: PostgreSQL and Redis on this machine, started
+# (installed first if missing). Exports RABBIT_RETRY_TEST_POSTGRES_URL / _REDIS_URL.
+ensure_stores() {
+    local pg="${RABBIT_RETRY_TEST_POSTGRES_URL:-postgresql://postgres@127.0.0.1:5432/test}"
+    local redis="${RABBIT_RETRY_TEST_REDIS_URL:-redis://127.0.0.1:6379/0}"
+    command -v psql >/dev/null 2>&1 || apt_install postgresql postgresql-client
+    if ! psql "$pg" -Atc 'select 1' </dev/null >/dev/null 2>&1; then
+        local version
+        version="$(ls /etc/postgresql 2>/dev/null | sort -V | tail -n 1)"
+        [ -n "$version" ] || die "PostgreSQL is installed but has no cluster in /etc/postgresql"
+        note "starting PostgreSQL $version"
+        pg_ctlcluster --skip-systemctl-redirect "$version" main start </dev/null >/dev/null 2>&1 || true
+        local i
+        for i in $(seq 1 30); do
+            pg_isready -q -h 127.0.0.1 -p 5432 && break
+            sleep 1
+        done
+        if ! psql "$pg" -Atc 'select 1' </dev/null >/dev/null 2>&1 &&
+            [ -z "${RABBIT_RETRY_TEST_POSTGRES_URL:-}" ]; then
+            # A fresh Debian cluster asks for a password over TCP: give postgres one, and a
+            # database for the tests.
+            note "PostgreSQL: a password for postgres and a database 'test' for the tests"
+            su postgres -c "psql -q -c \"ALTER ROLE postgres PASSWORD 'rabbit-retry'\"" </dev/null >/dev/null
+            su postgres -c "createdb test" </dev/null >/dev/null 2>&1 || true
+            pg="postgresql://postgres:rabbit-retry@127.0.0.1:5432/test"
+        fi
+        psql "$pg" -Atc 'select 1' </dev/null >/dev/null 2>&1 || die "PostgreSQL at ${pg%%@*}@... does not answer"
+    fi
+    command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+    if ! redis-cli -u "$redis" ping </dev/null >/dev/null 2>&1; then
+        note "starting Redis"
+        mkdir -p /var/lib/redis /var/log/redis
+        redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+            --dir /var/lib/redis --logfile /var/log/redis/ci.log </dev/null >/dev/null
+        local j
+        for j in $(seq 1 30); do
+            redis-cli -u "$redis" ping </dev/null >/dev/null 2>&1 && break
+            sleep 1
+        done
+        redis-cli -u "$redis" ping </dev/null >/dev/null 2>&1 || die "Redis at $redis does not answer"
+    fi
+    export RABBIT_RETRY_TEST_POSTGRES_URL="$pg" RABBIT_RETRY_TEST_REDIS_URL="$redis"
+    note "stores: PostgreSQL and Redis answer"
+}

@@ -170,6 +170,8 @@ version_targets() {
 if [ -z "$only_unit" ]; then
     stage "wheel: build it, install it in a fresh venv, smoke it"
     wheel_smoke || FAILED+=(wheel)
+    stage "idempotency stores: PostgreSQL and Redis"
+    ensure_stores
 fi
 
 label=""
