@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The README's first command: installs rabbit-retry into .venv, makes sure a broker answers
-# (starting a local one where it can, see scripts/ensure-broker.sh), then validates and applies a
-# topology (default topologies/orders.yml) and shows its status. Safe to run again: apply is
-# idempotent, so a second run changes nothing on the broker.
+# (starting a local one where it can, see scripts/ensure-broker.sh), validates and applies a
+# topology (default topologies/orders.yml) and shows its status; then the whole loop on
+# topologies/demo.yml: a worker handles three sample orders (one succeeds, one is retried
+# through a tier, one parks) and `parking show` lists what parked. Ends by itself. Safe to run
+# again: apply is idempotent (each run parks one more sample order).
 #
 #   ./scripts/quickstart.sh [TOPOLOGY_FILE]
 #
@@ -46,6 +48,11 @@ if "$RR" status --help >/dev/null 2>&1; then
     run status "$SHOWN"
 fi
 
+stage "the loop: apply topologies/demo.yml, a worker handles three sample orders"
+"$RR" apply topologies/demo.yml </dev/null
+"$VENV/bin/python" -m examples.demo </dev/null
+run parking show demo.orders
+
 MGMT="${RABBIT_RETRY_MANAGEMENT_URL:-http://localhost:15672}"
 MGMT="$(sed -E 's#://[^@/]*@#://#' <<<"${MGMT%/}")"
 cat <<EOF
@@ -56,6 +63,7 @@ broker; running this again changes nothing.
 Try next:
 ${CD_HINT}  source .venv/bin/activate                     # put rabbit-retry on PATH
   rabbit-retry plan $SHOWN       # file vs broker: all unchanged
+  rabbit-retry parking replay demo.orders --yes  # the parked order back to its queue
   rabbit-retry export $SHOWN --format mermaid
   ./scripts/test.sh                             # test extras, ruff, mypy, every test
 Management UI: $MGMT (guest/guest on a local broker)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from support.amqp import depth, drain, publish
 from support.poll import eventually
 from support.provision import provision
@@ -64,3 +65,16 @@ async def test_example_consumers_handle_and_park_sample_orders(fresh_vhost: Sett
     assert parked["o-4"]["parked-reason"] == "invalid"
     for queue in ("orders.fraud-check", "orders.inventory", "orders.inventory.parking"):
         assert await depth(fresh_vhost, queue) == 0, queue
+
+
+async def test_the_quick_start_demo_retries_one_parks_one_and_ends_by_itself(
+    fresh_vhost: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from examples import demo
+
+    monkeypatch.setenv("RABBIT_RETRY_URL", fresh_vhost.url)
+    await provision(fresh_vhost, load_topology(ROOT / "topologies" / "demo.yml"))
+    assert await demo.main(within=60) == 0
+    parked = await drain(fresh_vhost, "demo.orders.parking")
+    assert [m.message_id for m in parked] == ["order-3"]
+    assert await depth(fresh_vhost, "demo.orders") == 0
