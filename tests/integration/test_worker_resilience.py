@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.amqp import all_empty, depth, persistent, publish, publish_stream
+from support.amqp import all_empty, counts, depth, persistent, publish, publish_stream
 from support.poll import eventually
 from support.provision import provision, topology
 from support.worker import running
 
+from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 from rabbit_retry.worker import Delivery, Idempotency, Pause, RetryConsumer
 
@@ -284,3 +285,38 @@ async def test_duplicates_run_the_handler_once_across_two_workers(
     # The two that failed once released their keys and were handled on their retry.
     assert effects[ids[1]] == effects[ids[2]] == 1
     assert await depth(fresh_vhost, f"{Q}.parking") == 0
+
+
+async def test_a_pause_outlives_a_reconnect_and_resumes_at_a_probe(
+    fresh_vhost: Settings, management: Management, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rabbit_retry.worker")
+    topo = topology(charge_yaml())
+    await provision(fresh_vhost, topo)
+    gateway = Gateway()
+    consumer = Charge(gateway, pause=Pause(after=2, on=(GatewayDown,), probe_every=0.5))
+    async with running([consumer], topo, fresh_vhost) as runner:
+        gateway.up = False
+        await publish_ids(fresh_vhost, [f"m-{i}" for i in range(20)])
+        await eventually(lambda: value(runner, "paused", Q) == 1, within=30, what="paused")
+        # The broker closes the worker's connection: it reconnects by itself, still paused.
+        names = await eventually(lambda: [c["name"] for c in management.connections(
+            fresh_vhost.vhost) if (c.get("client_properties") or {}).get("connection_name")
+            == "rabbit-retry worker"], within=30, what="the worker's connection")
+        for name in names:
+            management.close_connection(name, reason="test: reconnect while paused")
+        await eventually(lambda: any(getattr(r, "event", "") == "reconnected"
+                                     for r in caplog.records), within=60, what="reconnected")
+        await eventually(lambda: runner.ready.is_set(), within=60, what="ready again")
+        assert value(runner, "paused", Q) == 1
+        assert (await counts(fresh_vhost, Q))[1] == 0  # no consumer on the queue
+        calls = gateway.calls
+        # Probes still run (and fail) while the gateway is down...
+        await eventually(lambda: gateway.calls > calls, within=30, what="a probe")
+        assert value(runner, "paused", Q) == 1
+        gateway.up = True
+        # ...and the first one after it is back resumes the queue.
+        await eventually(lambda: value(runner, "paused", Q) == 0, within=30, what="resumed")
+        await eventually(lambda: len(set(gateway.charged)) == 20, within=60, what="20 charges")
+        assert (await counts(fresh_vhost, Q))[1] == 1
+    assert value(runner, "messages", Q, "parked") == 0
