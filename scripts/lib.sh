@@ -121,3 +121,49 @@ ensure_stores() {
     export RABBIT_RETRY_TEST_POSTGRES_URL="$pg" RABBIT_RETRY_TEST_REDIS_URL="$redis"
     note "stores: PostgreSQL and Redis answer"
 }
+
+# promtool (Debian's `prometheus` package) checks and unit-tests the alert rules that
+# `export --format alerts` writes. Installed when missing and apt-get can (as root, or with sudo
+# that asks no password); the package lists are refreshed only when an install without that
+# fails. Without promtool those tests fail in CI and skip elsewhere, so this never stops the run.
+ensure_promtool() {
+    if command -v promtool >/dev/null 2>&1; then
+        note "using $(promtool --version 2>&1 | head -n 1)"
+        return 0
+    fi
+    local as_root=""
+    if ! command -v apt-get >/dev/null 2>&1; then
+        note "promtool missing and no apt-get: install Prometheus's promtool; its tests skip (fail with CI=true)"
+        return 0
+    fi
+    if [ "$(id -u)" -ne 0 ]; then
+        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+            as_root="sudo -n"
+        else
+            note "promtool missing and apt-get needs root: its tests skip (fail with CI=true)"
+            return 0
+        fi
+    fi
+    note "installing promtool (apt-get install prometheus)"
+    local log rc=0
+    log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-apt.XXXXXX")"
+    apt_prometheus $as_root >"$log" 2>&1 ||
+        { timeout 600 $as_root apt-get update -qq </dev/null >>"$log" 2>&1 &&
+            apt_prometheus $as_root >>"$log" 2>&1; } ||
+        rc=$?
+    if [ "$rc" -ne 0 ] || ! command -v promtool >/dev/null 2>&1; then
+        tail -n 20 "$log" >&2 || true
+        rm -f "$log"
+        note "could not install promtool (exit $rc); its tests skip (fail with CI=true)"
+        return 0
+    fi
+    rm -f "$log"
+    note "installed $(promtool --version 2>&1 | head -n 1)"
+}
+
+# apt_prometheus [sudo -n]: installs the package quietly, without recommends, never asking.
+apt_prometheus() {
+    # `env` inside sudo: sudo drops the caller's environment.
+    timeout 900 "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends prometheus </dev/null
+}

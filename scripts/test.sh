@@ -43,6 +43,9 @@ note "pip install -e '.[test,bench]' (the bench extra: the suite runs a smoke of
 pip_quiet install -e '.[test,bench]'
 export PATH="$VENV/bin:$PATH"
 
+stage "promtool (the alert rules' tests)"
+ensure_promtool
+
 stage "ruff check rabbit_retry tests bench"
 timeout 600 ruff check --output-format=concise rabbit_retry tests bench </dev/null || FAILED+=(ruff)
 

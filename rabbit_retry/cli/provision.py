@@ -37,6 +37,7 @@ from rabbit_retry.settings import Settings
 from rabbit_retry.text import plural
 from rabbit_retry.topology import Plan, compile_topology, load_topology
 from rabbit_retry.topology.export import to_definitions, to_mermaid
+from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 
 _STYLE = {
     "create": "green",
@@ -225,16 +226,22 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["definitions", "mermaid"]),
+    type=click.Choice(["definitions", "mermaid", "alerts", "grafana"]),
     required=True,
-    help="definitions: JSON for POST /api/definitions/{vhost}; mermaid: a diagram.",
+    help="definitions: JSON for POST /api/definitions/{vhost}; mermaid: a diagram; "
+    "alerts: Prometheus alerting rules; grafana: a dashboard JSON.",
 )
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), help="Write to a file.")
 def export(file: str, fmt: str, out: str | None) -> None:
-    """Print FILE as broker definitions JSON or as a Mermaid diagram; touches no broker."""
+    """Print FILE as broker definitions JSON, a Mermaid diagram, Prometheus alerting rules or a
+    Grafana dashboard for its queues; touches no broker."""
     compiled = _load(file)
     if fmt == "definitions":
         text = json.dumps(to_definitions(compiled), indent=2, sort_keys=True) + "\n"
+    elif fmt == "alerts":
+        text = to_alerts(compiled)
+    elif fmt == "grafana":
+        text = to_grafana(compiled, title=f"rabbit-retry: {Path(file).stem}")
     else:
         text = to_mermaid(compiled).rstrip("\n") + "\n"
     if out is None:

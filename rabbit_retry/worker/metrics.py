@@ -1,4 +1,5 @@
-"""Prometheus metrics (README, "The worker"), in a registry of the runner's own.
+"""Prometheus metrics (README, "The worker"), in a registry of the runner's own; the series'
+names, labels and help are ``rabbit_retry.metric_names``.
 
 A dedicated ``CollectorRegistry`` per runner (not the global one) lets several runners, or
 several tests, live in one process without colliding. Label children are bound once per queue
@@ -13,6 +14,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from rabbit_retry import metric_names as names
 from rabbit_retry.worker.decide import ParkReason
 
 OUTCOMES = ("success", "retried", "parked")
@@ -44,46 +46,46 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.messages = Counter(
-            "rabbit_retry_messages",
-            "Messages handled, by final outcome of this delivery.",
-            ["queue", "outcome"],
+            names.MESSAGES.name,
+            names.MESSAGES.help,
+            names.MESSAGES.labels,
             registry=self.registry,
         )
         self.parked = Counter(
-            "rabbit_retry_parked",
-            "Messages parked, by reason.",
-            ["queue", "reason"],
+            names.PARKED.name,
+            names.PARKED.help,
+            names.PARKED.labels,
             registry=self.registry,
         )
         self.handler_seconds = Histogram(
-            "rabbit_retry_handler_seconds",
-            "Time spent in the handler.",
-            ["queue"],
+            names.HANDLER_SECONDS.name,
+            names.HANDLER_SECONDS.help,
+            names.HANDLER_SECONDS.labels,
             buckets=BUCKETS,
             registry=self.registry,
         )
         self.in_flight = Gauge(
-            "rabbit_retry_in_flight",
-            "Deliveries being handled or waiting for their next home to confirm.",
-            ["queue"],
+            names.IN_FLIGHT.name,
+            names.IN_FLIGHT.help,
+            names.IN_FLIGHT.labels,
             registry=self.registry,
         )
         self.paused = Gauge(
-            "rabbit_retry_paused",
-            "1 while a Pause holds the queue's consumer (its downstream fails), else 0.",
-            ["queue"],
+            names.PAUSED.name,
+            names.PAUSED.help,
+            names.PAUSED.labels,
             registry=self.registry,
         )
         self.pauses = Counter(
-            "rabbit_retry_pauses",
-            "Times a Pause stopped consuming the queue.",
-            ["queue"],
+            names.PAUSES.name,
+            names.PAUSES.help,
+            names.PAUSES.labels,
             registry=self.registry,
         )
         self.duplicates = Counter(
-            "rabbit_retry_duplicates",
-            "Deliveries acked without calling the handler: their idempotency key was done.",
-            ["queue"],
+            names.DUPLICATES.name,
+            names.DUPLICATES.help,
+            names.DUPLICATES.labels,
             registry=self.registry,
         )
         self._queues: dict[str, QueueMetrics] = {}

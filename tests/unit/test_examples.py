@@ -16,7 +16,7 @@ def load(name: str) -> Topology:
     return load_topology(EXAMPLES / name)
 
 
-@pytest.mark.parametrize("name", ["orders.yml", "notifications.yml", "audit.yml"])
+@pytest.mark.parametrize("name", ["orders.yml", "notifications.yml", "audit.yml", "demo.yml"])
 def test_example_loads_compiles_and_exports(name: str) -> None:
     plan = compile_topology(load(name))
     assert plan.main_queues
@@ -28,9 +28,16 @@ def test_example_loads_compiles_and_exports(name: str) -> None:
 def test_every_example_is_tested() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.yml")) == [
         "audit.yml",
+        "demo.yml",
         "notifications.yml",
         "orders.yml",
     ]
+
+
+def test_demo_retries_within_seconds() -> None:
+    """The quick start's loop must show a retry and a park in seconds (its comment says 1 s)."""
+    demo = load("demo.yml").queue("demo.orders")
+    assert (demo.retry.tiers_ms, demo.retry.max_attempts) == ((1000, 3000), 3)
 
 
 def test_orders() -> None:

@@ -1,0 +1,99 @@
+"""Every Prometheus series rabbit-retry exposes, named once: the worker's and the failure desk's.
+
+The worker and the desk register their metrics from these specs, and ``export --format alerts``
+and ``--format grafana`` query them, so a rename reaches all three. ``name`` is the series as
+Prometheus stores it and PromQL queries it (a counter's ``_total`` included; prometheus-client
+takes that name and adds nothing). A histogram's samples are ``name`` + ``_bucket`` / ``_sum``
+/ ``_count``.
+
+``queue`` is always a main queue's name as the topology file spells it: the desk labels a parked
+message with the queue it was parked from (``original-queue``), never ``Q.parking``, so one
+matcher selects a queue's worker and desk series alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    name: str
+    kind: Literal["counter", "gauge", "histogram"]
+    labels: tuple[str, ...]
+    help: str
+
+
+# --- the worker (README, "The worker") -----------------------------------------------------------
+
+MESSAGES = Series(
+    "rabbit_retry_messages_total",
+    "counter",
+    ("queue", "outcome"),
+    "Messages handled, by final outcome of this delivery.",
+)
+PARKED = Series(
+    "rabbit_retry_parked_total", "counter", ("queue", "reason"), "Messages parked, by reason."
+)
+HANDLER_SECONDS = Series(
+    "rabbit_retry_handler_seconds", "histogram", ("queue",), "Time spent in the handler."
+)
+IN_FLIGHT = Series(
+    "rabbit_retry_in_flight",
+    "gauge",
+    ("queue",),
+    "Deliveries being handled or waiting for their next home to confirm.",
+)
+PAUSED = Series(
+    "rabbit_retry_paused",
+    "gauge",
+    ("queue",),
+    "1 while a Pause holds the queue's consumer (its downstream fails), else 0.",
+)
+PAUSES = Series(
+    "rabbit_retry_pauses_total", "counter", ("queue",), "Times a Pause stopped consuming the queue."
+)
+DUPLICATES = Series(
+    "rabbit_retry_duplicates_total",
+    "counter",
+    ("queue",),
+    "Deliveries acked without calling the handler: their idempotency key was done.",
+)
+
+WORKER = (MESSAGES, PARKED, HANDLER_SECONDS, IN_FLIGHT, PAUSED, PAUSES, DUPLICATES)
+
+# --- the failure desk ----------------------------------------------------------------------------
+
+DESK_PARKED = Series(
+    "rabbit_retry_desk_parked",
+    "gauge",
+    ("queue", "reason"),
+    "Messages parked now (in the desk's store, neither replayed nor discarded), by reason.",
+)
+DESK_OLDEST_PARKED_SECONDS = Series(
+    "rabbit_retry_desk_oldest_parked_seconds",
+    "gauge",
+    ("queue",),
+    "Age in seconds of the oldest message parked now; 0 when none is.",
+)
+DESK_INGESTED = Series(
+    "rabbit_retry_desk_ingested_total",
+    "counter",
+    ("queue",),
+    "Parked messages taken from the parking queue into the desk's store.",
+)
+DESK_REPLAYED = Series(
+    "rabbit_retry_desk_replayed_total",
+    "counter",
+    ("queue",),
+    "Parked messages an operator sent back to their queue.",
+)
+DESK_DISCARDED = Series(
+    "rabbit_retry_desk_discarded_total",
+    "counter",
+    ("queue",),
+    "Parked messages an operator discarded.",
+)
+
+DESK = (DESK_PARKED, DESK_OLDEST_PARKED_SECONDS, DESK_INGESTED, DESK_REPLAYED, DESK_DISCARDED)

@@ -1,0 +1,352 @@
+"""A plan as monitoring: Prometheus alerting rules and a Grafana dashboard for its queues. Pure.
+
+Both query only the series of ``rabbit_retry.metric_names`` (the worker's and the failure
+desk's), labelled with the main queues' names. The alerts and their thresholds are listed in
+docs/monitoring.md; keep the two in step.
+
+Alert rules are written per queue, with the queue's name in every label matcher and in a
+``queue`` label of the rule (rules of one alert differ by it), so each queue can be silenced,
+routed or tuned on its own and a rule never matches a queue the topology does not declare.
+Prometheus expands rule labels and annotations as Go templates: annotations name the queue
+through ``$labels.queue``, and the ``queue`` label writes any ``{{`` of a name as a template
+that prints it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ruamel.yaml import YAML
+
+from rabbit_retry import metric_names as names
+from rabbit_retry.topology.plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When each alert fires. Durations are PromQL durations (``5m``, ``1h``)."""
+
+    parked_window: str = "5m"  # any message parked within this window
+    oldest_parked_seconds: int = 3600  # the desk's oldest parked message is older than this
+    retry_share: float = 0.2  # more than this share of a queue's deliveries end in a retry...
+    retry_min_per_second: float = 0.01  # ...and at least this many retries a second (6 / 10 min)
+    retry_window: str = "10m"  # rates over this window
+    retry_for: str = "10m"  # ...for this long
+    paused_for: str = "5m"  # a Pause holds the queue's consumer this long
+
+
+DEFAULT_THRESHOLDS = Thresholds()
+
+ALERT_GROUP = "rabbit-retry"
+
+
+def promql_string(value: str) -> str:
+    """``value`` as a PromQL string literal.
+
+    A JSON string without ``ensure_ascii`` escapes exactly ``"``, ``\\`` and control characters
+    (as ``\\n``, ``\\u0001``), all of which PromQL's Go-style string syntax reads back the same.
+    """
+    return json.dumps(value, ensure_ascii=False)
+
+
+def template_literal(text: str) -> str:
+    """``text`` as a Go template that prints it (Prometheus expands rule labels)."""
+    return re.sub(r"\{\{", lambda _: '{{ "{{" }}', text)
+
+
+def queue_names(plan: Plan) -> list[str]:
+    """The main queues, sorted: what the worker and the desk label their series with."""
+    return sorted(q.name for q in plan.main_queues)
+
+
+# --- alerts -------------------------------------------------------------------------------------
+
+
+def alert_rules(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS) -> dict[str, Any]:
+    """A Prometheus rule file's content: one group, each alert once per queue of ``plan``."""
+    rules = [rule for queue in queue_names(plan) for rule in _queue_rules(queue, thresholds)]
+    return {"groups": [{"name": ALERT_GROUP, "rules": rules}]}
+
+
+def _queue_rules(queue: str, t: Thresholds) -> list[dict[str, Any]]:
+    q = f"queue={promql_string(queue)}"
+    labels = {"queue": template_literal(queue)}
+    retried = (
+        f'sum by (queue) (rate({names.MESSAGES.name}{{{q}, outcome="retried"}}[{t.retry_window}]))'
+    )
+    handled = f"sum by (queue) (rate({names.MESSAGES.name}{{{q}}}[{t.retry_window}]))"
+    return [
+        _rule(
+            "RabbitRetryMessagesParked",
+            f"sum by (queue, reason) (increase({names.PARKED.name}{{{q}}}[{t.parked_window}])) > 0",
+            None,
+            {**labels, "severity": "warning"},
+            "{{ $labels.queue }}: messages parked ({{ $labels.reason }})",
+            "Messages parked from queue {{ $labels.queue }} with reason {{ $labels.reason }} "
+            f"in the last {t.parked_window}: about {{{{ $value | humanize }}}}. They wait in its "
+            "parking queue (or the failure desk) until replayed or discarded.",
+        ),
+        _rule(
+            "RabbitRetryParkedTooLong",
+            f"max by (queue) ({names.DESK_OLDEST_PARKED_SECONDS.name}{{{q}}}) "
+            f"> {t.oldest_parked_seconds}",
+            None,
+            {**labels, "severity": "warning"},
+            "{{ $labels.queue }}: a parked message has waited {{ $value | humanizeDuration }}",
+            "The oldest message parked from queue {{ $labels.queue }} has waited "
+            f"{{{{ $value | humanizeDuration }}}} (threshold {t.oldest_parked_seconds}s). "
+            "Fix its cause and replay it, or discard it, at the failure desk.",
+        ),
+        _rule(
+            "RabbitRetryRetryRateHigh",
+            f"({retried} / {handled}) > {t.retry_share} and {retried} > {t.retry_min_per_second}",
+            t.retry_for,
+            {**labels, "severity": "warning"},
+            "{{ $labels.queue }}: {{ $value | humanizePercentage }} of deliveries are retried",
+            f"Over the last {t.retry_window}, more than {t.retry_share:.0%} of the deliveries of "
+            "queue {{ $labels.queue }} failed and went to a retry tier, for "
+            f"{t.retry_for}. Messages that run out of attempts will park.",
+        ),
+        _rule(
+            "RabbitRetryQueuePaused",
+            f"max by (queue) ({names.PAUSED.name}{{{q}}}) == 1",
+            t.paused_for,
+            {**labels, "severity": "critical"},
+            "{{ $labels.queue }}: consuming paused",
+            "A Pause has held the consumer of queue {{ $labels.queue }} for more than "
+            f"{t.paused_for}: its downstream keeps failing. Messages wait in the queue; one "
+            "probe message is tried at a time until one succeeds.",
+        ),
+    ]
+
+
+def _rule(
+    alert: str,
+    expr: str,
+    for_: str | None,
+    labels: dict[str, str],
+    summary: str,
+    description: str,
+) -> dict[str, Any]:
+    rule: dict[str, Any] = {"alert": alert, "expr": expr}
+    if for_ is not None:
+        rule["for"] = for_
+    rule["labels"] = labels
+    rule["annotations"] = {"summary": summary, "description": description}
+    return rule
+
+
+def to_alerts(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS) -> str:
+    """``alert_rules`` as the YAML file Prometheus loads (``rule_files``)."""
+    yaml = YAML()  # round-trip: keys stay in order (alert, expr, for, labels, annotations)
+    yaml.width = 1 << 16  # one line per expression, never folded
+    out = io.StringIO()
+    out.write(
+        "# Prometheus alerting rules for the queues of a rabbit-retry topology, written by\n"
+        "# `rabbit-retry export FILE --format alerts`. Alerts and thresholds: docs/monitoring.md\n"
+    )
+    yaml.dump(alert_rules(plan, thresholds), out)
+    return out.getvalue()
+
+
+# --- Grafana ------------------------------------------------------------------------------------
+
+_DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+_QUEUE = 'queue=~"$queue"'
+_RATE = "$__rate_interval"
+
+
+@dataclass(frozen=True, slots=True)
+class _Panel:
+    title: str
+    description: str
+    unit: str
+    targets: Sequence[tuple[str, str]]  # (expr, legend)
+
+
+def _quantile(q: float) -> tuple[str, str]:
+    bucket = f"{names.HANDLER_SECONDS.name}_bucket"
+    expr = f"histogram_quantile({q}, sum by (queue, le) (rate({bucket}{{{_QUEUE}}}[{_RATE}])))"
+    return expr, f"{{{{queue}}}} p{round(q * 100)}"
+
+
+_PANELS = (
+    _Panel(
+        "Messages by outcome",
+        "Deliveries a second, by what became of them: success, retried, parked.",
+        "ops",
+        [
+            (
+                f"sum by (queue, outcome) (rate({names.MESSAGES.name}{{{_QUEUE}}}[{_RATE}]))",
+                "{{queue}} {{outcome}}",
+            )
+        ],
+    ),
+    _Panel(
+        "Parked by reason",
+        "Messages the workers parked, by reason (exhausted, permanent, invalid).",
+        "short",
+        [
+            (
+                f"sum by (queue, reason) (increase({names.PARKED.name}{{{_QUEUE}}}[{_RATE}]))",
+                "{{queue}} {{reason}}",
+            )
+        ],
+    ),
+    _Panel(
+        "Parked now (failure desk)",
+        "Messages parked and neither replayed nor discarded yet.",
+        "short",
+        [
+            (
+                f"sum by (queue, reason) ({names.DESK_PARKED.name}{{{_QUEUE}}})",
+                "{{queue}} {{reason}}",
+            )
+        ],
+    ),
+    _Panel(
+        "Oldest parked message",
+        "How long the oldest message parked now has waited.",
+        "s",
+        [(f"max by (queue) ({names.DESK_OLDEST_PARKED_SECONDS.name}{{{_QUEUE}}})", "{{queue}}")],
+    ),
+    _Panel(
+        "Handler duration",
+        "Time in the handler: median, 95th and 99th percentile.",
+        "s",
+        [_quantile(0.5), _quantile(0.95), _quantile(0.99)],
+    ),
+    _Panel(
+        "In flight",
+        "Deliveries being handled or waiting for their next home to confirm.",
+        "short",
+        [(f"sum by (queue) ({names.IN_FLIGHT.name}{{{_QUEUE}}})", "{{queue}}")],
+    ),
+    _Panel(
+        "Paused",
+        "1 while a Pause holds the queue's consumer; pauses started in each interval.",
+        "short",
+        [
+            (f"max by (queue) ({names.PAUSED.name}{{{_QUEUE}}})", "{{queue}} paused"),
+            (
+                f"sum by (queue) (increase({names.PAUSES.name}{{{_QUEUE}}}[{_RATE}]))",
+                "{{queue}} pauses",
+            ),
+        ],
+    ),
+    _Panel(
+        "Duplicates",
+        "Deliveries acked without calling the handler: their idempotency key was done.",
+        "ops",
+        [
+            (
+                f"sum by (queue) (rate({names.DUPLICATES.name}{{{_QUEUE}}}[{_RATE}]))",
+                "{{queue}}",
+            )
+        ],
+    ),
+    _Panel(
+        "Failure desk: ingested, replayed, discarded",
+        "Parked messages taken into the desk, and what operators did with them.",
+        "ops",
+        [
+            (f"sum by (queue) (rate({series.name}{{{_QUEUE}}}[{_RATE}]))", f"{{{{queue}}}} {verb}")
+            for series, verb in (
+                (names.DESK_INGESTED, "ingested"),
+                (names.DESK_REPLAYED, "replayed"),
+                (names.DESK_DISCARDED, "discarded"),
+            )
+        ],
+    ),
+)
+
+
+def dashboard(plan: Plan, title: str = "rabbit-retry") -> dict[str, Any]:
+    """A Grafana dashboard (schema 39) of ``plan``'s queues, for import or provisioning.
+
+    The data source is the ``DS_PROMETHEUS`` variable, picked on the dashboard; ``queue`` is a
+    multi-value variable listing the topology's queues. The uid follows from the queue names, so
+    exporting the same topology again updates the same dashboard.
+    """
+    queues = queue_names(plan)
+    uid = "rabbit-retry-" + hashlib.sha256(json.dumps(queues).encode()).hexdigest()[:12]
+    panels = []
+    for number, panel in enumerate(_PANELS):
+        panels.append(
+            {
+                "id": number + 1,
+                "type": "timeseries",
+                "title": panel.title,
+                "description": panel.description,
+                "datasource": _DATASOURCE,
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (number % 2), "y": 8 * (number // 2)},
+                "fieldConfig": {"defaults": {"unit": panel.unit}, "overrides": []},
+                "options": {
+                    "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "desc"},
+                },
+                "targets": [
+                    {
+                        "datasource": _DATASOURCE,
+                        "expr": expr,
+                        "legendFormat": legend,
+                        "refId": chr(ord("A") + i),
+                    }
+                    for i, (expr, legend) in enumerate(panel.targets)
+                ],
+            }
+        )
+    return {
+        "title": title,
+        "uid": uid,
+        "tags": ["rabbit-retry"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "30s",
+        "timezone": "",
+        "templating": {"list": [_datasource_variable(), _queue_variable(queues)]},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def _datasource_variable() -> dict[str, Any]:
+    return {
+        "name": "DS_PROMETHEUS",
+        "label": "Prometheus",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "refresh": 1,
+        "regex": "",
+        "options": [],
+    }
+
+
+def _queue_variable(queues: Sequence[str]) -> dict[str, Any]:
+    # A custom variable's query is comma-separated; a comma inside a value is written "\,".
+    return {
+        "name": "queue",
+        "label": "Queue",
+        "type": "custom",
+        "query": ",".join(q.replace(",", "\\,") for q in queues),
+        "multi": True,
+        "includeAll": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "options": [{"selected": False, "text": q, "value": q} for q in queues],
+        "hide": 0,
+    }
+
+
+def to_grafana(plan: Plan, title: str = "rabbit-retry") -> str:
+    """``dashboard`` as JSON, keys sorted, so the same topology always gives the same text."""
+    return json.dumps(dashboard(plan, title), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
