@@ -34,8 +34,9 @@ def check_same_broker(settings: Settings, api: Management) -> None:
     over_http = as_text(api.overview().get("cluster_name"))
     try:
         over_amqp = asyncio.run(amqp_cluster_name(settings))
-    except BrokerError:
-        api.require_vhost(settings.vhost)  # a missing vhost: this API says so precisely
+    except BrokerError as exc:
+        if "refused the vhost" in str(exc):  # this API says precisely whether it is missing
+            api.require_vhost(settings.vhost)
         raise
     if over_amqp is None or over_http is None or over_amqp == over_http:
         return
