@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import traceback
@@ -11,8 +12,23 @@ import click
 from rabbit_retry.errors import EXIT_INPUT, EXIT_RUNTIME, RabbitRetryError
 from rabbit_retry.settings import Settings, mask
 
+# Each verb's module, imported when that verb is looked up: `rabbit-retry worker` does not load
+# the operators' verbs and what they import (rich, httpx).
+_VERBS = {"status": "operate", "parking": "operate", "validate": "provision", "plan": "provision",
+          "apply": "provision", "export": "provision", "worker": "worker"}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class _LazyVerbs(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(_VERBS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _VERBS:
+            importlib.import_module(f"rabbit_retry.cli.{_VERBS[cmd_name]}")
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_LazyVerbs, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--url", envvar="RABBIT_RETRY_URL", help="AMQP URL; its path is the vhost.")
 @click.option(
     "--management-url",
@@ -62,7 +78,7 @@ def settings_of(ctx: click.Context) -> Settings:
 
 
 def _register() -> None:
-    # Verbs register themselves on import; kept in one place so `main` sees them all.
+    # Verbs register themselves on import; `main` imports only the one it runs (_LazyVerbs).
     from rabbit_retry.cli import operate, provision, worker  # noqa: F401
 
 
@@ -101,7 +117,6 @@ def main(argv: list[str] | None = None) -> None:
         # The AMQP client logs each failed connect itself; we already say it in one line.
         for name in ("aiormq", "aio_pika"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    _register()
     try:
         cli.main(args=args, prog_name="rabbit-retry", standalone_mode=False)
     except click.exceptions.Abort:
