@@ -20,7 +20,9 @@ LAYERS = (
     ("pydantic (topology model)", "from pydantic import BaseModel"),
     ("prometheus-client", "import prometheus_client"),
     ("click, ruamel.yaml, tenacity", "import click, ruamel.yaml, tenacity"),
-    ("rabbit_retry worker path", "import rabbit_retry.cli, rabbit_retry.cli.worker"),
+    ("rabbit_retry worker path (models, runner)",
+     "import rabbit_retry.cli, rabbit_retry.cli.worker, rabbit_retry.topology,"
+     " rabbit_retry.worker.runner"),
 )
 PEER = ("Dramatiq (its worker's imports)", "import dramatiq, dramatiq.brokers.rabbitmq")
 
@@ -39,15 +41,15 @@ def main() -> None:
     args = parser.parse_args()
     code = ""
     previous = 0.0
-    print(f"{'after importing':<34} {'RSS MB':>7} {'added':>7}")
+    print(f"{'after importing':<42} {'RSS MB':>7} {'added':>7}")
     for name, line in LAYERS:
         code = f"{code}\n{line}"
         mb = statistics.median(rss_after(code) for _ in range(args.runs)) / 1e6
-        print(f"{name:<34} {mb:7.1f} {mb - previous if previous else 0:+7.1f}")
+        print(f"{name:<42} {mb:7.1f} {mb - previous if previous else 0:+7.1f}")
         previous = mb
     try:
         peer = statistics.median(rss_after(PEER[1]) for _ in range(args.runs)) / 1e6
-        print(f"{PEER[0]:<34} {peer:7.1f}")
+        print(f"{PEER[0]:<42} {peer:7.1f}")
     except subprocess.CalledProcessError:
         print(f"{PEER[0]}: not installed (pip install -e '.[bench]')")
 
