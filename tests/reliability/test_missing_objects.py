@@ -71,17 +71,21 @@ def _max_attempts_in(seconds: float) -> int:
     return 2 * (2 + math.ceil(math.log2(1 + seconds / 0.2)))
 
 
-def _stalled(worker: Worker) -> None:
-    """Wait until no handler call happens for 2 s (every prefetch slot holds a message)."""
+def _stalled(worker: Worker, failing: set[str], expected: int) -> None:
+    """Wait until ``expected`` of the ``failing`` messages reached their handler and then no
+    handler call happened for 2 s (every prefetch slot holds a message). Quiet alone is not
+    enough: a worker starved of CPU for 2 s on a busy machine looks the same."""
     state = {"n": -1, "since": time.monotonic()}
 
     def quiet() -> bool:
         n = len(records(worker.records, "calls"))
         if n != state["n"]:
             state["n"], state["since"] = n, time.monotonic()
-        return time.monotonic() - state["since"] >= 2.0
+        calls = _calls(worker.records)
+        reached = sum(1 for m in failing if calls[m]) >= expected
+        return reached and time.monotonic() - state["since"] >= 2.0
 
-    wait_for(quiet, "the worker to stop calling handlers", interval=0.2)
+    wait_for(quiet, "the worker to fill its slots and stop calling handlers", interval=0.2)
 
 
 def _assert_held_without_spinning(
@@ -145,7 +149,7 @@ def test_parking_queue_missing_holds_the_message_then_parks_it_after_apply(
     messages, expected = _stream(120, 4, permanent=True)
     failing = {m for m, v in expected.items() if v != "ok"}
     publish_sync(fresh_vhost, messages, routing_key=Q)
-    _stalled(worker)
+    _stalled(worker, failing, 6)
     _assert_held_without_spinning(fresh_vhost, management, worker, failing, held=6,
                                   main_ids=set(expected), what="parking queue missing")
     status = cli(fresh_vhost, "status", str(topology))
@@ -185,7 +189,7 @@ def test_parking_queue_full_with_reject_publish_holds_the_message_until_fixed(
     messages, expected = _stream(100, 5, permanent=True)
     failing = {m for m, v in expected.items() if v != "ok"}
     publish_sync(fresh_vhost, messages, routing_key=Q)
-    _stalled(worker)
+    _stalled(worker, failing, 6)
     _assert_held_without_spinning(fresh_vhost, management, worker, failing, held=5, parked=1,
                                   main_ids=set(expected), what="parking queue full")
     log = worker.log()
@@ -258,7 +262,7 @@ def test_retry_tier_missing_holds_the_message_then_retries_it_after_apply(
     if counting(management.overview()["rabbitmq_version"]).native_cycle == "adds":
         # RabbitMQ 4.0-4.2: no native path (a nack cycle counts as a return there, see
         # docs/versions.md), so rel.payments publishes copies too and holds them like orders.
-        _stalled(worker)
+        _stalled(worker, o_failing, 5)
         wait_for(lambda: (i := queue_info(management, fresh_vhost, "rel.payments"))
                  and i.get("messages_unacknowledged") == 5, "five payments held unacked")
         _assert_held_without_spinning(
@@ -284,7 +288,7 @@ def test_retry_tier_missing_holds_the_message_then_retries_it_after_apply(
         "the failed payments to be held for dead-lettering, and nothing else in rel.payments",
     )
     # Publish path: five failed orders hold every prefetch slot.
-    _stalled(worker)
+    _stalled(worker, o_failing, 5)
     _assert_held_without_spinning(
         fresh_vhost, management, worker, o_failing, held=5, main="rel.orders",
         main_ids={m.message_id for m in o_messages}, what="retry tier missing (published copy)")
