@@ -30,6 +30,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from contextvars import ContextVar
 from typing import Literal
 
 from aiormq.abc import AbstractChannel, DeliveredMessage
@@ -40,6 +41,20 @@ log = logging.getLogger("rabbit_retry.worker")
 
 Mode = Literal["probation", "full"]
 PROBATION_PREFETCH = 1
+
+# The running delivery's way to tell its lane that its handler has finished (``handler_done``).
+_release: ContextVar[Callable[[], None] | None] = ContextVar("rabbit_retry_lane_release",
+                                                               default=None)
+
+
+def handler_done() -> None:
+    """Called by the session once the handler of the current delivery returned or raised: what
+    remains (a confirmed copy, the ack) runs no user code. A copy can wait long for its confirm
+    (its parking queue or tier missing); "running alone" is about handlers, so a returned
+    delivery must not wait for such settling, or one returned message stalls the whole queue."""
+    release = _release.get()
+    if release is not None:
+        release()
 
 
 class Lane:
@@ -152,8 +167,9 @@ class Lane:
                 if tag is not None:
                     await self.channel.basic_cancel(tag)
                 if target == "probation":
-                    # Settle everything held before taking the next one alone.
-                    await self._until(lambda: self._held == 0)
+                    # Let every running handler finish before taking the next one alone
+                    # (deliveries only settling, waiting for a copy's confirm, run no code).
+                    await self._until(lambda: self._shared == 0 and not self._alone)
                 if self._stopped or self.paused:
                     return
                 await self._consume(PROBATION_PREFETCH if target == "probation" else self.prefetch)
@@ -193,11 +209,19 @@ class Lane:
                     await self._hold(message)
                     return
                 self._alone = True
+                done = [False]
+
+                def release_alone() -> None:
+                    if not done[0]:
+                        done[0] = True
+                        self._alone = False
+                        self._poke()
+
+                _release.set(release_alone)
                 try:
                     await self._handle(message)
                 finally:
-                    self._alone = False
-                    self._poke()
+                    release_alone()
                 return
             if self.mode == "probation" and self._target == "probation":
                 self._want("full")
@@ -213,12 +237,20 @@ class Lane:
                     await self._hold(message)
                     return
             self._shared += 1
+            released = [False]
+
+            def release_shared() -> None:
+                if not released[0]:
+                    released[0] = True
+                    self._shared -= 1
+                    if self._shared == 0 or self._held > self.prefetch:
+                        self._poke()
+
+            _release.set(release_shared)
             try:
                 await self._handle(message)
             finally:
-                self._shared -= 1
-                if self._shared == 0 or self._held > self.prefetch:
-                    self._poke()
+                release_shared()
         finally:
             self._held -= 1
             if self._held == 0:

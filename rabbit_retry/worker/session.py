@@ -61,7 +61,7 @@ from rabbit_retry.worker.decide import (
     decide,
 )
 from rabbit_retry.worker.idempotency import Deduper, Ticket
-from rabbit_retry.worker.lane import Lane
+from rabbit_retry.worker.lane import Lane, handler_done
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.pause import Breaker, Change
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
@@ -311,6 +311,7 @@ class Session:
             await self._carry_out(sub, message, action, failures, failure)
             return
         sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+        handler_done()
         # Told to the breaker as the handler returns, in the order of the failures it counts
         # (not after the ack, when failures that came later may have been counted already).
         resumed = sub.breaker is not None and sub.breaker.succeeded() is Change.RESUMED
@@ -466,6 +467,7 @@ class Session:
         failure: Failure | None,
     ) -> None:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
+        handler_done()  # no user code runs from here on (lane.handler_done)
         channel = message.channel
         tag = cast(int, cast(spec.Basic.Deliver, message.delivery).delivery_tag)
         if isinstance(action, Ack):
