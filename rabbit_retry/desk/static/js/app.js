@@ -166,5 +166,14 @@ window.addEventListener("hashchange", () => {
   notify("");
   render();
 });
+// A link to the view on screen loads it again (the browser sees no change of address).
+document.addEventListener("click", (event) => {
+  const a = event.target instanceof Element ? event.target.closest('a[href^="#"]') : null;
+  if (a && a.getAttribute("href") === window.location.hash && event.button === 0) {
+    event.preventDefault();
+    notify("");
+    render();
+  }
+});
 showAuth();
 render();
