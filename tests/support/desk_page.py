@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from selenium import webdriver
 from selenium.webdriver.common.by import By
@@ -87,12 +88,21 @@ def confirm(driver: webdriver.Chrome, expect: str) -> str:
     """Confirms the open dialog and waits for the page's notice starting with ``expect``."""
     since = render_count(driver)
     driver.find_element(By.ID, "action-confirm").click()
-    notice = until(driver, lambda d: (n := _shown(d, "notice")) and n.text.startswith(expect) and n,
-                   f"a notice starting {expect!r}")
+
+    def outcome(d: webdriver.Chrome) -> tuple[str, str] | None:
+        if urlsplit(d.current_url).path != "/":
+            return "left the page for", d.current_url
+        if (refused := error_line(d, "action-error")) is not None:
+            return "refused", refused
+        notice = _shown(d, "notice")
+        return ("done", notice.text) if notice and notice.text.startswith(expect) else None
+
+    kind, notice = until(driver, outcome, f"a notice starting {expect!r}")
+    assert kind == "done", f"{kind}: {notice}"
     until(driver, lambda d: render_count(d) > since, "the view to show the change")
     until(driver, lambda d: not d.find_element(By.ID, "action-dialog").is_displayed(),
           "the dialog to close")
-    return str(notice.text)
+    return notice
 
 
 def replay_options(driver: webdriver.Chrome, to: str | None = None,

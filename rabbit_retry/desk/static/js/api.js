@@ -60,7 +60,9 @@ export async function call(path, body) {
   } catch {
     throw new ApiError(0, "the desk does not answer (is it still running?)");
   }
-  if (response.status === 401) {
+  // A view that may not be read: the session is over, log in again. A refused action stays on
+  // screen with the desk's reason, so the operator knows it did not happen.
+  if (response.status === 401 && init.method === "GET") {
     window.location.assign("/login");
     throw new ApiError(401, "not logged in");
   }

@@ -2,7 +2,7 @@
 // open with the server's reason when the action is refused.
 
 import { ApiError, call } from "./api.js";
-import { $, count, fill, h, shorten } from "./dom.js";
+import { $, fill, h, plural, shorten } from "./dom.js";
 
 let pending = null; // {validate, run, resolve} of the dialog on screen
 
@@ -66,10 +66,6 @@ function ask({ title, body, confirm, danger, validate, run }) {
     const first = $("#action-body").querySelector("textarea, select, input");
     (first || button).focus();
   });
-}
-
-function plural(n, one, many) {
-  return `${count(n)} ${n === 1 ? one : many}`;
 }
 
 // What a selection is, for the dialog's first line.

@@ -45,6 +45,11 @@ export function count(n) {
   return typeof n === "number" ? NUMBER.format(n) : "—";
 }
 
+// plural(1, "message") -> "1 message"; plural(3, "message") -> "3 messages"
+export function plural(n, one, many = `${one}s`) {
+  return `${count(n)} ${n === 1 ? one : many}`;
+}
+
 // A moment from the API (ISO 8601) as local time, its exact value in the tooltip.
 export function when(iso) {
   if (!iso) return h("span", { class: "muted" }, "—");

@@ -3,7 +3,7 @@
 
 import { call, withQuery } from "../api.js";
 import { discard, replay } from "../dialogs.js";
-import { count, h, shorten, when } from "../dom.js";
+import { count, h, plural, shorten, when } from "../dom.js";
 import { filterForm, queueOptions, statusOptions, statusParam } from "./filters.js";
 
 export async function renderGroups(ctx) {
@@ -31,8 +31,8 @@ export async function renderGroups(ctx) {
       : await discard({ group });
     if (!result) return;
     ctx.notify(kind === "replay"
-      ? `Replayed ${count(result.replayed)} messages (replay ${result.replay_id}).`
-      : `Discarded ${count(result.discarded)} messages.`);
+      ? `Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`
+      : `Discarded ${plural(result.discarded, "message")}.`);
     ctx.rerender();
   }
 

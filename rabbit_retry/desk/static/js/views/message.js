@@ -2,7 +2,7 @@
 
 import { call } from "../api.js";
 import { discard, replay } from "../dialogs.js";
-import { count, h, pairs, when } from "../dom.js";
+import { h, plural, pairs, when } from "../dom.js";
 
 const STACKTRACE = "exception-stacktrace";
 
@@ -42,8 +42,8 @@ export async function renderMessage(ctx) {
       : await discard({ messages });
     if (!result) return;
     ctx.notify(kind === "replay"
-      ? `Replayed ${count(result.replayed)} message (replay ${result.replay_id}).`
-      : `Discarded ${count(result.discarded)} message.`);
+      ? `Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`
+      : `Discarded ${plural(result.discarded, "message")}.`);
     ctx.rerender();
   }
 

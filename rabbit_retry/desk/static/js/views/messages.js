@@ -3,7 +3,7 @@
 
 import { call, withQuery } from "../api.js";
 import { discard, replay } from "../dialogs.js";
-import { count, h, shorten, when } from "../dom.js";
+import { count, h, plural, shorten, when } from "../dom.js";
 import { filterForm, queueOptions, statusOptions, statusParam } from "./filters.js";
 
 const PAGE_SIZES = [25, 50, 100, 200];
@@ -111,8 +111,8 @@ export async function renderMessages(ctx) {
     if (!result) return;
     selected.clear();
     ctx.notify(kind === "replay"
-      ? `Replayed ${count(result.replayed)} messages (replay ${result.replay_id}).`
-      : `Discarded ${count(result.discarded)} messages.`);
+      ? `Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`
+      : `Discarded ${plural(result.discarded, "message")}.`);
     ctx.rerender();
   }
   replayButton.addEventListener("click", () => act("replay").catch(ctx.fail));
