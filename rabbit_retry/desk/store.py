@@ -141,7 +141,10 @@ class Store:
             return 0
         at = at or now()
         rows = [dict(p.row(), ingested_at=at) for p in batch]
-        group_rows = list({p.group: p.group_row() for p in batch}.values())
+        first_of_group: dict[str, dict[str, Any]] = {}
+        for p in batch:  # a group's sample is its first message
+            first_of_group.setdefault(p.group, p.group_row())
+        group_rows = list(first_of_group.values())
         with self._tx() as tx:
             tx.execute(self._insert_ignore(groups, ["id"]), group_rows)
             new = Counter(tx.execute(

@@ -1,0 +1,116 @@
+"""The failure desk under test: in the test's event loop, or as a ``rabbit-retry desk`` process
+that can be killed (test-only, shared with bench/)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+
+from rabbit_retry.desk.serve import Listen, serve
+from rabbit_retry.settings import Settings
+from rabbit_retry.topology import Topology
+
+from .poll import eventually, wait_for
+from .process import CLI
+from .stores import throwaway_postgres
+
+TOKEN = "t0ken-for-the-desk-tests"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def store_url(kind: str, tmp_path: Path) -> Iterator[str]:
+    """A new, empty desk store of ``kind`` (``sqlite`` or ``postgresql``)."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_path / 'desk.db'}"
+    else:
+        with throwaway_postgres() as url:
+            yield url
+
+
+@contextlib.asynccontextmanager
+async def desk_running(
+    topology: Topology, settings: Settings, store: str, *, token: str | None = None,
+    keep: timedelta = timedelta(days=30),
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A desk in this event loop; yields a client for it (with the token, when set)."""
+    listen = Listen("127.0.0.1", free_port())
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(topology, settings, store_url=store, listen=listen,
+                                     keep=keep, token=token, on_ready=ready))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        await eventually(lambda: ready.is_set() or task.done(), within=30, what="desk ready")
+        if task.done():
+            task.result()
+        async with httpx.AsyncClient(base_url=listen.url, headers=headers, timeout=60) as client:
+            yield client
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=30)
+
+
+@dataclass
+class DeskProcess:
+    """``rabbit-retry desk`` as a process of its own (kill -9 tests)."""
+
+    settings: Settings
+    topology: Path
+    store: str
+    log_path: Path
+    port: int = 0
+    env: Mapping[str, str] | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> DeskProcess:
+        self.port = self.port or free_port()
+        argv = [CLI, "--url", self.settings.url, "--management-url",
+                self.settings.management_url, "desk", str(self.topology), "--store", self.store,
+                "--listen", f"127.0.0.1:{self.port}"]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=log, env={**os.environ, **(self.env or {})})
+        wait_for(lambda: self._up() or self.process is None or self.process.poll() is not None,
+                 "the desk to serve")
+        assert self.process.poll() is None, f"the desk exited:\n{self.log()[-3000:]}"
+        return self
+
+    def _up(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+    def stop(self) -> int:
+        from .process import stop
+
+        assert self.process is not None
+        stop(self.process, grace=30)
+        return int(self.process.returncode)
