@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from support.provision import provision
+from support.stores import POSTGRES_URL, REDIS_URL
 
 from bench.bench_worker import QUEUE, Clock, fill, measure, our_worker, topology
 from bench.common import throwaway_vhost
@@ -39,11 +40,8 @@ from rabbit_retry.worker.metrics import Metrics
 from rabbit_retry.worker.stores import open_store
 
 # The servers scripts/test.sh makes sure of (it exports the TEST variables).
-POSTGRES = (os.environ.get("RABBIT_RETRY_BENCH_POSTGRES_URL")
-            or os.environ.get("RABBIT_RETRY_TEST_POSTGRES_URL")
-            or "postgresql://postgres@127.0.0.1:5432/test")
-REDIS = (os.environ.get("RABBIT_RETRY_BENCH_REDIS_URL")
-         or os.environ.get("RABBIT_RETRY_TEST_REDIS_URL") or "redis://127.0.0.1:6379/0")
+POSTGRES = os.environ.get("RABBIT_RETRY_BENCH_POSTGRES_URL") or POSTGRES_URL
+REDIS = os.environ.get("RABBIT_RETRY_BENCH_REDIS_URL") or REDIS_URL
 GOAL = "measured, no target: each store's ratio to the worker without one"
 
 

@@ -15,7 +15,7 @@ from rabbit_retry.settings import Settings, mask
 # Each verb's module, imported when that verb is looked up: `rabbit-retry worker` does not load
 # the operators' verbs and what they import (rich, httpx).
 _VERBS = {"status": "operate", "parking": "operate", "validate": "provision", "plan": "provision",
-          "apply": "provision", "export": "provision", "worker": "worker"}
+          "apply": "provision", "export": "provision", "worker": "worker", "desk": "desk"}
 
 
 class _LazyVerbs(click.Group):
@@ -79,7 +79,7 @@ def settings_of(ctx: click.Context) -> Settings:
 
 def _register() -> None:
     # Verbs register themselves on import; `main` imports only the one it runs (_LazyVerbs).
-    from rabbit_retry.cli import operate, provision, worker  # noqa: F401
+    from rabbit_retry.cli import desk, operate, provision, worker  # noqa: F401
 
 
 # The group's options, accepted after the verb too (`rabbit-retry apply F --url U`): no verb

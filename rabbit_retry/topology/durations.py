@@ -16,8 +16,9 @@ MAX_TTL_MS = 2**32 - 1
 _HINT = "write a whole number and a unit (250ms, 5s, 2m, 1h, 1d) or an integer of milliseconds"
 
 
-def parse_duration(value: object) -> int:
-    """Milliseconds for ``value``; ``ValueError`` with a message fit for a user otherwise."""
+def parse_duration(value: object, *, limit_ms: int | None = MAX_TTL_MS) -> int:
+    """Milliseconds for ``value``; ``ValueError`` with a message fit for a user otherwise.
+    ``limit_ms`` is the longest allowed (a TTL's by default; None: no limit)."""
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"expected a duration, got {shorten(value)}: {_HINT}")
     if isinstance(value, int):
@@ -32,7 +33,7 @@ def parse_duration(value: object) -> int:
         ms = int(digits) * _UNITS_MS[unit] * (-1 if sign else 1)
     if ms <= 0:
         raise ValueError(f"a duration must be positive, got {shorten(value)}")
-    if ms > MAX_TTL_MS:
+    if limit_ms is not None and ms > limit_ms:
         raise ValueError(_too_long(value))
     return ms
 

@@ -17,7 +17,9 @@ So a lane keeps a crash charged to the one message that caused it:
 
 A crash while a suspect runs alone then returns that delivery and nothing else. Changing the
 prefetch needs a new consumer: RabbitMQ applies a per-consumer QoS only to consumers created
-after it.
+after it. Probation ends while its one delivery is unsettled, so the cancelled consumer has no
+credit and nothing can be in flight to it (a delivery in flight to a cancelled quorum consumer is
+returned, or on 3.10 stranded on the channel: docs/versions.md).
 
 A lane can also be *paused* (``pause``, a consumer's ``Pause``): its consumer is cancelled and
 every delivery that has not started yet is handed to ``hold`` (which sends it back to the queue
@@ -174,12 +176,15 @@ class Lane:
                     return
                 await self._consume(PROBATION_PREFETCH if target == "probation" else self.prefetch)
                 self.mode = target
+                self._poke()
                 log.debug("queue=%s: consuming with prefetch %s (%s)", self.queue,
                           PROBATION_PREFETCH if target == "probation" else self.prefetch, target)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the channel died under us: the session reconnects
             self._on_error(f"changing the consumer of {self.queue!r} failed: {exc!r}")
+        finally:
+            self._poke()  # a delivery waiting for the change goes on
 
     async def _deliver(self, message: DeliveredMessage) -> None:
         """The consumer callback; aiormq runs each delivery as its own task."""
@@ -224,7 +229,14 @@ class Lane:
                     release_alone()
                 return
             if self.mode == "probation" and self._target == "probation":
+                # Leave probation while this delivery is still unsettled: the probation consumer
+                # then has no credit, so nothing can be on its way to it when it is cancelled.
+                # Cancelled with a delivery in flight, RabbitMQ 4.x returns that delivery (4.0
+                # and 4.2 count it as a return) and 3.10 keeps it on the channel, unsent, until
+                # the channel closes (docs/versions.md).
                 self._want("full")
+                await self._until(lambda: self.mode == "full" or self._mover is None
+                                  or self._mover.done())
             if self._alone or self._shared >= self.prefetch:
                 # Leaving probation holds one delivery more than the prefetch for a moment;
                 # it waits, so no more than ``prefetch`` handlers ever run at once.

@@ -13,7 +13,7 @@ import httpx
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from support.browser import alert_text, screenshot, sent, until, view_loaded
-from support.desk import running_desk
+from support.desk import TOKEN, running_desk
 from support.desk_page import (
     confirm,
     dialog,
@@ -35,7 +35,6 @@ defaults:
 queues:
   orders: {}
 """
-TOKEN = "a-desk-token-for-the-tests"
 CSRF_COOKIE = "rabbit_retry_csrf"
 
 # A POST from inside the page, as a script injected there could send one: with the page's

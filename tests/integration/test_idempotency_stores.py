@@ -4,7 +4,6 @@ the verdict table, claims racing from several connections, expiry, and errors a 
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -12,13 +11,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from support.stores import POSTGRES_URL, REDIS_URL
 
 from rabbit_retry.errors import InputError, RabbitRetryError
 from rabbit_retry.worker.stores import Store, Verdict, open_store
 
-POSTGRES = os.environ.get("RABBIT_RETRY_TEST_POSTGRES_URL",
-                          "postgresql://postgres@127.0.0.1:5432/test")
-REDIS = os.environ.get("RABBIT_RETRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES, REDIS = POSTGRES_URL, REDIS_URL
 
 
 def url_of(kind: str, tmp_path: Path) -> str:

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
-from support.amqp import all_empty, depth, drain, publish, publish_raw
+from support.amqp import all_empty, depth, drain, persistent, publish, publish_raw, publish_stream
 from support.poll import eventually
 from support.provision import provision, topology
 from support.worker import running
@@ -754,6 +754,35 @@ async def test_a_deleted_queue_is_waited_for_and_consumed_again_once_restored(
     assert logged_count(caplog, r"reconnected after [\d.]+s \((\d+) attempt") >= 3
     assert f"queue '{Q}' does not exist on the broker" in missing[0].getMessage()
     assert await all_empty(fresh_vhost, Q, PARKING)
+
+
+async def test_leaving_probation_at_start_returns_no_delivery(
+    fresh_vhost: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every start begins on probation (prefetch 1) and switches to the full prefetch at its
+    first fresh delivery, which cancels the probation consumer. Cancelled while a delivery was
+    on its way to it, RabbitMQ 4.x returned that delivery (counted as a return on 4.0-4.2) and
+    3.10 kept it on the channel unsent: an innocent message came back redelivered, or sat
+    unacked until the worker stopped. Measured before the fix with a bare consumer: 20-30% of
+    such cancels. Each start here has a full queue waiting, the case that raced."""
+    topo = topology(orders_yaml())
+    await provision(fresh_vhost, topo)
+    caplog.set_level(logging.INFO, logger="rabbit_retry.worker")
+    starts, per_start = 8, 60
+    consumer = Recorder()
+    for start in range(starts):
+        await publish_stream(
+            fresh_vhost, "order.created", per_start,
+            lambda i, n=start: persistent(b"{}", message_id=f"s{n}-{i}"), exchange="orders",
+        )
+        async with running([consumer], topo, fresh_vhost):
+            await eventually(lambda n=start: len(consumer.calls) == (n + 1) * per_start,
+                             what=f"start {start + 1}: every message handled")
+            await eventually(lambda: all_empty(fresh_vhost, Q), what="nothing left unacked")
+    came_back = [r.getMessage() for r in caplog.records if "came back" in r.getMessage()]
+    assert came_back == []
+    handled = [d.message_id for _, d in consumer.calls]
+    assert len(handled) == len(set(handled)) == starts * per_start
 
 
 async def test_metrics_are_served_and_counted(fresh_vhost: Settings) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -15,6 +14,7 @@ import pytest
 from support.amqp import all_empty, counts, depth, persistent, publish, publish_stream
 from support.poll import eventually
 from support.provision import provision, topology
+from support.stores import POSTGRES_URL, REDIS_URL
 from support.worker import running
 
 from rabbit_retry.broker.management import Management
@@ -208,10 +208,8 @@ async def test_a_poison_message_alone_does_not_pause_the_queue(fresh_vhost: Sett
 
 def store_urls(tmp_path: Path) -> Iterator[tuple[str, str]]:
     yield "sqlite", f"sqlite:///{tmp_path / 'dedupe.db'}"
-    yield "postgresql", os.environ.get(
-        "RABBIT_RETRY_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
-    )
-    yield "redis", os.environ.get("RABBIT_RETRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+    yield "postgresql", POSTGRES_URL
+    yield "redis", REDIS_URL
 
 
 @pytest.fixture(params=["sqlite", "postgresql", "redis"])

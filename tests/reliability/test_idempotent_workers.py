@@ -5,7 +5,6 @@ finished when the kill came (the one gap the README names)."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections import Counter
@@ -17,6 +16,7 @@ from rel_support import records as read_records
 from support.amqp import Outgoing, publish_sync
 from support.poll import wait_for
 from support.process import apply
+from support.stores import POSTGRES_URL, REDIS_URL
 
 from rabbit_retry.settings import Settings
 
@@ -40,9 +40,8 @@ def test_two_idempotent_workers_one_killed_twice_lose_nothing_and_run_no_duplica
     started = time.monotonic()
     store = {
         "sqlite": f"sqlite:///{tmp_path / 'keys.db'}",
-        "postgresql": os.environ.get("RABBIT_RETRY_TEST_POSTGRES_URL",
-                                     "postgresql://postgres@127.0.0.1:5432/test"),
-        "redis": os.environ.get("RABBIT_RETRY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        "postgresql": POSTGRES_URL,
+        "redis": REDIS_URL,
     }[kind]
     topology = tmp_path / "rel.yml"
     topology.write_text(TOPOLOGY)

@@ -1,49 +1,142 @@
-"""The failure desk (``rabbit-retry desk``) as a separate process for the browser tests
-(test-only): started on a free loopback port against a test's vhost and its own store, ready
-once its JSON API answers, stopped with SIGTERM; and its API, for a test's own checks."""
+"""The failure desk under test: in the test's event loop, or as a ``rabbit-retry desk`` process
+that can be killed, or (``running_desk``) as a process with an API client beside it for the
+page's browser tests (test-only, shared with bench/)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from rabbit_retry.cli.desk import TOKEN_ENV
+from rabbit_retry.desk.serve import Listen, serve
 from rabbit_retry.settings import Settings
+from rabbit_retry.topology import Topology
 
-from .poll import wait_for
-from .process import CLI, stop
+from .poll import eventually, wait_for
+from .process import CLI
+from .stores import throwaway_postgres
 
-TOKEN_ENV = "RABBIT_RETRY_DESK_TOKEN"
+TOKEN = "t0ken-for-the-desk-tests"
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def store_url(kind: str, tmp_path: Path) -> Iterator[str]:
+    """A new, empty desk store of ``kind`` (``sqlite`` or ``postgresql``)."""
+    if kind == "sqlite":
+        yield f"sqlite:///{tmp_path / 'desk.db'}"
+    else:
+        with throwaway_postgres() as url:
+            yield url
+
+
+@contextlib.asynccontextmanager
+async def desk_running(
+    topology: Topology, settings: Settings, store: str, *, token: str | None = None,
+    keep: timedelta = timedelta(days=30),
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A desk in this event loop; yields a client for it (with the token, when set)."""
+    listen = Listen("127.0.0.1", free_port())
+    ready = asyncio.Event()
+    task = asyncio.create_task(serve(topology, settings, store_url=store, listen=listen,
+                                     keep=keep, token=token, on_ready=ready))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        await eventually(lambda: ready.is_set() or task.done(), within=30, what="desk ready")
+        if task.done():
+            task.result()
+        async with httpx.AsyncClient(base_url=listen.url, headers=headers, timeout=60) as client:
+            yield client
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=30)
+
+
+@dataclass
+class DeskProcess:
+    """``rabbit-retry desk`` as a process of its own (kill -9 tests)."""
+
+    settings: Settings
+    topology: Path
+    store: str
+    log_path: Path
+    port: int = 0
+    env: Mapping[str, str] | None = None
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> DeskProcess:
+        self.port = self.port or free_port()
+        argv = [CLI, "--url", self.settings.url, "--management-url",
+                self.settings.management_url, "desk", str(self.topology), "--store", self.store,
+                "--listen", f"127.0.0.1:{self.port}"]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                            stderr=log, env={**os.environ, **(self.env or {})})
+        wait_for(lambda: self._up() or self.process is None or self.process.poll() is not None,
+                 "the desk to serve")
+        assert self.process.poll() is None, f"the desk exited:\n{self.log()[-3000:]}"
+        return self
+
+    def _up(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+    def stop(self) -> int:
+        from .process import stop
+
+        assert self.process is not None
+        stop(self.process, grace=30)
+        return int(self.process.returncode)
 
 
 @dataclass
 class Desk:
-    """A running desk: its address, its token (None: loopback only) and its log."""
+    """A running desk process seen as an API client: its address, its token (None: loopback
+    only, no token) and its process."""
 
-    url: str
+    process: DeskProcess
     token: str | None
-    process: subprocess.Popen[bytes]
-    log: Path
+
+    @property
+    def url(self) -> str:
+        return self.process.url
 
     def api(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request to the desk as an API client (the bearer token when there is one)."""
+        """One request as an API client (with the bearer token when there is one)."""
         headers = dict(kwargs.pop("headers", {}))
         if self.token is not None:
             headers.setdefault("Authorization", f"Bearer {self.token}")
-        return httpx.request(method, self.url + path, headers=headers, timeout=30.0, **kwargs)
+        return httpx.request(method, self.url + path, headers=headers, timeout=60.0, **kwargs)
 
     def get(self, path: str, **params: Any) -> Any:
         """GET ``path`` as JSON; anything but 200 fails the test with the desk's answer."""
@@ -51,40 +144,22 @@ class Desk:
         assert response.status_code == 200, f"GET {path}: {response.status_code} {response.text}"
         return response.json()
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
     def died(self) -> str | None:
-        code = self.process.poll()
-        return None if code is None else f"the desk exited {code}:\n{self.output()[-4000:]}"
+        """Why to stop waiting: the process exited (with its log's tail)."""
+        process = self.process.process
+        if process is None or process.poll() is None:
+            return None
+        return f"the desk exited {process.returncode}:\n{self.process.log()[-3000:]}"
 
 
 @contextlib.contextmanager
-def running_desk(settings: Settings, topology: Path, workdir: Path, *, token: str | None = None,
-                 env: Mapping[str, str] | None = None) -> Iterator[Desk]:
-    """``rabbit-retry desk TOPOLOGY`` on a free port with a SQLite store in ``workdir``."""
-    port = free_port()
-    log = workdir / f"desk-{port}.log"
-    environment = {**os.environ, **(env or {})}
-    environment.pop(TOKEN_ENV, None)
-    if token is not None:
-        environment[TOKEN_ENV] = token
-    argv = [CLI, "--url", settings.url, "--management-url", settings.management_url, "desk",
-            str(topology), "--store", f"sqlite:///{workdir / 'desk.db'}",
-            "--listen", f"127.0.0.1:{port}"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
-                                   stderr=subprocess.STDOUT, env=environment)
-    desk = Desk(f"http://127.0.0.1:{port}", token, process, log)
+def running_desk(settings: Settings, topology: Path, workdir: Path, *,
+                 token: str | None = None) -> Iterator[Desk]:
+    """``rabbit-retry desk TOPOLOGY`` on a free loopback port with a SQLite store in
+    ``workdir``, and a token when given (never one from the environment otherwise)."""
+    process = DeskProcess(settings, topology, f"sqlite:///{workdir / 'desk.db'}",
+                          workdir / "desk.log", env={TOKEN_ENV: token or ""}).start()
     try:
-        wait_for(lambda: _answers(desk), "the desk's API to answer", unless=desk.died)
-        yield desk
+        yield Desk(process, token)
     finally:
-        stop(process)
-
-
-def _answers(desk: Desk) -> bool:
-    try:
-        return desk.api("GET", "/api/overview").status_code == 200
-    except httpx.TransportError:
-        return False
+        process.stop()

@@ -1,0 +1,58 @@
+"""``rabbit-retry desk FILE``: the failure desk (README, "The failure desk")."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import click
+
+from rabbit_retry.cli import cli, settings_of
+from rabbit_retry.errors import InputError
+
+STORE_ENV = "RABBIT_RETRY_DESK_STORE"
+TOKEN_ENV = "RABBIT_RETRY_DESK_TOKEN"
+
+
+def _keep(value: str) -> timedelta:
+    from rabbit_retry.topology.durations import parse_duration
+
+    try:
+        ms = parse_duration(value, limit_ms=None)
+    except ValueError as exc:
+        raise InputError(f"--keep: {exc}") from None
+    return timedelta(milliseconds=ms)
+
+
+@cli.command("desk")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--store", "store_url", envvar=STORE_ENV, default="sqlite:///rabbit-retry-desk.db",
+              show_default=True, help="sqlite:///PATH or postgresql://user:pass@host/db")
+@click.option("--listen", default="127.0.0.1:8025", show_default=True,
+              help="HOST:PORT of the page and the API.")
+@click.option("--keep", default="30d", show_default=True,
+              help="How long replayed and discarded messages are kept (the audit: forever).")
+@click.pass_context
+def desk(ctx: click.Context, file: str, store_url: str, listen: str, keep: str) -> None:
+    """Consume FILE's parking queues into a store; serve a page and a JSON API over them."""
+    import asyncio
+
+    from rabbit_retry.desk.serve import check_exposure, parse_listen, serve
+    from rabbit_retry.desk.store import engine_url
+    from rabbit_retry.topology import load_topology
+
+    settings = settings_of(ctx)
+    token = os.environ.get(TOKEN_ENV) or None
+    where = parse_listen(listen)
+    check_exposure(where, token)
+    engine_url(store_url)  # a bad URL is bad input: say so before anything else
+    kept = _keep(keep)
+    topology = load_topology(file)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    for name in ("aiormq", "aio_pika", "alembic"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    asyncio.run(serve(topology, settings, store_url=store_url, listen=where, keep=kept,
+                      token=token))

@@ -1,0 +1,254 @@
+"""An operator's actions on stored messages: replay (publish back, confirmed) and discard.
+
+A replay first claims its rows and writes its audit entry in one transaction (rows go
+``parked -> replaying``), then publishes each row's copy with ``mandatory`` and publisher
+confirms, many in flight at once, and marks rows ``replayed`` only once the broker confirmed
+them. A copy the broker returns (no such queue) or refuses (``nack``: the queue is full) puts its
+row back to ``parked``, and the audit entry says why. The replay holds a lease in the store that
+it renews while it runs; when its desk dies, another desk (or the same one restarted) takes the
+lease once it has run out and publishes what was not yet marked replayed. Nothing is lost; a copy
+confirmed just before the kill and not yet marked is published once more (each copy carries the
+replay's id in ``replay-id`` and its original ``message_id``, so a consumer can tell).
+
+Replayed copies get the CLI's replay headers (``parking.headers.replay_headers``): parking and
+death headers stripped, ``retry-count`` reset, ``replay-count`` + 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import aiormq.exceptions
+from aiormq.abc import AbstractChannel, AbstractConnection
+
+from rabbit_retry import contract
+from rabbit_retry.broker.connect import connect
+from rabbit_retry.desk.records import stored_body, stored_properties
+from rabbit_retry.desk.store import Claimed, Selection, Store
+from rabbit_retry.errors import InputError
+from rabbit_retry.parking.headers import replay_headers
+from rabbit_retry.settings import Settings
+
+log = logging.getLogger("rabbit_retry.desk")
+
+REPLAY_ID = "replay-id"  # header on every replayed copy: the audit entry's replay id
+WINDOW = 512  # copies awaiting their confirm at once
+PAGE = 2000  # rows read from the store at a time
+LEASE_S = 30.0
+CONFIRM_TIMEOUT_S = 60.0
+
+
+@dataclass
+class ReplayResult:
+    replay_id: str
+    claimed: int
+    replayed: int = 0
+    refused: int = 0
+    done: bool = False
+    outcome: str | None = None
+
+
+class Actions:
+    """Replays and discards for one desk; ``queues`` are the topology's main queues."""
+
+    def __init__(self, store: Store, settings: Settings, queues: set[str],
+                 owner: str | None = None, lease: float = LEASE_S) -> None:
+        self.store = store
+        self.settings = settings
+        self.queues = queues
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.lease = lease
+        self._connection: Any = None
+        self._amqp: AbstractConnection | None = None
+        self._lock = asyncio.Lock()
+        self.running: dict[str, asyncio.Task[ReplayResult]] = {}
+        self.on_done: Callable[[str, int], None] | None = None  # (action, count): metrics
+
+    def check_queue(self, to: str | None) -> None:
+        if to is not None and to not in self.queues:
+            known = ", ".join(sorted(self.queues))
+            raise InputError(f'"to": {to!r} is not a queue of the topology (one of: {known})')
+
+    async def discard(self, selection: Selection, actor: str, reason: str) -> int:
+        if not reason.strip():
+            raise InputError('"reason": a discard needs a reason')
+        count = await asyncio.to_thread(self.store.discard, selection, actor, reason.strip())
+        if self.on_done is not None:
+            self.on_done("discard", count)
+        return count
+
+    async def replay(self, selection: Selection, actor: str, *, to: str | None = None,
+                     rate: float | None = None) -> asyncio.Task[ReplayResult]:
+        """Claim the selection and start publishing it; the task ends when every copy is
+        confirmed (or refused)."""
+        self.check_queue(to)
+        if rate is not None and not rate > 0:
+            raise InputError('"rate": messages per second must be a number above 0')
+        replay_id, claimed = await asyncio.to_thread(
+            self.store.start_replay, selection, actor, self.owner, to_queue=to, rate=rate,
+            lease=self.lease,
+        )
+        return self._run(Claimed(replay_id, to, rate), claimed)
+
+    def _run(self, claimed: Claimed, count: int) -> asyncio.Task[ReplayResult]:
+        task = asyncio.create_task(self._publish_all(claimed, count))
+        self.running[claimed.id] = task
+        task.add_done_callback(lambda _t: self.running.pop(claimed.id, None))
+        return task
+
+    async def adopt_abandoned(self) -> int:
+        """Take over every replay whose desk stopped renewing its lease; returns how many."""
+        taken = 0
+        while (claimed := await asyncio.to_thread(self.store.take_abandoned, self.owner,
+                                                  self.lease)) is not None:
+            log.info("desk: finishing replay %s, left unfinished by a desk that stopped",
+                     claimed.id)
+            self._run(claimed, -1)
+            taken += 1
+        return taken
+
+    async def close(self) -> None:
+        for task in list(self.running.values()):
+            task.cancel()
+        await asyncio.gather(*self.running.values(), return_exceptions=True)
+        if self._connection is not None:
+            with suppress(Exception):
+                await self._connection.close()
+            self._connection = self._amqp = None
+
+    async def _channel(self) -> AbstractChannel:
+        async with self._lock:
+            if self._amqp is None or self._amqp.is_closed:
+                self._connection = await connect(self.settings, name="rabbit-retry desk replay")
+                transport = self._connection.transport
+                assert transport is not None
+                self._amqp = transport.connection
+            return await self._amqp.channel(publisher_confirms=True)
+
+    async def _publish_all(self, claimed: Claimed, count: int) -> ReplayResult:
+        result = ReplayResult(claimed.id, count)
+        renew = asyncio.create_task(self._keep_lease(claimed.id))
+        channel = await self._channel()
+        try:
+            outcome = await self._publish_rows(channel, claimed, result, renew)
+            result.outcome = outcome
+            result.replayed = await asyncio.to_thread(self.store.finish_replay, claimed.id,
+                                                      outcome)
+            result.done = True
+            if self.on_done is not None:
+                self.on_done("replay", result.replayed)
+            log.info("desk: replay %s done: %d replayed%s", claimed.id, result.replayed,
+                     f"; {outcome}" if outcome else "")
+            return result
+        finally:
+            renew.cancel()
+            with suppress(Exception):
+                await channel.close()
+
+    async def _keep_lease(self, replay_id: str) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            if not await asyncio.to_thread(self.store.renew, replay_id, self.owner, self.lease):
+                raise RuntimeError(f"replay {replay_id}: lease lost to another desk")
+
+    async def _publish_rows(self, channel: AbstractChannel, claimed: Claimed,
+                            result: ReplayResult, renew: asyncio.Task[None]) -> str | None:
+        user = self.settings.user
+        window = asyncio.Semaphore(WINDOW)
+        in_flight: dict[str, asyncio.Future[Any]] = {}  # message id -> its publish
+        confirmed: list[int] = []
+        refused: dict[int, str] = {}
+        pending: set[asyncio.Task[None]] = set()
+        started = time.monotonic()
+        sent = 0
+        after = 0
+
+        async def one(row: dict[str, Any]) -> None:
+            target = claimed.to_queue or row["queue"]
+            source = stored_properties(row)
+            headers = replay_headers(source.headers)
+            headers[REPLAY_ID] = claimed.id
+            properties = contract.republish_properties(source, headers, user)
+            try:
+                await channel.basic_publish(
+                    stored_body(row), exchange="", routing_key=target, properties=properties,
+                    mandatory=True, timeout=CONFIRM_TIMEOUT_S,
+                )
+                confirmed.append(row["id"])
+            except aiormq.exceptions.PublishError:
+                refused[row["id"]] = f"queue {target!r} does not exist (the broker returned it)"
+            except aiormq.exceptions.DeliveryError:
+                refused[row["id"]] = f"queue {target!r} refused it (full?)"
+            finally:
+                window.release()
+
+        async def flush() -> None:
+            done, confirmed[:] = list(confirmed), []
+            await asyncio.to_thread(self.store.settle_replayed, claimed.id, done)
+            result.replayed += len(done)
+
+        while True:
+            rows = await asyncio.to_thread(self.store.replay_rows, claimed.id, after, PAGE)
+            if not rows:
+                break
+            for row in rows:
+                if renew.done():
+                    renew.result()  # the lease was lost: stop here, the new owner goes on
+                after = row["id"]
+                if claimed.rate:
+                    ahead = started + sent / claimed.rate - time.monotonic()
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
+                await window.acquire()
+                # aiormq matches a basic.return to its publish by message id: never two copies
+                # with one id in flight on the channel.
+                mid = _message_id(row)
+                earlier = in_flight.get(mid)
+                if earlier is not None:
+                    await asyncio.gather(earlier, return_exceptions=True)
+                task = asyncio.create_task(one(row))
+                in_flight[mid] = task
+                task.add_done_callback(_forget(in_flight, mid))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                sent += 1
+                if len(confirmed) >= PAGE:
+                    await flush()
+            await _wait_all(pending)
+            await flush()
+        await _wait_all(pending)
+        await flush()
+        if refused:
+            await asyncio.to_thread(self.store.unclaim, claimed.id, list(refused))
+            result.refused = len(refused)
+            reasons = sorted(set(refused.values()))
+            return f"{len(refused)} not replayed: " + "; ".join(reasons)
+        return None
+
+
+def _forget(in_flight: dict[str, Any], mid: str) -> Callable[[asyncio.Task[None]], None]:
+    def done(task: asyncio.Task[None]) -> None:
+        if in_flight.get(mid) is task:
+            del in_flight[mid]
+
+    return done
+
+
+def _message_id(row: dict[str, Any]) -> str:
+    props = row.get("properties") or {}
+    return str(props.get("message_id") or f"row-{row['id']}")
+
+
+async def _wait_all(tasks: set[asyncio.Task[None]]) -> None:
+    if tasks:
+        await asyncio.gather(*list(tasks))
+

@@ -1,0 +1,1 @@
+"""The desk store's Alembic migrations (run by ``rabbit-retry desk`` at start)."""

@@ -1,0 +1,438 @@
+"""The desk's store: parked messages, groups, audit and replays in SQLite or PostgreSQL through
+SQLAlchemy (synchronous; the desk calls it from worker threads).
+
+Every write that must hold together is one transaction: a batch of parked copies with their
+groups (committed before the broker hears an ack), a replay's claim of its rows with its audit
+entry, a discard with its audit entry. Several desks may share one PostgreSQL database: rows are
+claimed with ``UPDATE ... WHERE status = 'parked'``, so two desks never replay or discard the
+same row, and copies are inserted with ``ON CONFLICT (digest) DO NOTHING``, so a copy consumed
+twice (a desk killed between commit and ack, or two desks) is stored once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from importlib import resources
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from rabbit_retry.desk import schema
+from rabbit_retry.desk.records import Parked
+from rabbit_retry.desk.schema import audit, groups, messages, replays, totals
+from rabbit_retry.errors import InputError
+from rabbit_retry.settings import mask
+
+DEFAULT_STORE = "sqlite:///rabbit-retry-desk.db"
+_MIGRATION_LOCK = 0x7261626269740001  # PostgreSQL advisory lock: one desk migrates at a time
+
+
+def engine_url(url: str) -> sa.URL:
+    """The SQLAlchemy URL of a store URL: ``sqlite:///PATH`` or ``postgresql://...`` (psycopg 3)."""
+    try:
+        parsed = sa.make_url(url)
+    except sa.exc.ArgumentError:
+        raise InputError(f"--store: not a store URL: {mask(url)!r} (use sqlite:///PATH or "
+                         "postgresql://user:pass@host/db)") from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if not parsed.database or parsed.database == ":memory:":
+            raise InputError("--store: an SQLite store needs a file: sqlite:///PATH")
+        return parsed.set(drivername="sqlite")
+    if backend in ("postgresql", "postgres"):
+        return parsed.set(drivername="postgresql+psycopg")
+    raise InputError(f"--store: unsupported database {backend!r} in {mask(url)!r} "
+                     "(use sqlite:///PATH or postgresql://...)")
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """Which rows an action takes: listed ids, or every parked row of a group."""
+
+    ids: tuple[int, ...] = ()
+    group: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group} if self.group is not None else {"ids": list(self.ids)}
+
+    def where(self) -> sa.ColumnElement[bool]:
+        if self.group is not None:
+            return messages.c.group_id == self.group
+        return messages.c.id.in_(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """A search of stored messages (the page's and ``GET /api/messages``' filters)."""
+
+    queue: str | None = None
+    group: str | None = None
+    status: str | None = None
+    text: str | None = None  # message id, correlation id, header NAME=VALUE, or body text
+    since: datetime | None = None
+    until: datetime | None = None
+    limit: int = 50
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A replay this desk carries out: its id, where to, how fast."""
+
+    id: str
+    to_queue: str | None
+    rate: float | None
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Store:
+    def __init__(self, url: str, *, pool_size: int = 5) -> None:
+        self.url = url
+        target = engine_url(url)
+        self.dialect = target.get_backend_name()
+        if self.dialect == "sqlite":
+            self.engine: Engine = sa.create_engine(
+                target, connect_args={"timeout": 30, "check_same_thread": False},
+            )
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            self.engine = sa.create_engine(target, pool_size=pool_size, pool_pre_ping=True)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- schema ----------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Bring the tables to the newest migration (Alembic); several desks may start at once."""
+        from alembic import command
+        from alembic.config import Config
+
+        config = Config()
+        config.set_main_option(
+            "script_location", str(resources.files("rabbit_retry.desk") / "migrations")
+        )
+        with self.engine.begin() as connection:
+            if self.dialect == "postgresql":
+                connection.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"),
+                                   {"k": _MIGRATION_LOCK})
+            config.attributes["connection"] = connection
+            command.upgrade(config, "head")
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        with self.engine.begin() as connection:
+            yield connection
+
+    # --- ingest ----------------------------------------------------------------------------
+
+    def insert(self, batch: Sequence[Parked], at: datetime | None = None) -> int:
+        """Store a batch of parked copies in one transaction; returns how many were new."""
+        if not batch:
+            return 0
+        at = at or now()
+        rows = [dict(p.row(), ingested_at=at) for p in batch]
+        first_of_group: dict[str, dict[str, Any]] = {}
+        for p in batch:  # a group's sample is its first message
+            first_of_group.setdefault(p.group, p.group_row())
+        group_rows = list(first_of_group.values())
+        with self._tx() as tx:
+            tx.execute(self._insert_ignore(groups, ["id"]), group_rows)
+            new = Counter(tx.execute(
+                self._insert_ignore(messages, ["digest"]).returning(messages.c.queue), rows
+            ).scalars())
+            self._add(tx, "ingested", new)
+            return sum(new.values())
+
+    def _add(self, tx: Connection, kind: str, counts: Counter[str]) -> None:
+        """Add ``counts`` (per queue) to the ``kind`` totals, in the caller's transaction."""
+        if not counts:
+            return
+        rows = [{"queue": q, "kind": kind, "count": n} for q, n in sorted(counts.items())]
+        stmt = self._upsert(totals)
+        tx.execute(stmt.on_conflict_do_update(
+            index_elements=["queue", "kind"],
+            set_={"count": totals.c["count"] + stmt.excluded["count"]},
+        ), rows)
+
+    def _upsert(self, table: sa.Table) -> Any:
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
+
+    def _insert_ignore(self, table: sa.Table, keys: list[str]) -> Any:
+        return self._upsert(table).on_conflict_do_nothing(index_elements=keys)
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def groups(self, queue: str | None = None, status: str = "parked") -> list[dict[str, Any]]:
+        """Each group with messages in ``status``: its cause, count, first and last parked."""
+        m = messages.c
+        counts = (
+            sa.select(m.group_id, sa.func.count().label("count"),
+                      sa.func.min(m.parked_at).label("first"),
+                      sa.func.max(m.parked_at).label("last"))
+            .where(m.status == status)
+            .group_by(m.group_id)
+        )
+        if queue is not None:
+            counts = counts.where(m.queue == queue)
+        sub = counts.subquery()
+        query = (
+            sa.select(groups, sub.c["count"], sub.c.first, sub.c.last)
+            .join(sub, sub.c.group_id == groups.c.id)
+            .order_by(sub.c["count"].desc(), groups.c.id)
+        )
+        with self.engine.connect() as c:
+            return [
+                {
+                    "id": row.id, "queue": row.queue, "reason": row.reason,
+                    "exception_type": row.exception_type, "exception_message": row.pattern,
+                    "sample": row.sample, "count": row.count,
+                    "first_parked_at": _utc(row.first), "last_parked_at": _utc(row.last),
+                }
+                for row in c.execute(query)
+            ]
+
+    def _filters(self, q: Query) -> list[sa.ColumnElement[bool]]:
+        m = messages.c
+        where: list[sa.ColumnElement[bool]] = []
+        if q.queue:
+            where.append(m.queue == q.queue)
+        if q.group:
+            where.append(m.group_id == q.group)
+        if q.status:
+            where.append(m.status == q.status)
+        if q.since:
+            where.append(m.parked_at >= q.since)
+        if q.until:
+            where.append(m.parked_at < q.until)
+        if q.text:
+            where.append(self._text_filter(q.text.strip()))
+        return where
+
+    def _text_filter(self, text: str) -> sa.ColumnElement[bool]:
+        m = messages.c
+        name, eq, value = text.partition("=")
+        if eq and name and " " not in name:
+            header: sa.ColumnElement[bool] = m.headers[name.strip()].as_string() == value.strip()
+            return header
+        pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        return sa.or_(
+            m.message_id == text,
+            m.correlation_id == text,
+            m.body_text.like(pattern, escape="\\"),
+            m.exception_message.like(pattern, escape="\\"),
+        )
+
+    def messages(self, q: Query) -> tuple[int, list[dict[str, Any]]]:
+        """(how many match, one page of them, newest parked first)."""
+        where = self._filters(q)
+        m = messages.c
+        count = sa.select(sa.func.count()).select_from(messages).where(*where)
+        page = (
+            sa.select(messages).where(*where)
+            .order_by(m.parked_at.desc(), m.id.desc()).limit(q.limit).offset(q.offset)
+        )
+        with self.engine.connect() as c:
+            total = int(c.execute(count).scalar_one())
+            return total, [dict(row._mapping) for row in c.execute(page)]
+
+    def message(self, message_id: int) -> dict[str, Any] | None:
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(messages).where(messages.c.id == message_id)).first()
+            return None if row is None else dict(row._mapping)
+
+    def audit(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
+        query = sa.select(audit).order_by(audit.c.id.desc()).limit(limit).offset(offset)
+        with self.engine.connect() as c:
+            return [dict(row._mapping) for row in c.execute(query)]
+
+    def parked_by(self) -> list[tuple[str, str | None, int, datetime | None]]:
+        """(queue, reason, parked count, oldest parked_at) of every queue and reason."""
+        m = messages.c
+        query = (
+            sa.select(m.queue, m.reason, sa.func.count(), sa.func.min(m.parked_at))
+            .where(m.status == "parked").group_by(m.queue, m.reason)
+        )
+        with self.engine.connect() as c:
+            return [(r[0], r[1], int(r[2]), _utc(r[3])) for r in c.execute(query)]
+
+    def totals(self) -> list[tuple[str, str, int]]:
+        """(queue, ingested | replayed | discarded, count) since the store began."""
+        query = sa.select(totals.c.queue, totals.c.kind, totals.c["count"])
+        with self.engine.connect() as c:
+            return [(r[0], r[1], int(r[2])) for r in c.execute(query)]
+
+    def status_counts(self) -> dict[str, int]:
+        m = messages.c
+        query = sa.select(m.status, sa.func.count()).group_by(m.status)
+        with self.engine.connect() as c:
+            return {str(r[0]): int(r[1]) for r in c.execute(query)}
+
+    # --- actions ---------------------------------------------------------------------------
+
+    def _count_audit(self, tx: Connection, action: str, actor: str, selection: Selection,
+                     *, reason: str | None = None, replay_id: str | None = None,
+                     to_queue: str | None = None, state: str) -> int:
+        result = tx.execute(
+            audit.insert().values(
+                at=now(), actor=actor, action=action, count=0, selection=selection.to_json(),
+                reason=reason, replay_id=replay_id, to_queue=to_queue, state=state,
+            )
+        )
+        key = result.inserted_primary_key
+        assert key is not None
+        return int(key[0])
+
+    def discard(self, selection: Selection, actor: str, reason: str) -> int:
+        """Mark the selection's parked rows discarded, with its audit entry, in one step."""
+        with self._tx() as tx:
+            entry = self._count_audit(tx, "discard", actor, selection, reason=reason,
+                                      state="done")
+            per_queue = Counter(tx.execute(
+                messages.update()
+                .where(selection.where(), messages.c.status == "parked")
+                .values(status="discarded", changed_at=now(), discard_reason=reason)
+                .returning(messages.c.queue)
+            ).scalars())
+            done = sum(per_queue.values())
+            self._add(tx, "discarded", per_queue)
+            tx.execute(audit.update().where(audit.c.id == entry)
+                       .values(count=done, done_count=done, done_at=now()))
+            return done
+
+    def start_replay(self, selection: Selection, actor: str, owner: str, *,
+                     to_queue: str | None, rate: float | None, lease: float) -> tuple[str, int]:
+        """Claim the selection's parked rows for a new replay (status ``replaying``) and write
+        its audit entry and lease, in one transaction. Returns (replay id, rows claimed)."""
+        replay_id = uuid.uuid4().hex
+        with self._tx() as tx:
+            entry = self._count_audit(tx, "replay", actor, selection, replay_id=replay_id,
+                                      to_queue=to_queue, state="pending")
+            claimed = tx.execute(
+                messages.update()
+                .where(selection.where(), messages.c.status == "parked")
+                .values(status="replaying", replay_id=replay_id, replayed_to=to_queue,
+                        changed_at=now())
+            ).rowcount
+            tx.execute(audit.update().where(audit.c.id == entry).values(count=claimed))
+            tx.execute(replays.insert().values(id=replay_id, to_queue=to_queue, rate=rate,
+                                               owner=owner,
+                                               lease_until=now() + timedelta(seconds=lease)))
+            return replay_id, int(claimed)
+
+    def replay_rows(self, replay_id: str, after: int, limit: int) -> list[dict[str, Any]]:
+        """The next ``limit`` rows of a replay still to publish, by id after ``after``."""
+        m = messages.c
+        query = (
+            sa.select(m.id, m.queue, m.headers_raw, m.properties, m.body_text, m.body)
+            .where(m.replay_id == replay_id, m.status == "replaying", m.id > after)
+            .order_by(m.id).limit(limit)
+        )
+        with self.engine.connect() as c:
+            return [dict(row._mapping) for row in c.execute(query)]
+
+    def settle_replayed(self, replay_id: str, ids: Sequence[int]) -> None:
+        """Rows whose copies the broker confirmed."""
+        if ids:
+            with self._tx() as tx:
+                per_queue = Counter(tx.execute(
+                    messages.update()
+                    .where(messages.c.id.in_(ids), messages.c.replay_id == replay_id,
+                           messages.c.status == "replaying")
+                    .values(status="replayed", changed_at=now())
+                    .returning(messages.c.queue)
+                ).scalars())
+                self._add(tx, "replayed", per_queue)
+
+    def unclaim(self, replay_id: str, ids: Sequence[int]) -> None:
+        """Rows whose copies the broker refused: parked again, untouched."""
+        if ids:
+            with self._tx() as tx:
+                tx.execute(messages.update()
+                           .where(messages.c.id.in_(ids), messages.c.replay_id == replay_id,
+                                  messages.c.status == "replaying")
+                           .values(status="parked", replay_id=None, replayed_to=None,
+                                   changed_at=None))
+
+    def finish_replay(self, replay_id: str, outcome: str | None) -> int:
+        """Close a replay: its audit entry says how many were replayed; the lease goes."""
+        m = messages.c
+        with self._tx() as tx:
+            left = tx.execute(
+                sa.select(sa.func.count()).where(m.replay_id == replay_id,
+                                                 m.status == "replaying")
+            ).scalar_one()
+            if left:
+                raise RuntimeError(f"replay {replay_id}: {left} rows still unconfirmed")
+            done = int(tx.execute(
+                sa.select(sa.func.count()).where(m.replay_id == replay_id, m.status == "replayed")
+            ).scalar_one())
+            tx.execute(
+                audit.update().where(audit.c.replay_id == replay_id)
+                .values(state="failed" if outcome else "done", done_count=done, done_at=now(),
+                        outcome=outcome)
+            )
+            tx.execute(replays.delete().where(replays.c.id == replay_id))
+            return done
+
+    def renew(self, replay_id: str, owner: str, lease: float) -> bool:
+        """Extend this desk's lease of a replay; False when it lost it (another desk took it)."""
+        with self._tx() as tx:
+            return bool(tx.execute(
+                replays.update().where(replays.c.id == replay_id, replays.c.owner == owner)
+                .values(lease_until=now() + timedelta(seconds=lease))
+            ).rowcount)
+
+    def take_abandoned(self, owner: str, lease: float) -> Claimed | None:
+        """A replay whose desk stopped renewing its lease (died), now this desk's to finish."""
+        with self._tx() as tx:
+            row = tx.execute(
+                sa.select(replays).where(replays.c.lease_until < now())
+                .order_by(replays.c.lease_until).limit(1)
+            ).first()
+            if row is None:
+                return None
+            taken = tx.execute(
+                replays.update()
+                .where(replays.c.id == row.id, replays.c.lease_until == row.lease_until)
+                .values(owner=owner, lease_until=now() + timedelta(seconds=lease))
+            ).rowcount
+            return Claimed(row.id, row.to_queue, row.rate) if taken else None
+
+    def sweep(self, keep: timedelta) -> int:
+        """Delete replayed and discarded rows changed more than ``keep`` ago (audit stays)."""
+        m = messages.c
+        with self._tx() as tx:
+            return int(tx.execute(
+                messages.delete().where(m.status.in_(("replayed", "discarded")),
+                                        m.changed_at < now() - keep)
+            ).rowcount)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    return schema.UtcDateTime().process_result_value(value, None)  # type: ignore[arg-type]
+
+
+def _sqlite_pragmas(connection: Any, _record: Any) -> None:
+    cursor = connection.cursor()
+    # WAL: the page reads while ingest writes. synchronous=FULL: a commit survives a power loss,
+    # since an ack follows it.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
