@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from support.amqp import depth_sync, drain_sync
-from support.browser import screenshot, sent, until, view_loaded
+from support.browser import console, screenshot, sent, until, view_loaded
 from support.desk import running_desk
 from support.desk_page import (
     confirm,
@@ -70,8 +70,11 @@ def test_find_the_cause_replay_one_group_discard_another_and_the_audit_says_who(
                     b'{"to": "user%d@example.com"}' % i, f"mail-{i}") for i in range(4)
         ])
 
-        # The overview: how much is parked, where and why.
+        # The overview: how much is parked, where and why; no token, and the page says so.
         open_desk(browser, desk, actor="alice")
+        until(browser, lambda d: d.find_element(By.ID, "auth-banner").is_displayed(),
+              "the banner of a desk without a token")
+        assert not browser.find_element(By.ID, "logout").is_displayed()
         assert browser.find_element(By.CSS_SELECTOR, "#card-parked .value").text == "12"
         by_queue = {r.get_attribute("data-queue"): r for r in rows(browser, "overview-queues")}
         assert by_queue["orders"].find_element(By.CSS_SELECTOR, "td.num").text == "8"
@@ -150,7 +153,9 @@ def test_find_the_cause_replay_one_group_discard_another_and_the_audit_says_who(
         assert sorted(entries) == ["discard", "replay"]
         replay_cells = [c.text for c in entries["replay"].find_elements(By.TAG_NAME, "td")]
         assert replay_cells[1:4] == ["alice", "replay", "5"]
+        assert replay_cells[4].endswith("\N{RIGHTWARDS ARROW} orders-manual")
         assert replay_cells[6] == replay_id.group(1)
+        assert replay_cells[7] == "done (5 replayed)"
         discard_cells = [c.text for c in entries["discard"].find_elements(By.TAG_NAME, "td")]
         assert discard_cells[1:4] == ["alice", "discard", "4"]
         assert discard_cells[5] == "mailboxes full; customers called"
@@ -158,6 +163,9 @@ def test_find_the_cause_replay_one_group_discard_another_and_the_audit_says_who(
         audit = desk.get("/api/audit")
         assert sorted((e["actor"], e["action"], e["count"]) for e in audit) == [
             ("alice", "discard", 4), ("alice", "replay", 5)]
+
+        # Nothing went wrong in the page along the way.
+        assert [e for e in console(browser) if e["level"] == "SEVERE"] == []
 
         # Every action the page sent named its operator.
         posts = sent(browser, "POST")
@@ -188,9 +196,10 @@ def test_search_pages_and_a_selection_across_pages(
         park_and_wait(fresh_vhost, desk, "orders", messages)
         open_desk(browser, desk)
 
-        # Search by message id, correlation id, a header's value, the body's text.
+        # Search by message id, correlation id, a header's value (NAME=VALUE), the body's text.
         view = go(browser, "messages")
-        for text in ("m-077", "needle-correlation", "needle-header", "needle-in-the-body"):
+        for text in ("m-077", "needle-correlation", "customer-ref=needle-header",
+                     "needle-in-the-body"):
             box = view.find_element(By.ID, "messages-q")
             box.clear()
             box.send_keys(text)

@@ -93,6 +93,7 @@ def test_a_token_keeps_the_page_shut_and_every_action_carries_the_csrf_header(
         name.send_keys("bob")
         name.submit()
         view_loaded(browser, "overview")
+        until(browser, lambda d: d.find_element(By.ID, "logout").is_displayed(), "Log out")
         assert not browser.find_element(By.ID, "auth-banner").is_displayed()
         cookies = {c["name"]: c for c in browser.get_cookies()}
         assert CSRF_COOKIE in cookies and not cookies[CSRF_COOKIE]["httpOnly"]
@@ -126,6 +127,12 @@ def test_a_token_keeps_the_page_shut_and_every_action_carries_the_csrf_header(
         assert _post_from_page(browser, "/api/discard", {"ids": [ids["t-1"]], "reason": "x"},
                                cookies[CSRF_COOKIE]["value"]) == 200
         assert desk.get(f"/api/messages/{ids['t-1']}")["status"] == "discarded"
+
+        # Logging out ends the session: the page is shut again.
+        browser.find_element(By.ID, "logout").click()
+        until(browser, lambda d: _path(d) == "/login", "the login page after logging out")
+        browser.get(desk.url + "/")
+        until(browser, lambda d: _path(d) == "/login", "the login page for a logged-out browser")
 
 
 # Each one runs a script if it is ever parsed as HTML: it sets window.__pwned, calls alert()

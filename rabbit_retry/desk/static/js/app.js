@@ -42,7 +42,7 @@ export function link(view, params = {}) {
 }
 
 function go(hash) {
-  if (window.location.hash === hash) render();
+  if (window.location.hash === hash) navigate();
   else window.location.hash = hash;
 }
 
@@ -96,7 +96,6 @@ async function render() {
     const nodes = await VIEWS[name](ctx);
     if (!ctx.current()) return;
     fill(view, nodes);
-    fail(null);
   } catch (error) {
     if (!ctx.current()) return;
     fill(view, h("p", { class: "muted" }, "This view could not be loaded."));
@@ -145,34 +144,51 @@ function setUpActor() {
   if (!actor()) askActor();
 }
 
-// Whether the desk runs without a token (loopback only): said on every view.
+// Whether the desk runs without a token (loopback only), and whether it consumes every parking
+// queue: said on every view. With a token, the way out.
 async function showAuth() {
   try {
     const overview = await call("/api/overview");
     $("#auth-banner").hidden = overview.auth !== "loopback";
+    $("#logout").hidden = overview.auth !== "token";
+    $("#consuming-banner").hidden = overview.consuming !== false;
   } catch {
     // the view's own request reports the error
   }
 }
 
+async function logout() {
+  try {
+    await call("/logout", {});
+  } catch (error) {
+    fail(error);
+    return;
+  }
+  window.location.assign("/login");
+}
+
 setUpDialogs();
 setUpActor();
+// Going somewhere (or loading the view again) starts with no old notice or error on screen; an
+// action's own re-render keeps the lines that report it.
+function navigate() {
+  notify("");
+  fail(null);
+  render();
+}
+
+$("#logout").addEventListener("click", logout);
 $("#refresh").addEventListener("click", () => {
   queuesCache = null;
-  notify("");
-  render();
+  navigate();
 });
-window.addEventListener("hashchange", () => {
-  notify("");
-  render();
-});
+window.addEventListener("hashchange", navigate);
 // A link to the view on screen loads it again (the browser sees no change of address).
 document.addEventListener("click", (event) => {
   const a = event.target instanceof Element ? event.target.closest('a[href^="#"]') : null;
   if (a && a.getAttribute("href") === window.location.hash && event.button === 0) {
     event.preventDefault();
-    notify("");
-    render();
+    navigate();
   }
 });
 showAuth();

@@ -152,3 +152,19 @@ export function discard(selection) {
     run: (payload) => call("/api/discard", payload),
   });
 }
+
+// Tells the operator what an action did: the notice line, and the error line when a replay
+// stopped part way (the desk says how many it refused and why).
+export function report(ctx, result) {
+  if ("discarded" in result) {
+    ctx.notify(`Discarded ${plural(result.discarded, "message")}.`);
+  } else if (result.pending) {
+    ctx.notify(`Replay ${result.replay_id} is still running; the audit shows when it is done.`);
+  } else {
+    ctx.notify(`Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`);
+    if (result.error) {
+      ctx.fail(new Error(`Replay ${result.replay_id} stopped: ${result.error}`
+        + (result.refused ? ` (${plural(result.refused, "message")} refused)` : "")));
+    }
+  }
+}

@@ -4,6 +4,7 @@ import { h } from "../dom.js";
 
 const STATUSES = [
   ["parked", "parked"],
+  ["replaying", "replaying"],
   ["replayed", "replayed"],
   ["discarded", "discarded"],
   ["any", "any status"],
@@ -15,9 +16,10 @@ export function statusParam(params) {
   return status === "any" ? "" : status;
 }
 
-export function statusOptions(params) {
+// The status choices; groups are always of one status (`any: false`), messages may be of any.
+export function statusOptions(params, { any = true } = {}) {
   const chosen = params.get("status") || "parked";
-  return STATUSES.map(([value, label]) =>
+  return STATUSES.filter(([value]) => any || value !== "any").map(([value, label]) =>
     h("option", { value: value === "parked" ? "" : value, selected: value === chosen }, label));
 }
 

@@ -2,8 +2,8 @@
 // normalised message), the way to replay or discard many at once.
 
 import { call, withQuery } from "../api.js";
-import { discard, replay } from "../dialogs.js";
-import { count, h, plural, shorten, when } from "../dom.js";
+import { discard, replay, report } from "../dialogs.js";
+import { count, h, shorten, when } from "../dom.js";
 import { filterForm, queueOptions, statusOptions, statusParam } from "./filters.js";
 
 export async function renderGroups(ctx) {
@@ -15,7 +15,7 @@ export async function renderGroups(ctx) {
   ]);
 
   const queueSelect = h("select", { name: "queue", id: "groups-queue" }, queueOptions(queues, queue));
-  const statusSelect = h("select", { name: "status", id: "groups-status" }, statusOptions(ctx.params));
+  const statusSelect = h("select", { name: "status", id: "groups-status" }, statusOptions(ctx.params, { any: false }));
   const form = filterForm("groups-filter", [
     h("label", {}, "Queue ", queueSelect),
     h("label", {}, "Status ", statusSelect),
@@ -30,9 +30,7 @@ export async function renderGroups(ctx) {
       ? await replay({ group }, queues)
       : await discard({ group });
     if (!result) return;
-    ctx.notify(kind === "replay"
-      ? `Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`
-      : `Discarded ${plural(result.discarded, "message")}.`);
+    report(ctx, result);
     ctx.rerender();
   }
 
@@ -42,7 +40,10 @@ export async function renderGroups(ctx) {
     h("td", { class: "exception" },
       h("div", { class: "type" }, g.exception_type || "(no exception)"),
       h("div", { class: "message", title: g.exception_message || "" },
-        shorten(g.exception_message, 240))),
+        shorten(g.exception_message, 240)),
+      g.sample && g.sample !== g.exception_message
+        ? h("div", { class: "sample muted", title: g.sample }, "e.g. ", shorten(g.sample, 160))
+        : null),
     h("td", { class: "num" }, h("a", {
       href: ctx.link("messages", { group: g.id, queue: g.queue, status: ctx.params.get("status") }),
       class: "count",

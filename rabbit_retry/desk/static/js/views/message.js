@@ -1,8 +1,8 @@
 // One message: what failed, every header and property, the body, and what can be done with it.
 
 import { call } from "../api.js";
-import { discard, replay } from "../dialogs.js";
-import { h, plural, pairs, when } from "../dom.js";
+import { discard, replay, report } from "../dialogs.js";
+import { h, pairs, when } from "../dom.js";
 
 const STACKTRACE = "exception-stacktrace";
 
@@ -41,9 +41,7 @@ export async function renderMessage(ctx) {
       ? await replay({ messages }, await ctx.queues())
       : await discard({ messages });
     if (!result) return;
-    ctx.notify(kind === "replay"
-      ? `Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`
-      : `Discarded ${plural(result.discarded, "message")}.`);
+    report(ctx, result);
     ctx.rerender();
   }
 
@@ -55,6 +53,10 @@ export async function renderMessage(ctx) {
     ["Reason", m.reason || "—"],
     ["Attempts", m.attempts ?? "—"],
     ["Parked at", when(m.parked_at)],
+    ...(m.replay_id ? [["Replay", h("code", {}, m.replay_id)]] : []),
+    ...(m.replayed_to ? [["Replayed to", m.replayed_to]] : []),
+    ...(m.discard_reason ? [["Discarded because", m.discard_reason]] : []),
+    ...(m.changed_at ? [["Status since", when(m.changed_at)]] : []),
     ["Group", m.group
       ? h("a", { href: ctx.link("messages", { group: m.group, queue: m.queue, status: "any" }) },
         "messages of the same cause")

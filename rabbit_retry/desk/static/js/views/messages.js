@@ -2,8 +2,8 @@
 // all of them), select some and replay or discard them.
 
 import { call, withQuery } from "../api.js";
-import { discard, replay } from "../dialogs.js";
-import { count, h, plural, shorten, when } from "../dom.js";
+import { discard, replay, report } from "../dialogs.js";
+import { count, h, shorten, when } from "../dom.js";
 import { filterForm, queueOptions, statusOptions, statusParam } from "./filters.js";
 
 const PAGE_SIZES = [25, 50, 100, 200];
@@ -47,7 +47,9 @@ export async function renderMessages(ctx) {
   });
 
   const search = h("input", { type: "search", name: "q", id: "messages-q", value: filters.q,
-    placeholder: "message id, correlation id, header value or body text", size: "40" });
+    placeholder: "message id, correlation id, text in the body, or header=value", size: "40",
+    title: "A message id or correlation id (exact), text in the body or the exception message, "
+      + "or NAME=VALUE for a header (tenant=acme)" });
   const queueSelect = h("select", { name: "queue", id: "messages-queue" },
     queueOptions(queues, filters.queue));
   const statusSelect = h("select", { name: "status", id: "messages-status" }, statusOptions(p));
@@ -110,9 +112,7 @@ export async function renderMessages(ctx) {
     const result = kind === "replay" ? await replay({ messages }, queues) : await discard({ messages });
     if (!result) return;
     selected.clear();
-    ctx.notify(kind === "replay"
-      ? `Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`
-      : `Discarded ${plural(result.discarded, "message")}.`);
+    report(ctx, result);
     ctx.rerender();
   }
   replayButton.addEventListener("click", () => act("replay").catch(ctx.fail));

@@ -29,7 +29,9 @@ export async function renderOverview(ctx) {
       card("Parked", count(o.parked), "waiting for an operator", "card-parked"),
       card("Oldest parked", o.oldest_parked_at ? age(o.oldest_parked_at) : "—",
         o.oldest_parked_at ? ["since ", when(o.oldest_parked_at)] : "nothing parked", "card-oldest"),
-      card("Replayed", count(o.replayed), "sent back to a queue", "card-replayed"),
+      card("Replayed", count(o.replayed),
+        o.replaying ? `${count(o.replaying)} still being replayed` : "sent back to a queue",
+        "card-replayed"),
       card("Discarded", count(o.discarded), "never to be replayed", "card-discarded")),
     h("h3", {}, "Parked by queue and reason"),
     queues.length
