@@ -241,6 +241,7 @@ def test_search_pages_and_a_selection_across_pages(
         first.find_element(By.CSS_SELECTOR, "input.select").click()
         picked.append(first.find_element(By.CSS_SELECTOR, "a.open").text)
         assert browser.find_element(By.ID, "selected-count").text == "3 selected"
+        screenshot(browser, "messages")
         browser.find_element(By.ID, "replay-selected").click()
         assert "3 selected messages of queue orders" in dialog(browser).text
         confirm(browser, "Replayed 3 messages")
@@ -249,7 +250,6 @@ def test_search_pages_and_a_selection_across_pages(
         assert sorted(m.message_id for m in drain_sync(fresh_vhost, "orders")) == sorted(picked)
         assert desk.get("/api/messages", status="parked", limit=1)["total"] == total - 3
         assert browser.find_element(By.ID, "selected-count").text == "none selected"
-        screenshot(browser, "messages")
 
 
 def _message_queries(driver: webdriver.Chrome) -> list[str]:

@@ -111,4 +111,5 @@ def screenshot(driver: webdriver.Chrome, name: str) -> None:
     directory = os.environ.get(SCREENSHOTS_ENV)
     if directory:
         Path(directory).mkdir(parents=True, exist_ok=True)
+        driver.execute_script("window.scrollTo(0, 0)")
         assert driver.save_screenshot(str(Path(directory) / f"desk-{name}.png"))

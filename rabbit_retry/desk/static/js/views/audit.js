@@ -23,6 +23,16 @@ function selectionText(selection) {
   return parts.join(" · ") || "—";
 }
 
+// A group's selection links to that group's messages, whatever became of them.
+function selection(ctx, value) {
+  const group = value && typeof value === "object" ? value.group : null;
+  if (typeof group === "string" && Object.keys(value).length === 1) {
+    return ["group ", h("a", { href: ctx.link("messages", { group, status: "any" }), class: "group" },
+      h("code", {}, group))];
+  }
+  return shorten(selectionText(value), 200);
+}
+
 // How a replay ended: "done: 5 replayed", "running", "failed: <why> (3 replayed)".
 function state(e) {
   if (e.action !== "replay" || !e.state) return "";
@@ -41,7 +51,7 @@ export async function renderAudit(ctx) {
     h("td", {}, h("span", { class: `action action-${String(e.action).replace(/[^a-z0-9-]/gi, "")}` }, e.action)),
     h("td", { class: "num" }, count(e.count)),
     h("td", { class: "selection", title: asText(e.selection) },
-      shorten(selectionText(e.selection), 200), e.to_queue ? [" → ", h("code", {}, e.to_queue)] : null),
+      selection(ctx, e.selection), e.to_queue ? [" → ", h("code", {}, e.to_queue)] : null),
     h("td", { class: "reason" }, e.reason || ""),
     h("td", {}, e.replay_id ? h("code", {}, e.replay_id) : ""),
     h("td", { class: "state" }, state(e))));
