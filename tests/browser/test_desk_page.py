@@ -7,6 +7,7 @@ against the page alone."""
 
 from __future__ import annotations
 
+import base64
 import re
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -274,3 +275,19 @@ def test_the_view_names_the_desk_s_reason_when_it_refuses(
         line = until(browser, lambda d: error_line(d, "error"), "the error line")
         assert line.startswith("404: ")
         assert "\n" not in line
+
+
+def test_a_body_that_is_not_text_is_shown_as_base64(
+    fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    body = b"\x00\xff\xfe not UTF-8 \x80"
+    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    with running_desk(fresh_vhost, topology, tmp_path) as desk:
+        park_and_wait(fresh_vhost, desk, "orders", [Parked(body, message_id="binary-1")])
+        open_desk(browser, desk)
+        go(browser, "messages")
+        [row] = rows(browser, "messages")
+        follow(browser, row.find_element(By.CSS_SELECTOR, "a.open"), "message")
+        assert "Body (binary, base64)" in browser.find_element(By.ID, "view").text
+        shown = browser.find_element(By.ID, "message-body").text
+        assert base64.b64decode(shown) == body

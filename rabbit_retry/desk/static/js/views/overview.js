@@ -39,7 +39,7 @@ export async function renderOverview(ctx) {
         h("thead", {}, h("tr", {}, h("th", {}, "Queue"), h("th", { class: "num" }, "Parked"),
           h("th", {}, "By reason"))),
         h("tbody", {}, rows))
-      : h("p", { class: "muted" }, "The topology has no queues."),
+      : h("p", { class: "muted empty" }, "Nothing is parked."),
     h("p", {}, h("a", { href: ctx.link("groups") }, "See why they parked, grouped by cause →")),
   ];
 }
