@@ -5,6 +5,7 @@ import { ApiError, call } from "./api.js";
 import { $, fill, h, plural, shorten } from "./dom.js";
 
 let pending = null; // {validate, run, resolve} of the dialog on screen
+let running = false; // an action was sent and has not answered: the dialog stays until it does
 
 function dialog() {
   return $("#action-dialog");
@@ -36,7 +37,9 @@ export function setUpDialogs() {
       return;
     }
     const button = $("#action-confirm");
-    button.disabled = true;
+    const label = button.textContent;
+    button.disabled = $("#action-cancel").disabled = running = true;
+    button.textContent = "Working…";
     showError("");
     try {
       const result = await current.run(payload);
@@ -44,11 +47,15 @@ export function setUpDialogs() {
     } catch (error) {
       showError(error instanceof ApiError ? error.message : String(error));
     } finally {
-      button.disabled = false;
+      button.disabled = $("#action-cancel").disabled = running = false;
+      button.textContent = label;
     }
   });
   $("#action-cancel").addEventListener("click", () => close(null));
-  dialog().addEventListener("cancel", () => close(null));
+  dialog().addEventListener("cancel", (event) => {
+    if (running) event.preventDefault();
+    else close(null);
+  });
 }
 
 // Shows the dialog; resolves with run()'s result once it succeeded, or null when cancelled.
