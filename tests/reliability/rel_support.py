@@ -60,7 +60,7 @@ class Worker:
     def start(self) -> Worker:
         assert self.process is None or self.process.poll() is not None, "already running"
         consuming_before = self.log().count("consuming queue=")
-        argv = [CLI, "--url", self.settings.url, "worker",
+        argv = [CLI, "--url", self.settings.url_list, "worker",
                 *(f"rel_consumers:{c}" for c in self.classes),
                 "-t", str(self.topology), "--grace", str(self.grace)]
         with self.log_path.open("ab") as log:
