@@ -1,11 +1,12 @@
-"""Connection settings: AMQP and management URLs, the vhost they name, TLS files, and password
-masking."""
+"""Connection settings: AMQP and management URLs (one node, or the nodes of one cluster), the
+vhost they name, TLS files, and password masking."""
 
 from __future__ import annotations
 
 import os
 import re
 import ssl
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
@@ -55,9 +56,24 @@ def management_url_for(url: str) -> str:
     )
 
 
+def split_urls(values: str | Iterable[str] | None) -> tuple[str, ...]:
+    """The URLs of ``values``: a comma-separated list, or several (a repeated option), each of
+    which may itself be a list; blanks dropped. (A comma inside a password is written ``%2C``.)
+    """
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    return tuple(part.strip() for value in values for part in value.split(",") if part.strip())
+
+
 @dataclass(frozen=True)
 class Settings:
     """Where the broker is. The vhost always comes from the AMQP URL, never from a topology file.
+
+    ``url`` and ``management_url`` are the first node's; ``more_urls`` and
+    ``more_management_urls`` are the other nodes of the same cluster, tried in order after it
+    when a node is down or goes away (``urls``, ``management_urls``: all of them).
 
     ``ca_file``, ``cert_file`` and ``key_file`` (PEM) are used for ``amqps://`` and for an
     ``https://`` management URL; without them both fall back to the libraries' defaults (the
@@ -70,24 +86,31 @@ class Settings:
     cert_file: str | None = None
     key_file: str | None = None
     key_password: str | None = field(default=None, repr=False)
+    more_urls: tuple[str, ...] = ()
+    more_management_urls: tuple[str, ...] = ()
 
     @classmethod
     def from_env(
         cls,
-        url: str | None = None,
-        management_url: str | None = None,
+        url: str | Iterable[str] | None = None,
+        management_url: str | Iterable[str] | None = None,
         *,
         ca_file: str | None = None,
         cert_file: str | None = None,
         key_file: str | None = None,
         key_password: str | None = None,
     ) -> Settings:
-        url = url or os.environ.get(URL_ENV) or DEFAULT_URL
+        urls = split_urls(url) or split_urls(os.environ.get(URL_ENV)) or (DEFAULT_URL,)
+        management_urls = (
+            split_urls(management_url)
+            or split_urls(os.environ.get(MANAGEMENT_URL_ENV))
+            or tuple(management_url_for(u) for u in urls)
+        )
         settings = cls(
-            url=url,
-            management_url=management_url
-            or os.environ.get(MANAGEMENT_URL_ENV)
-            or management_url_for(url),
+            url=urls[0],
+            management_url=management_urls[0],
+            more_urls=urls[1:],
+            more_management_urls=management_urls[1:],
             ca_file=ca_file or os.environ.get(CA_FILE_ENV) or None,
             cert_file=cert_file or os.environ.get(CERT_FILE_ENV) or None,
             key_file=key_file or os.environ.get(KEY_FILE_ENV) or None,
@@ -99,13 +122,44 @@ class Settings:
         return settings
 
     @property
+    def urls(self) -> tuple[str, ...]:
+        """Every AMQP URL, in the order they are tried."""
+        return (self.url, *self.more_urls)
+
+    @property
+    def management_urls(self) -> tuple[str, ...]:
+        """Every management API URL, in the order they are tried."""
+        return (self.management_url, *self.more_management_urls)
+
+    @property
+    def url_list(self) -> str:
+        """``urls`` as one ``--url`` value (comma-separated)."""
+        return ",".join(self.urls)
+
+    @property
+    def management_url_list(self) -> str:
+        """``management_urls`` as one ``--management-url`` value (comma-separated)."""
+        return ",".join(self.management_urls)
+
+    def nodes(self) -> tuple[Settings, ...]:
+        """One ``Settings`` per AMQP URL, each naming that node alone, in order."""
+        return tuple(replace(self, url=u, more_urls=()) for u in self.urls)
+
+    def starting_at(self, index: int) -> Settings:
+        """The same nodes, tried from the ``index``-th (0-based) on, wrapping round: workers
+        given the same list spread over the cluster this way."""
+        urls = self.urls[index % len(self.urls):] + self.urls[: index % len(self.urls)]
+        return replace(self, url=urls[0], more_urls=urls[1:])
+
+    @property
     def has_tls_files(self) -> bool:
         return bool(self.ca_file or self.cert_file or self.key_file)
 
     def check_tls(self) -> None:
         """Fails (``InputError``, exit 2) on TLS files that are missing or unreadable, or that
         nothing would use: the user meant to encrypt, so silently talking plain is wrong."""
-        if not (urlsplit(self.url).scheme == "amqps" or self._management_https):
+        amqps = any(urlsplit(u).scheme == "amqps" for u in self.urls)
+        if not (amqps or self._management_https):
             raise InputError(
                 "--ca-file / --cert-file / --key-file given, but neither --url "
                 f"({self.safe_url}) is amqps:// nor --management-url "
@@ -134,24 +188,19 @@ class Settings:
 
     @property
     def _management_https(self) -> bool:
-        return urlsplit(self.management_url).scheme == "https"
+        return any(urlsplit(u).scheme == "https" for u in self.management_urls)
 
     @property
     def vhost(self) -> str:
-        """The vhost of the AMQP URL: an empty path means ``/``, as the AMQP URI spec says."""
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("amqp", "amqps"):
-            raise InputError(f"--url: expected an amqp:// or amqps:// URL, got {mask(self.url)!r}")
-        try:
-            parts.port  # noqa: B018 - raises on a port that is not a number from 0 to 65535
-        except ValueError:
+        """The vhost of the AMQP URLs: an empty path means ``/``, as the AMQP URI spec says.
+        Every node's URL must name the same one."""
+        vhosts = {_vhost_of(u) for u in self.urls}
+        if len(vhosts) > 1:
             raise InputError(
-                f"--url: the port of {mask(self.url)!r} is not a number from 1 to 65535"
-            ) from None
-        path = parts.path
-        if path in ("", "/"):
-            return "/"
-        return unquote(path[1:])
+                f"--url: the nodes name different vhosts ({', '.join(map(repr, sorted(vhosts)))});"
+                " the nodes of one cluster serve the same vhost"
+            )
+        return vhosts.pop()
 
     @property
     def user(self) -> str:
@@ -161,13 +210,30 @@ class Settings:
 
     def for_vhost(self, vhost: str) -> Settings:
         """The same broker, another vhost (tests use this for their throwaway vhosts)."""
-        parts = urlsplit(self.url)
-        return replace(self, url=urlunsplit(parts._replace(path="/" + quote(vhost, safe=""))))
+        path = "/" + quote(vhost, safe="")
+        urls = [urlunsplit(urlsplit(u)._replace(path=path)) for u in self.urls]
+        return replace(self, url=urls[0], more_urls=tuple(urls[1:]))
 
     @property
     def safe_url(self) -> str:
-        return mask(self.url)
+        return mask(self.url_list)
 
     @property
     def safe_management_url(self) -> str:
-        return mask(self.management_url)
+        return mask(self.management_url_list)
+
+
+def _vhost_of(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("amqp", "amqps"):
+        raise InputError(f"--url: expected an amqp:// or amqps:// URL, got {mask(url)!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number from 0 to 65535
+    except ValueError:
+        raise InputError(
+            f"--url: the port of {mask(url)!r} is not a number from 1 to 65535"
+        ) from None
+    path = parts.path
+    if path in ("", "/"):
+        return "/"
+    return unquote(path[1:])

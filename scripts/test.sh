@@ -6,6 +6,7 @@
 #   4.3   every test            (Debian sid's RabbitMQ, in a chroot)
 #   3.10  every test            (the machine's own rabbitmq-server)
 #   4.0   worker, provisioning and reliability tests (Debian trixie's, in a chroot)
+#   a 3-node 4.3 cluster (scripts/cluster.sh): the cluster tests, with the node lists
 #
 #   ./scripts/test.sh                        the matrix above
 #   ./scripts/test.sh --broker 4.3 [ARGS]    one version; ARGS go to pytest (e.g. -k apply -x)
@@ -208,6 +209,25 @@ else
         fi
     done
     label="tests on RabbitMQ ${BROKERS[*]}"
+    # The cluster tests, on three 4.3 nodes (scripts/cluster.sh), when 4.3 is in the matrix and
+    # no test paths were named; label says so. A cluster this run started is stopped again.
+    if [[ " ${BROKERS[*]} " == *" 4.3 "* && "${targets[*]-}" != "-" ]]; then
+        stage "cluster of three RabbitMQ 4.3 nodes"
+        label="$label and a 3-node 4.3 cluster"
+        started_cluster=""
+        "$ROOT/scripts/cluster.sh" status 2>/dev/null | grep -q '^running members: .* .* ' ||
+            started_cluster=1
+        if "$ROOT/scripts/cluster.sh" up </dev/null; then
+            # The last stage: the cluster's variables replace the single node's from here on.
+            eval "$("$ROOT/scripts/cluster.sh" env)"
+            run_pytest "pytest on a 3-node RabbitMQ 4.3 cluster" \
+                tests/integration/test_cluster_urls.py tests/reliability/test_cluster.py \
+                tests/reliability/test_refusals.py -- "$@"
+        else
+            FAILED+=("cluster (did not start)")
+        fi
+        [ -z "$started_cluster" ] || "$ROOT/scripts/cluster.sh" down </dev/null || true
+    fi
 fi
 
 printf 'total: %d passed, %d failed\n' "$PASSED" "$FAILED_TESTS"

@@ -29,7 +29,7 @@ class CliResult:
 
 @pytest.fixture(scope="session")
 def management() -> Iterator[Management]:
-    with Management(BASE.management_url) as api:
+    with Management.for_settings(BASE) as api:
         try:
             api.overview()
         except BrokerError as exc:
@@ -80,7 +80,8 @@ def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
     def run(*args: str, settings: Settings | None = None) -> CliResult:
         argv = list(args)
         if settings is not None:
-            argv = ["--url", settings.url, "--management-url", settings.management_url, *argv]
+            argv = ["--url", settings.url_list, "--management-url", settings.management_url_list,
+                    *argv]
         capsys.readouterr()
         try:
             main(argv)

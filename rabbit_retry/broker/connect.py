@@ -1,7 +1,9 @@
-"""Opening an AMQP connection, with each way it can fail turned into one clear line."""
+"""Opening an AMQP connection to one node or the first of a cluster's nodes that takes it, with
+each way it can fail turned into one clear line."""
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 import aio_pika
@@ -25,6 +27,22 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     TimeoutError,
     RuntimeError,
 )
+
+
+def refused_everywhere(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal every node of one cluster would give alike (credentials,
+    permissions, the vhost): trying the next node would only repeat it."""
+    if isinstance(
+        exc,
+        aiormq.exceptions.ProbableAuthenticationError
+        | aiormq.exceptions.ChannelAccessRefused
+        | aiormq.exceptions.ConnectionNotAllowed,
+    ):
+        return True
+    text = str(exc)
+    return "NOT_ALLOWED" in text or "access to vhost" in text or (
+        "Connection.OpenOk" in text and "Connection.Close" in text
+    )
 
 
 def describe_connect_error(exc: BaseException, settings: Settings) -> str:
@@ -58,7 +76,12 @@ def describe_connect_error(exc: BaseException, settings: Settings) -> str:
             f"broker at {where} refused the vhost {settings.vhost!r}: it does not exist or the "
             "user has no access to it"
         )
-    if isinstance(exc, ConnectionRefusedError) or "Connection refused" in text:
+    refused_port = cause_of(exc, OSError)
+    if (
+        isinstance(exc, ConnectionRefusedError)
+        or "Connection refused" in text
+        or (refused_port is not None and refused_port.errno == errno.ECONNREFUSED)
+    ):
         return f"broker at {where} is unreachable: connection refused"
     if isinstance(exc, TimeoutError):
         if settings.url.startswith("amqps:"):
@@ -79,9 +102,30 @@ async def connect(
 ) -> AbstractConnection:
     """A plain (not robust) connection; the caller owns reconnect policy.
 
+    The nodes of ``settings.urls`` are tried in order; the first that takes the connection is
+    used. A refusal every node would repeat (credentials, the vhost) stops at once; otherwise
+    the ``BrokerError`` names what each node said, in one line.
+
     For ``amqps://`` with TLS files in ``settings`` the connection uses their context (an
     unreadable file is an ``InputError`` before anything is sent).
     """
+    failures: list[str] = []
+    for node in settings.nodes():
+        try:
+            return await _connect_node(node, connect_timeout, name, dict(kwargs))
+        except BrokerError as exc:
+            if len(settings.urls) == 1:
+                raise
+            if refused_everywhere(exc.__cause__ or exc):
+                # Said of the cluster: every node would say the same.
+                raise BrokerError(describe_connect_error(exc.__cause__ or exc, settings)) from exc
+            failures.append(str(exc))
+    raise BrokerError(f"no node of the cluster took the connection: {'; '.join(failures)}")
+
+
+async def _connect_node(
+    settings: Settings, connect_timeout: float, name: str, kwargs: dict[str, Any]
+) -> AbstractConnection:
     tls = settings.amqp_tls()
     if tls is not None:
         kwargs["ssl_context"] = tls

@@ -1,8 +1,10 @@
-"""A small client for RabbitMQ's HTTP management API (read live state, admin a vhost)."""
+"""A small client for RabbitMQ's HTTP management API (read live state, admin a vhost), of one
+node or the first of a cluster's nodes that answers."""
 
 from __future__ import annotations
 
 import ssl
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
@@ -19,11 +21,29 @@ def _q(name: str) -> str:
 
 
 class Management:
-    """Synchronous management API client; every failure is a one-line ``BrokerError``."""
+    """Synchronous management API client; every failure is a one-line ``BrokerError``.
+
+    Given several URLs (the nodes of one cluster), it uses the first that answers and moves to
+    the next when a request cannot reach its node; every node's API shows the whole cluster.
+    """
 
     def __init__(
-        self, management_url: str, timeout: float = 30.0, *, tls: ssl.SSLContext | None = None
+        self,
+        management_url: str | Sequence[str],
+        timeout: float = 30.0,
+        *,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        urls = [management_url] if isinstance(management_url, str) else list(management_url)
+        if not urls:
+            raise InputError("--management-url: no URL given")
+        self._nodes = [self._client_for(url, timeout, tls) for url in urls]
+        self._current = 0
+
+    def _client_for(
+        self, management_url: str, timeout: float, tls: ssl.SSLContext | None
+    ) -> tuple[str, str, httpx.Client]:
+        """(printable base URL, user, client) of one node's API."""
         parts = urlsplit(management_url)
         try:
             port = parts.port
@@ -35,21 +55,33 @@ class Management:
                 f"{mask(management_url)!r}"
             )
         auth = (parts.username or "guest", parts.password or "guest")
-        self._user = unquote(auth[0])
         netloc = parts.hostname + (f":{port}" if port else "")
         base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-        self.safe_url = base
-        self._client = httpx.Client(
+        client = httpx.Client(
             base_url=base + "/api",
             auth=auth,
             timeout=timeout,
             verify=tls if tls is not None else True,
         )
+        return base, unquote(auth[0]), client
+
+    @property
+    def safe_url(self) -> str:
+        """The node in use, without credentials."""
+        return self._nodes[self._current][0]
+
+    @property
+    def _user(self) -> str:
+        return self._nodes[self._current][1]
+
+    @property
+    def _client(self) -> httpx.Client:
+        return self._nodes[self._current][2]
 
     @classmethod
     def for_settings(cls, settings: Settings, timeout: float = 30.0) -> Self:
         """The management API of ``settings``, verified with its TLS files when https."""
-        return cls(settings.management_url, timeout, tls=settings.management_tls())
+        return cls(settings.management_urls, timeout, tls=settings.management_tls())
 
     def __enter__(self) -> Self:
         return self
@@ -63,9 +95,34 @@ class Management:
         self.close()
 
     def close(self) -> None:
-        self._client.close()
+        for _, _, client in self._nodes:
+            client.close()
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        first = self._current
+        while True:
+            try:
+                return self._request(method, path, **kwargs)
+            except BrokerError as exc:
+                if not self._next_node(first, method, exc.__cause__):
+                    raise
+
+    def _next_node(self, first: int, method: str, cause: BaseException | None) -> bool:
+        """Moves to the next node after a request that could not reach this one; False when
+        every node was tried, or the request may have had its effect (only a GET, or a request
+        that never connected, is sent again)."""
+        if len(self._nodes) == 1 or not isinstance(cause, httpx.TransportError):
+            return False
+        never_sent = isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout)
+        if method != "GET" and not never_sent:
+            return False
+        following = (self._current + 1) % len(self._nodes)
+        if following == first:
+            return False
+        self._current = following
+        return True
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self._client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:

@@ -29,11 +29,18 @@ class _LazyVerbs(click.Group):
 
 
 @click.group(cls=_LazyVerbs, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--url", envvar="RABBIT_RETRY_URL", help="AMQP URL; its path is the vhost.")
+@click.option(
+    "--url",
+    envvar="RABBIT_RETRY_URL",
+    multiple=True,
+    help="AMQP URL; its path is the vhost. The nodes of a cluster: a comma-separated list or "
+    "the option repeated, tried in order.",
+)
 @click.option(
     "--management-url",
     envvar="RABBIT_RETRY_MANAGEMENT_URL",
-    help="HTTP management API URL.",
+    multiple=True,
+    help="HTTP management API URL; a list, like --url, for a cluster.",
 )
 @click.option(
     "--ca-file",
@@ -58,8 +65,8 @@ class _LazyVerbs(click.Group):
 @click.pass_context
 def cli(
     ctx: click.Context,
-    url: str | None,
-    management_url: str | None,
+    url: tuple[str, ...],
+    management_url: tuple[str, ...],
     ca_file: str | None,
     cert_file: str | None,
     key_file: str | None,

@@ -181,6 +181,9 @@ class Ingest:
                 await asyncio.sleep(delay)
         if failures:
             log.info("desk: the store works again after %d failed attempts", failures)
+        if new < len(rows):
+            log.info("desk: %d of %d parked messages were stored already (delivered again after"
+                     " a desk stopped between its commit and its ack)", len(rows) - new, len(rows))
         self.stats.stored += new
         self.stats.seen += len(rows)
         if self._on_batch is not None:

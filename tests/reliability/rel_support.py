@@ -40,12 +40,13 @@ class Worker:
     """
 
     def __init__(self, settings: Settings, topology: Path, records: Path, *classes: str,
-                 sleep_ms: int = 0, prefetch: int = 10, grace: float = 10.0) -> None:
+                 sleep_ms: int = 0, prefetch: int = 10, grace: float = 10.0,
+                 log_name: str = "worker.log") -> None:
         self.settings = settings
         self.topology = topology
         self.records = records
         self.classes = classes
-        self.log_path = records / "worker.log"
+        self.log_path = records / log_name
         self.env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
@@ -60,7 +61,7 @@ class Worker:
     def start(self) -> Worker:
         assert self.process is None or self.process.poll() is not None, "already running"
         consuming_before = self.log().count("consuming queue=")
-        argv = [CLI, "--url", self.settings.url, "worker",
+        argv = [CLI, "--url", self.settings.url_list, "worker",
                 *(f"rel_consumers:{c}" for c in self.classes),
                 "-t", str(self.topology), "--grace", str(self.grace)]
         with self.log_path.open("ab") as log:
@@ -211,11 +212,14 @@ class Ledger:
         assert self.left == 0
 
 
-def settle(settings: Settings, worker: Worker, expected: Mapping[str, str],
+def settle(settings: Settings, worker: Worker | Sequence[Worker], expected: Mapping[str, str],
            queues: Sequence[str], parking: Sequence[str], *, within: float = DEADLINE_S) -> Ledger:
     """Wait until every expected success is recorded, as many messages are parked as expected
     and ``queues`` (main queues and tiers) stay empty with no new handler calls; stop the worker
-    with SIGTERM; count what is left and take what was parked."""
+    (or every worker: they share one record directory) with SIGTERM; count what is left and
+    take what was parked."""
+    workers = [worker] if isinstance(worker, Worker) else list(worker)
+    worker = workers[0]
     want_ok = {m for m, v in expected.items() if v == "ok"}
     want_parked = sum(1 for v in expected.values() if v != "ok")
     state: dict[str, Any] = {"calls": -1, "quiet": 0}
@@ -239,9 +243,11 @@ def settle(settings: Settings, worker: Worker, expected: Mapping[str, str],
     try:
         wait_for(quiescent, "every message to settle", within=within, interval=1.0)
     except AssertionError:
-        print(worker.log()[-4000:])
+        for each in workers:
+            print(each.log()[-4000:])
         raise
-    worker.stop()
+    for each in workers:
+        each.stop()
     ledger = Ledger(dict(expected))
     ledger.succeeded.update(m for m, _ in records(worker.records, "ok"))
     ledger.left = total_depth(settings, queues)

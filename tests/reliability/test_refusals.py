@@ -51,9 +51,14 @@ def _with(url: str, *, user: str | None = None, password: str | None = None,
     return urlunsplit(parts._replace(netloc=f"{quote(name)}:{quote(word)}@{host}", path=path))
 
 
+def _pythonpath() -> str:
+    """rel_consumers, then whatever the tests run with (a work tree's package, say)."""
+    return os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+
+
 def _run(settings: Settings, verb: str, topology: Path) -> Ran:
     args = [a.format(topology=topology) for a in VERBS[verb]]
-    env = {"PYTHONPATH": str(HERE), "RR_RECORD_DIR": str(topology.parent)}
+    env = {"PYTHONPATH": _pythonpath(), "RR_RECORD_DIR": str(topology.parent)}
     return cli(settings, *args, timeout=60, cwd=topology.parent, env=env)
 
 
@@ -179,7 +184,7 @@ def test_user_without_configure_permission(
         [CLI, "--url", amqp_url, "worker", "rel_consumers:Orders", "-t", str(topology)],
         cwd=topology.parent, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": str(HERE),
+        env={**os.environ, "PYTHONPATH": _pythonpath(),
              "RR_RECORD_DIR": str(topology.parent)},
     )
     try:

@@ -28,7 +28,7 @@ def cli(settings: Settings | None, *args: str, timeout: float = 120.0, cwd: Path
     """``rabbit-retry [--url U --management-url M] ARGS`` as a separate process."""
     argv = [CLI]
     if settings is not None:
-        argv += ["--url", settings.url, "--management-url", settings.management_url]
+        argv += ["--url", settings.url_list, "--management-url", settings.management_url_list]
     argv += list(args)
     done = subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,

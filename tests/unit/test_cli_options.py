@@ -69,3 +69,34 @@ def test_a_malformed_url_is_one_line_and_exit_2(
         main(["status", str(topology), option, value])
     captured = capsys.readouterr()
     assert (exit_info.value.code, captured.out, captured.err) == (2, "", message + "\n")
+
+
+def test_every_node_of_a_list_is_tried_and_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Nothing listens on ports 1 and 2: both nodes are tried, in order, and both are named.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["parking", "show", "q", "--url", "amqp://guest:secret@127.0.0.1:1/",
+              "--url", "amqp://guest:secret@127.0.0.1:2/"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    assert err == (
+        "error: no node of the cluster took the connection: broker at "
+        "amqp://guest:***@127.0.0.1:1/ is unreachable: connection refused; broker at "
+        "amqp://guest:***@127.0.0.1:2/ is unreachable: connection refused\n"
+    ), err
+
+
+def test_every_management_node_is_tried(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topology = tmp_path / "t.yml"
+    topology.write_text("version: 1\nqueues:\n  q: {}\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["status", str(topology),
+              "--management-url", "http://guest:secret@127.0.0.1:1,http://guest:secret@127.0.0.1:2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    # The last node tried is the one named; the password of none.
+    assert "error: management API at http://127.0.0.1:2 unreachable" in err, err
+    assert "secret" not in err
