@@ -32,7 +32,7 @@ INSTALL = "apt-get install chromium chromium-driver"
 SCREENSHOTS_ENV = "RABBIT_RETRY_DESK_SCREENSHOTS"
 
 
-def chrome(download_dir: Path | None = None) -> webdriver.Chrome:
+def chrome() -> webdriver.Chrome:
     """A new headless Chromium, 1400x900, its console kept for ``console()``."""
     browser = next((found for name in BROWSERS if (found := shutil.which(name))), None)
     if browser is None:
@@ -46,8 +46,6 @@ def chrome(download_dir: Path | None = None) -> webdriver.Chrome:
         options.add_argument(argument)
     # The console for console(), the network for sent(): what the page itself sends.
     options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
-    if download_dir is not None:
-        options.add_experimental_option("prefs", {"download.default_directory": str(download_dir)})
     os.environ.setdefault("SE_AVOID_STATS", "true")
     return webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
 

@@ -80,7 +80,8 @@ export async function call(path, body) {
   return data;
 }
 
-// "/api/messages" + {queue: "a", q: ""} -> "/api/messages?queue=a" (empty values left out).
+// "/api/messages" + {queue: "a", q: ""} -> "/api/messages?queue=a" (empty values left out);
+// the page's own addresses ("#/messages?queue=a") are built the same way.
 export function withQuery(path, params) {
   const query = new URLSearchParams();
   for (const [key, value] of Object.entries(params)) {

@@ -1,7 +1,7 @@
 // The failure desk's page: a hash router over five views (overview, groups, messages, one
 // message, audit), the operator's name, and the lines that report what happened.
 
-import { ACTOR_PATTERN, actor, call, setActor } from "./api.js";
+import { ACTOR_PATTERN, actor, call, setActor, withQuery } from "./api.js";
 import { setUpDialogs } from "./dialogs.js";
 import { $, fill, h } from "./dom.js";
 import { renderAudit } from "./views/audit.js";
@@ -27,18 +27,18 @@ function parseHash() {
   const raw = window.location.hash.replace(/^#\/?/, "");
   const [path, query = ""] = raw.split("?", 2);
   const [name, ...rest] = path.split("/");
-  const arg = rest.length ? decodeURIComponent(rest.join("/")) : "";
+  let arg = rest.join("/");
+  try {
+    arg = decodeURIComponent(arg);
+  } catch {
+    // a malformed escape: the view gets it as typed, and the desk says what is wrong with it
+  }
   return { name: VIEWS[name] ? name : "overview", arg, params: new URLSearchParams(query) };
 }
 
 // "#/messages" + {queue: "a", q: ""} -> "#/messages?queue=a"
-export function link(view, params = {}) {
-  const query = new URLSearchParams();
-  for (const [key, value] of Object.entries(params)) {
-    if (value !== undefined && value !== null && value !== "") query.set(key, String(value));
-  }
-  const text = query.toString();
-  return `#/${view}${text ? `?${text}` : ""}`;
+function link(view, params = {}) {
+  return withQuery(`#/${view}`, params);
 }
 
 function go(hash) {
