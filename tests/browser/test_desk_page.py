@@ -108,6 +108,8 @@ def test_find_the_cause_replay_one_group_discard_another_and_the_audit_says_who(
         assert f"payment gateway timed out after {30 + i}s" in browser.find_element(
             By.ID, "message-exception").text
         screenshot(browser, "message")
+        follow(browser, browser.find_element(By.CSS_SELECTOR, "a.back"), "messages")
+        assert len(rows(browser, "messages")) == 5  # back to the group's list, not every message
 
         # Replay the timeouts to another queue of the topology, at a rate.
         go(browser, "groups")

@@ -20,6 +20,7 @@ const VIEWS = {
 
 let generation = 0; // which render is current: a slow answer for a view left behind is dropped
 let queuesCache = null;
+let lastList = "#/messages"; // the message list last shown, filters and page included
 
 // "#/messages?queue=a&offset=50" -> {name: "messages", arg: "", params: URLSearchParams}
 // "#/message/42" -> {name: "message", arg: "42", ...}
@@ -78,6 +79,7 @@ async function render() {
     if (current) a.setAttribute("aria-current", "page");
     else a.removeAttribute("aria-current");
   }
+  if (name === "messages") lastList = window.location.hash;
   const view = $("#view");
   view.dataset.view = name;
   view.setAttribute("aria-busy", "true");
@@ -91,6 +93,7 @@ async function render() {
     fail,
     rerender: render,
     current: () => mine === generation,
+    backToList: () => lastList,
   };
   try {
     const nodes = await VIEWS[name](ctx);

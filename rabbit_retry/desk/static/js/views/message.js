@@ -64,7 +64,7 @@ export async function renderMessage(ctx) {
   ];
 
   return [
-    h("p", {}, h("a", { href: "#/messages", class: "back" }, "← messages")),
+    h("p", {}, h("a", { href: ctx.backToList(), class: "back" }, "← messages")),
     h("h2", {}, "Message ", h("code", { id: "message-id" }, m.message_id || `#${m.id}`)),
     h("dl", { class: "summary" }, summary.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
     parked
