@@ -165,7 +165,10 @@ class Ingest:
 
     async def _store(self, taken: list[tuple[str, DeliveredMessage]]) -> None:
         moment = datetime.now(UTC)
-        rows = [parked(queue, m.body, m.header.properties, now=moment) for queue, m in taken]
+        # Rows are made in the store's thread: the event loop goes on receiving meanwhile.
+        rows = await asyncio.to_thread(
+            lambda: [parked(queue, m.body, m.header.properties, now=moment) for queue, m in taken]
+        )
         failures = 0
         while True:
             try:
