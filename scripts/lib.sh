@@ -123,47 +123,75 @@ ensure_stores() {
 }
 
 # promtool (Debian's `prometheus` package) checks and unit-tests the alert rules that
-# `export --format alerts` writes. Installed when missing and apt-get can (as root, or with sudo
-# that asks no password); the package lists are refreshed only when an install without that
-# fails. Without promtool those tests fail in CI and skip elsewhere, so this never stops the run.
+# `export --format alerts` writes. Without it those tests fail in CI and skip elsewhere.
 ensure_promtool() {
     if command -v promtool >/dev/null 2>&1; then
         note "using $(promtool --version 2>&1 | head -n 1)"
         return 0
     fi
-    local as_root=""
+    apt_optional promtool prometheus || return 0
+    command -v promtool >/dev/null 2>&1 || { note "promtool still missing: its tests skip (fail with CI=true)"; return 0; }
+    note "installed $(promtool --version 2>&1 | head -n 1)"
+}
+
+# Headless Chromium and its WebDriver (Debian's `chromium` and `chromium-driver`) for the failure
+# desk's browser tests (tests/browser, Selenium). Nothing downloads a browser build of its own:
+# the distribution's packages are the browser. Without them those tests fail in CI and skip
+# elsewhere.
+ensure_chromium() {
+    local browser
+    browser="$(command -v chromium || command -v chromium-browser || true)"
+    if [ -z "$browser" ] || ! command -v chromedriver >/dev/null 2>&1; then
+        apt_optional "chromium and chromedriver" chromium chromium-driver || return 0
+        browser="$(command -v chromium || command -v chromium-browser || true)"
+        if [ -z "$browser" ] || ! command -v chromedriver >/dev/null 2>&1; then
+            note "chromium or chromedriver still missing: the browser tests skip (fail with CI=true)"
+            return 0
+        fi
+    fi
+    note "using $("$browser" --version 2>/dev/null | head -n 1), $(chromedriver --version 2>/dev/null | cut -d' ' -f1-2)"
+}
+
+# apt_optional WHAT PACKAGES...: installs PACKAGES for tests that need WHAT, when apt-get can (as
+# root, or with sudo that asks no password); the package lists are refreshed only when an install
+# without that fails. Never stops the run: returns 1, saying why, when nothing was installed.
+apt_optional() {
+    local what="$1" as_root=""
+    shift
     if ! command -v apt-get >/dev/null 2>&1; then
-        note "promtool missing and no apt-get: install Prometheus's promtool; its tests skip (fail with CI=true)"
-        return 0
+        note "$what missing and no apt-get: install $*; their tests skip (fail with CI=true)"
+        return 1
     fi
     if [ "$(id -u)" -ne 0 ]; then
         if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
             as_root="sudo -n"
         else
-            note "promtool missing and apt-get needs root: its tests skip (fail with CI=true)"
-            return 0
+            note "$what missing and apt-get needs root: their tests skip (fail with CI=true)"
+            return 1
         fi
     fi
-    note "installing promtool (apt-get install prometheus)"
+    note "installing $what (apt-get install $*)"
     local log rc=0
     log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-apt.XXXXXX")"
-    apt_prometheus $as_root >"$log" 2>&1 ||
+    apt_no_recommends "$*" $as_root >"$log" 2>&1 ||
         { timeout 600 $as_root apt-get update -qq </dev/null >>"$log" 2>&1 &&
-            apt_prometheus $as_root >>"$log" 2>&1; } ||
+            apt_no_recommends "$*" $as_root >>"$log" 2>&1; } ||
         rc=$?
-    if [ "$rc" -ne 0 ] || ! command -v promtool >/dev/null 2>&1; then
+    if [ "$rc" -ne 0 ]; then
         tail -n 20 "$log" >&2 || true
         rm -f "$log"
-        note "could not install promtool (exit $rc); its tests skip (fail with CI=true)"
-        return 0
+        note "could not install $what (exit $rc); their tests skip (fail with CI=true)"
+        return 1
     fi
     rm -f "$log"
-    note "installed $(promtool --version 2>&1 | head -n 1)"
 }
 
-# apt_prometheus [sudo -n]: installs the package quietly, without recommends, never asking.
-apt_prometheus() {
+# apt_no_recommends "PACKAGES" [sudo -n]: installs quietly, without recommends, never asking.
+apt_no_recommends() {
+    local packages="$1"
+    shift
     # `env` inside sudo: sudo drops the caller's environment.
+    # shellcheck disable=SC2086
     timeout 900 "$@" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends prometheus </dev/null
+        --no-install-recommends $packages </dev/null
 }

@@ -95,7 +95,8 @@ wheel_smoke() {
 import importlib.resources, rabbit_retry, rabbit_retry.worker, rabbit_retry.contract
 assert rabbit_retry.__file__.startswith("'"$tmp"'/venv/"), rabbit_retry.__file__
 assert importlib.resources.files("rabbit_retry").joinpath("py.typed").is_file()
-print("wheel smoke: imports, py.typed and the CLI work from", rabbit_retry.__file__)' &&
+assert importlib.resources.files("rabbit_retry").joinpath("desk/static/js/app.js").is_file()
+print("wheel smoke: imports, py.typed, the desk page and the CLI work from", rabbit_retry.__file__)' &&
                 desk_smoke "$tmp"
             )
     } </dev/null || rc=$?
@@ -199,6 +200,8 @@ if [ -z "$only_unit" ]; then
     wheel_smoke || FAILED+=(wheel)
     stage "idempotency stores: PostgreSQL and Redis"
     ensure_stores
+    stage "chromium and chromedriver (the failure desk page's browser tests)"
+    ensure_chromium
 fi
 
 label=""

@@ -1,5 +1,6 @@
 """The failure desk under test: in the test's event loop, or as a ``rabbit-retry desk`` process
-that can be killed (test-only, shared with bench/)."""
+that can be killed, or (``running_desk``) as a process with an API client beside it for the
+page's browser tests (test-only, shared with bench/)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from rabbit_retry.cli.desk import TOKEN_ENV
 from rabbit_retry.desk.serve import Listen, serve
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import Topology
@@ -114,3 +117,49 @@ class DeskProcess:
         assert self.process is not None
         stop(self.process, grace=30)
         return int(self.process.returncode)
+
+
+@dataclass
+class Desk:
+    """A running desk process seen as an API client: its address, its token (None: loopback
+    only, no token) and its process."""
+
+    process: DeskProcess
+    token: str | None
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def api(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request as an API client (with the bearer token when there is one)."""
+        headers = dict(kwargs.pop("headers", {}))
+        if self.token is not None:
+            headers.setdefault("Authorization", f"Bearer {self.token}")
+        return httpx.request(method, self.url + path, headers=headers, timeout=60.0, **kwargs)
+
+    def get(self, path: str, **params: Any) -> Any:
+        """GET ``path`` as JSON; anything but 200 fails the test with the desk's answer."""
+        response = self.api("GET", path, params=params)
+        assert response.status_code == 200, f"GET {path}: {response.status_code} {response.text}"
+        return response.json()
+
+    def died(self) -> str | None:
+        """Why to stop waiting: the process exited (with its log's tail)."""
+        process = self.process.process
+        if process is None or process.poll() is None:
+            return None
+        return f"the desk exited {process.returncode}:\n{self.process.log()[-3000:]}"
+
+
+@contextlib.contextmanager
+def running_desk(settings: Settings, topology: Path, workdir: Path, *,
+                 token: str | None = None) -> Iterator[Desk]:
+    """``rabbit-retry desk TOPOLOGY`` on a free loopback port with a SQLite store in
+    ``workdir``, and a token when given (never one from the environment otherwise)."""
+    process = DeskProcess(settings, topology, f"sqlite:///{workdir / 'desk.db'}",
+                          workdir / "desk.log", env={TOKEN_ENV: token or ""}).start()
+    try:
+        yield Desk(process, token)
+    finally:
+        process.stop()

@@ -1,0 +1,195 @@
+// The failure desk's page: a hash router over five views (overview, groups, messages, one
+// message, audit), the operator's name, and the lines that report what happened.
+
+import { ACTOR_PATTERN, actor, call, setActor, withQuery } from "./api.js";
+import { setUpDialogs } from "./dialogs.js";
+import { $, fill, h } from "./dom.js";
+import { renderAudit } from "./views/audit.js";
+import { renderGroups } from "./views/groups.js";
+import { renderMessage } from "./views/message.js";
+import { renderMessages } from "./views/messages.js";
+import { renderOverview } from "./views/overview.js";
+
+const VIEWS = {
+  overview: renderOverview,
+  groups: renderGroups,
+  messages: renderMessages,
+  message: renderMessage,
+  audit: renderAudit,
+};
+
+let generation = 0; // which render is current: a slow answer for a view left behind is dropped
+let queuesCache = null;
+
+// "#/messages?queue=a&offset=50" -> {name: "messages", arg: "", params: URLSearchParams}
+// "#/message/42" -> {name: "message", arg: "42", ...}
+function parseHash() {
+  const raw = window.location.hash.replace(/^#\/?/, "");
+  const [path, query = ""] = raw.split("?", 2);
+  const [name, ...rest] = path.split("/");
+  let arg = rest.join("/");
+  try {
+    arg = decodeURIComponent(arg);
+  } catch {
+    // a malformed escape: the view gets it as typed, and the desk says what is wrong with it
+  }
+  return { name: VIEWS[name] ? name : "overview", arg, params: new URLSearchParams(query) };
+}
+
+// "#/messages" + {queue: "a", q: ""} -> "#/messages?queue=a"
+function link(view, params = {}) {
+  return withQuery(`#/${view}`, params);
+}
+
+function go(hash) {
+  if (window.location.hash === hash) navigate();
+  else window.location.hash = hash;
+}
+
+function notify(text) {
+  const line = $("#notice");
+  line.textContent = text;
+  line.hidden = !text;
+}
+
+function fail(error) {
+  const line = $("#error");
+  const text = error ? (error.message || String(error)) : "";
+  line.textContent = text;
+  line.hidden = !text;
+}
+
+// The topology's queues, loaded once a page load (Refresh loads them again).
+async function queues() {
+  if (!queuesCache) queuesCache = call("/api/queues");
+  try {
+    return await queuesCache;
+  } catch (error) {
+    queuesCache = null;
+    throw error;
+  }
+}
+
+async function render() {
+  const mine = ++generation;
+  const { name, arg, params } = parseHash();
+  for (const a of document.querySelectorAll("nav a[data-view]")) {
+    const current = a.dataset.view === name || (name === "message" && a.dataset.view === "messages");
+    if (current) a.setAttribute("aria-current", "page");
+    else a.removeAttribute("aria-current");
+  }
+  const view = $("#view");
+  view.dataset.view = name;
+  view.setAttribute("aria-busy", "true");
+  const ctx = {
+    arg,
+    params,
+    queues,
+    link,
+    go,
+    notify,
+    fail,
+    rerender: render,
+    current: () => mine === generation,
+  };
+  try {
+    const nodes = await VIEWS[name](ctx);
+    if (!ctx.current()) return;
+    fill(view, nodes);
+  } catch (error) {
+    if (!ctx.current()) return;
+    fill(view, h("p", { class: "muted" }, "This view could not be loaded."));
+    fail(error);
+  } finally {
+    if (ctx.current()) {
+      view.setAttribute("aria-busy", "false");
+      view.dataset.loaded = String(mine);
+    }
+  }
+}
+
+function showActor() {
+  $("#actor-name").textContent = actor() || "?";
+}
+
+function askActor() {
+  const dialog = $("#actor-dialog");
+  const input = $("#actor-input");
+  input.value = actor();
+  $("#actor-error").hidden = true;
+  if (!dialog.open) dialog.showModal();
+  input.focus();
+}
+
+function setUpActor() {
+  $("#actor-input").setAttribute("pattern", ACTOR_PATTERN);
+  $("#actor-form").addEventListener("submit", (event) => {
+    try {
+      setActor($("#actor-input").value);
+    } catch (error) {
+      event.preventDefault();
+      const line = $("#actor-error");
+      line.textContent = error.message;
+      line.hidden = false;
+      return;
+    }
+    showActor();
+  });
+  // The name is asked for until one is given: every action is recorded under it.
+  $("#actor-dialog").addEventListener("cancel", (event) => {
+    if (!actor()) event.preventDefault();
+  });
+  $("#actor-button").addEventListener("click", askActor);
+  showActor();
+  if (!actor()) askActor();
+}
+
+// Whether the desk runs without a token (loopback only), and whether it consumes every parking
+// queue: said on every view. With a token, the way out.
+async function showAuth() {
+  try {
+    const overview = await call("/api/overview");
+    $("#auth-banner").hidden = overview.auth !== "loopback";
+    $("#logout").hidden = overview.auth !== "token";
+    $("#consuming-banner").hidden = overview.consuming !== false;
+  } catch {
+    // the view's own request reports the error
+  }
+}
+
+async function logout() {
+  try {
+    await call("/logout", {});
+  } catch (error) {
+    fail(error);
+    return;
+  }
+  window.location.assign("/login");
+}
+
+setUpDialogs();
+setUpActor();
+// Going somewhere (or loading the view again) starts with no old notice or error on screen; an
+// action's own re-render keeps the lines that report it.
+function navigate() {
+  notify("");
+  fail(null);
+  render();
+}
+
+$("#logout").addEventListener("click", logout);
+$("#refresh").addEventListener("click", () => {
+  queuesCache = null;
+  navigate();
+});
+window.addEventListener("hashchange", navigate);
+// A link to the view on screen loads it again (the browser sees no change of address).
+document.addEventListener("click", (event) => {
+  const a = event.target instanceof Element ? event.target.closest('a[href^="#"]') : null;
+  if (a && a.getAttribute("href") === window.location.hash && event.button === 0) {
+    event.preventDefault();
+    navigate();
+  }
+});
+showAuth();
+render();
