@@ -3,6 +3,7 @@ discard, audit, metrics, and who may do what."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
@@ -290,3 +291,46 @@ def test_without_a_token_the_desk_refuses_to_listen_beyond_loopback(
         ran = cli(fresh_vhost, "desk", str(path), *args)
         assert ran.code == 2 and ran.err.startswith(says), ran.err
         assert len(ran.err.strip().splitlines()) == 1
+
+
+async def test_the_store_down_keeps_parked_messages_in_their_queue_until_it_is_back(
+    fresh_vhost: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import psycopg
+    from support.stores import POSTGRES_URL
+
+    caplog.set_level(logging.INFO, logger="rabbit_retry.desk")
+    topo = topology(TOPOLOGY)
+    await provision(fresh_vhost, topo)
+    with store_url("postgresql", Path("/nonexistent")) as url:
+        name = url.rsplit("/", 1)[1]
+
+        def connections(allowed: bool) -> None:
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allowed).lower()}')
+                if not allowed:
+                    admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                  "WHERE datname = %s", (name,))
+
+        async with desk_running(topo, fresh_vhost, url) as client:
+            await park(fresh_vhost, "orders", causes(10, 0))
+            await eventually(lambda: _parked_now(client, 10), what="10 stored")
+            connections(False)
+            try:
+                await park(fresh_vhost, "orders", causes(0, 40))
+                await eventually(
+                    lambda: any("storing 40 parked messages failed" in r.getMessage()
+                                for r in caplog.records), what="the failure logged")
+                await asyncio.sleep(2)  # several retries, held unacked meanwhile
+            finally:
+                connections(True)
+            await eventually(lambda: _parked_now(client, 50), what="all 50 stored", within=60)
+            await eventually(lambda: depth_is(fresh_vhost, "orders.parking", 0),
+                             what="the parking queue emptied")
+        failed = [r for r in caplog.records if "parked messages failed" in r.getMessage()]
+        assert len(failed) == 1, [r.getMessage() for r in failed]  # once, not per attempt
+        [back] = [m for r in caplog.records
+                  if (m := re.search(r"works again after (\d+) failed", r.getMessage()))]
+        assert int(back.group(1)) >= 2  # the control: "once" covered several failed attempts
