@@ -295,32 +295,22 @@ def run(settings: Settings, *, n: int = 100_000, replay_n: int = 10_000, rows: i
             wait_for(lambda: depth_sync(s, QUEUE) == replay_n, f"{replay_n} replayed")
             return rate
 
-    for kind in kinds:
-        log(f"desk ingest ({kind}): {n:,} parked x {runs} runs")
-        samples = common.alternate(runs, {
-            OURS_INGEST: lambda k=kind: ingest(k, True),
-            BARE_INGEST: lambda k=kind: ingest(k, False),
-        }, log=log)
+    def compare(label: str, size: int, goal: float, ours: str, bare: str,
+                measure: Callable[[str, bool], float], kind: str) -> None:
+        log(f"desk {label} ({kind}): {size:,} x {runs} runs")
+        samples = common.alternate(runs, {ours: lambda: measure(kind, True),
+                                          bare: lambda: measure(kind, False)}, log=log)
         ratio = common.median([common.ratio(a, b) for a, b in
-                               zip(samples[OURS_INGEST], samples[BARE_INGEST], strict=False)])
-        headline[f"ingest ratio ({kind})"] = f"{ratio:.2f} (goal >= 0.5)"
+                               zip(samples[ours], samples[bare], strict=False)])
+        headline[f"{label} ratio ({kind})"] = f"{ratio:.2f} (goal >= {goal})"
         for name, values in samples.items():
-            rows_out.append([f"ingest, {kind}", name, f"{common.median(values):,.0f}",
+            rows_out.append([f"{label}, {kind}", name, f"{common.median(values):,.0f}",
                              ", ".join(f"{v:,.0f}" for v in values)])
-        plots.append(common.bars(f"Desk ingest, {kind}", "msg/s", samples))
+        plots.append(common.bars(f"Desk {label}, {kind}", "msg/s", samples))
 
-        log(f"desk replay ({kind}): {replay_n:,} x {runs} runs")
-        samples = common.alternate(runs, {
-            OURS_REPLAY: lambda k=kind: replay(k, True),
-            BARE_REPLAY: lambda k=kind: replay(k, False),
-        }, log=log)
-        ratio = common.median([common.ratio(a, b) for a, b in
-                               zip(samples[OURS_REPLAY], samples[BARE_REPLAY], strict=False)])
-        headline[f"replay ratio ({kind})"] = f"{ratio:.2f} (goal >= 0.8)"
-        for name, values in samples.items():
-            rows_out.append([f"replay, {kind}", name, f"{common.median(values):,.0f}",
-                             ", ".join(f"{v:,.0f}" for v in values)])
-        plots.append(common.bars(f"Desk group replay, {kind}", "msg/s", samples))
+    for kind in kinds:
+        compare("ingest", n, 0.5, OURS_INGEST, BARE_INGEST, ingest, kind)
+        compare("replay", replay_n, 0.8, OURS_REPLAY, BARE_REPLAY, replay, kind)
 
     log(f"desk pages over {rows:,} rows (SQLite)")
     with _store_url("sqlite") as url:

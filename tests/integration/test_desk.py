@@ -4,7 +4,9 @@ discard, audit, metrics, and who may do what."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,21 @@ def causes(n_timeouts: int, n_missing: int) -> list[Parked]:
             + [Parked(f'{{"order": {i}}}'.encode(), exception_type="KeyError", reason="permanent",
                       message_id=f"k-{i}", headers={"exception-message": f"order {i} not found"})
                for i in range(n_missing)])
+
+
+@contextlib.asynccontextmanager
+async def desk_with(settings: Settings, tmp_path: Path, timeouts: int, missing: int,
+                    **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The topology applied, ``timeouts`` + ``missing`` messages parked and a desk (SQLite)
+    that has stored them all."""
+    topo = topology(TOPOLOGY)
+    await provision(settings, topo)
+    await park(settings, "orders", causes(timeouts, missing))
+    async with desk_running(topo, settings, f"sqlite:///{tmp_path / 'd.db'}",
+                            **kwargs) as client:
+        await eventually(lambda: _parked_now(client, timeouts + missing),
+                         what=f"{timeouts + missing} parked")
+        yield client
 
 
 async def _parked_now(client: Any, n: int) -> bool:
@@ -101,11 +118,7 @@ async def depth_is(settings: Settings, queue: str, n: int) -> bool:
 async def test_a_group_replayed_and_another_discarded_with_the_audit(
     fresh_vhost: Settings, tmp_path: Path
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(50, 30))
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
-        await eventually(lambda: _parked_now(client, 80), what="80 parked")
+    async with desk_with(fresh_vhost, tmp_path, 50, 30) as client:
         groups = (await client.get("/api/groups")).json()
         timeouts, missing = _group(groups, "TimeoutError"), _group(groups, "KeyError")
 
@@ -154,11 +167,7 @@ async def test_a_group_replayed_and_another_discarded_with_the_audit(
 async def test_replay_to_another_queue_and_what_the_broker_refuses(
     fresh_vhost: Settings, tmp_path: Path
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(6, 0))
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
-        await eventually(lambda: _parked_now(client, 6), what="6 parked")
+    async with desk_with(fresh_vhost, tmp_path, 6, 0) as client:
         ids = [m["id"] for m in (await client.get("/api/messages")).json()["items"]]
 
         unknown = await client.post("/api/replay", json={"ids": ids[:2], "to": "nowhere"})
@@ -205,11 +214,7 @@ async def test_replay_to_another_queue_and_what_the_broker_refuses(
 async def test_bad_requests_get_one_line_and_change_nothing(
     fresh_vhost: Settings, tmp_path: Path, method: str, path: str, payload: Any, says: str
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(2, 0))
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
-        await eventually(lambda: _parked_now(client, 2), what="2 parked")
+    async with desk_with(fresh_vhost, tmp_path, 2, 0) as client:
         if method == "get":
             response = await client.get(path)
         else:
@@ -224,13 +229,7 @@ async def test_bad_requests_get_one_line_and_change_nothing(
 async def test_with_a_token_every_request_needs_it_and_the_page_needs_csrf(
     fresh_vhost: Settings, tmp_path: Path
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(3, 0))
-
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}",
-                            token=TOKEN) as client:
-        await eventually(lambda: _parked_now(client, 3), what="3 parked")
+    async with desk_with(fresh_vhost, tmp_path, 3, 0, token=TOKEN) as client:
         base = str(client.base_url)
         async with httpx.AsyncClient(base_url=base) as anonymous:
             for path in ("/api/overview", "/api/messages", "/metrics", "/api/audit"):

@@ -32,6 +32,16 @@ INGESTED = 20_000
 REPLAYED = 10_000
 
 
+def _applied_and_parked(settings: Settings, tmp_path: Path, n: int, prefix: str) -> Path:
+    """The topology applied and ``n`` messages parked in ``orders.parking``; its file."""
+    topology = tmp_path / "desk.yml"
+    topology.write_text(TOPOLOGY)
+    apply(settings, topology)
+    blocking(park(settings, "orders", _parked(n, prefix)), timeout=600)
+    assert depth_sync(settings, "orders.parking") == n
+    return topology
+
+
 def _parked(n: int, prefix: str) -> list[Parked]:
     return [Parked(f'{{"order": {i}}}'.encode(), exception_type="TimeoutError",
                    message_id=f"{prefix}-{i:05d}",
@@ -66,11 +76,7 @@ def _stored(desk: DeskProcess) -> int:
 def test_desk_killed_twice_while_ingesting_loses_and_duplicates_nothing(
     fresh_vhost: Settings, tmp_path: Path, kind: str
 ) -> None:
-    topology = tmp_path / "desk.yml"
-    topology.write_text(TOPOLOGY)
-    apply(fresh_vhost, topology)
-    blocking(park(fresh_vhost, "orders", _parked(INGESTED, "p")), timeout=600)
-    assert depth_sync(fresh_vhost, "orders.parking") == INGESTED
+    topology = _applied_and_parked(fresh_vhost, tmp_path, INGESTED, "p")
     with store_url(kind, tmp_path) as url:
         desk = DeskProcess(fresh_vhost, topology, url, tmp_path / "desk.log")
         for at_least in (3_000, 9_000):
@@ -99,10 +105,7 @@ def test_desk_killed_twice_while_ingesting_loses_and_duplicates_nothing(
 def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
     fresh_vhost: Settings, tmp_path: Path, kind: str
 ) -> None:
-    topology = tmp_path / "desk.yml"
-    topology.write_text(TOPOLOGY)
-    apply(fresh_vhost, topology)
-    blocking(park(fresh_vhost, "orders", _parked(REPLAYED, "r")), timeout=600)
+    topology = _applied_and_parked(fresh_vhost, tmp_path, REPLAYED, "r")
     with store_url(kind, tmp_path) as url:
         desk = DeskProcess(fresh_vhost, topology, url, tmp_path / "desk.log").start()
         wait_for(lambda: _stored(desk) == REPLAYED, "everything stored", within=300)
