@@ -210,6 +210,8 @@ async def test_replay_to_another_queue_and_what_the_broker_refuses(
     ("post", "/api/discard", {"ids": [1], "reason": "  "}, '"reason": a discard needs a reason '
                                                            "(text)"),
     ("post", "/api/discard", [1], "the request body must be a JSON object"),
+    ("post", "/api/replay", {"ids": list(range(1, 10_002))},
+     '"ids": at most 10,000 at a time (a whole group: "group": ID)'),
 ])
 async def test_bad_requests_get_one_line_and_change_nothing(
     fresh_vhost: Settings, tmp_path: Path, method: str, path: str, payload: Any, says: str
@@ -333,3 +335,22 @@ async def test_the_store_down_keeps_parked_messages_in_their_queue_until_it_is_b
         [back] = [m for r in caplog.records
                   if (m := re.search(r"works again after (\d+) failed", r.getMessage()))]
         assert int(back.group(1)) >= 2  # the control: "once" covered several failed attempts
+
+
+async def test_a_parking_queue_deleted_under_the_desk_is_consumed_again_once_restored(
+    fresh_vhost: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="rabbit_retry.desk")
+    topo = topology(TOPOLOGY)
+    async with desk_with(fresh_vhost, tmp_path, 2, 0) as client:
+        connection = await aiormq.connect(fresh_vhost.url)
+        channel = await connection.channel()
+        await channel.queue_delete("orders.parking")
+        await connection.close()
+        await eventually(lambda: any("does not exist" in r.getMessage() for r in caplog.records),
+                         what="the missing parking queue reported")
+        await provision(fresh_vhost, topo)
+        await park(fresh_vhost, "orders", causes(0, 3))
+        await eventually(lambda: _parked_now(client, 5), what="the new ones stored", within=90)
