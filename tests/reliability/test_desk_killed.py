@@ -5,6 +5,7 @@ next desk (each on SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,15 @@ queues:
 """
 INGESTED = 20_000
 REPLAYED = 10_000
+
+# The store's side of these tests does not depend on the broker's version: PostgreSQL runs with
+# the newest broker only (scripts/test.sh sets RABBIT_RETRY_TEST_BROKER), SQLite with every one.
+STORES = [
+    "sqlite",
+    pytest.param("postgresql", marks=pytest.mark.skipif(
+        os.environ.get("RABBIT_RETRY_TEST_BROKER", "4.3") != "4.3",
+        reason="the PostgreSQL store is tested with RabbitMQ 4.3 (its side is the same on all)")),
+]
 
 
 def _applied_and_parked(settings: Settings, tmp_path: Path, n: int, prefix: str) -> Path:
@@ -72,7 +82,7 @@ def _stored(desk: DeskProcess) -> int:
         return -1
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("kind", STORES)
 def test_desk_killed_twice_while_ingesting_loses_and_duplicates_nothing(
     fresh_vhost: Settings, tmp_path: Path, kind: str
 ) -> None:
@@ -101,7 +111,7 @@ def test_desk_killed_twice_while_ingesting_loses_and_duplicates_nothing(
               f"delivered again after a kill: {again}")
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("kind", STORES)
 def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
     fresh_vhost: Settings, tmp_path: Path, kind: str
 ) -> None:
