@@ -22,11 +22,13 @@ from support.provision import provision, topology
 
 from rabbit_retry.settings import Settings
 
+# orders parks into a quorum queue, audit into a classic one: the desk takes both.
 TOPOLOGY = """\
 version: 1
 queues:
   orders:
     retry: {delays: [1s], max_attempts: 2}
+    parking: {queue_type: quorum}
   audit:
     queue_type: classic
 """
