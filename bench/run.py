@@ -109,6 +109,14 @@ BENCHES = (
         900,
     ),
     Bench(
+        "desk",
+        "bench.bench_desk",
+        "Failure desk: ingest, group replay, pages over a million rows",
+        {"n": 100_000, "replay_n": 10_000, "rows": 1_000_000, "runs": 3},
+        {"n": 200, "replay_n": 100, "rows": 2_000, "runs": 1},
+        1800,
+    ),
+    Bench(
         "resilience",
         "bench.bench_resilience",
         "Idempotency stores on the success path, and a Pause's reaction to an outage",

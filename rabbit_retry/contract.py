@@ -39,6 +39,9 @@ X_FIRST_DEATH_QUEUE = "x-first-death-queue"
 X_FIRST_DEATH_EXCHANGE = "x-first-death-exchange"
 X_DELIVERY_COUNT = "x-delivery-count"  # returns, as each version counts them (redelivery.py)
 X_ACQUIRED_COUNT = "x-acquired-count"  # 4.3+: every return
+# The broker's per-delivery counters: the same parked copy carries other values each time a
+# quorum queue hands it out again.
+RETURN_COUNTERS = frozenset({X_DELIVERY_COUNT, X_ACQUIRED_COUNT})
 
 # The broker's bookkeeping about earlier hops: dropped from every retry copy, so counts never
 # double and 3.x / 4.x behave the same.

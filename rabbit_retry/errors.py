@@ -26,6 +26,10 @@ class BrokerError(RabbitRetryError):
     exit_code = EXIT_RUNTIME
 
 
+class NodeDownError(BrokerError):
+    """An object exists but its node is down or unreachable: waiting helps, apply would not."""
+
+
 class ConflictError(RabbitRetryError):
     """The live broker disagrees with the file in a way we will not overwrite."""
 

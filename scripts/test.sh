@@ -53,6 +53,28 @@ timeout 600 ruff check --output-format=concise rabbit_retry tests bench </dev/nu
 stage "mypy --strict rabbit_retry"
 timeout 900 mypy --strict rabbit_retry </dev/null || FAILED+=(mypy)
 
+# The desk from the installed wheel: its migrations run on a new SQLite store and its page and
+# API answer (the broker need not answer for that).
+desk_smoke() {
+    local tmp="$1" port pid rc=0
+    port="$("$tmp/venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    "$tmp/venv/bin/rabbit-retry" desk "$ROOT/topologies/demo.yml" --store "sqlite:///$tmp/desk.db" \
+        --listen "127.0.0.1:$port" >"$tmp/desk.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 100); do
+        curl -fsS --max-time 2 "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
+        sleep 0.2
+    done
+    {
+        curl -fsS --max-time 5 "http://127.0.0.1:$port/api/overview" | grep -q '"parked":0' &&
+            curl -fsS --max-time 5 -o /dev/null "http://127.0.0.1:$port/" &&
+            note "wheel smoke: the desk migrated its store and served its page and API"
+    } || { rc=1; tail -n 20 "$tmp/desk.log" >&2; }
+    kill -TERM "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+    return "$rc"
+}
+
 # What users install: the wheel, in a fresh venv, run from outside the source tree.
 wheel_smoke() {
     local tmp rc=0
@@ -61,7 +83,7 @@ wheel_smoke() {
     {
         "$VENV/bin/python" -m pip wheel --no-deps -q -w "$tmp/dist" "$ROOT" >"$tmp/build.log" 2>&1 &&
             "$(find_python)" -m venv "$tmp/venv" &&
-            timeout 900 "$tmp/venv/bin/python" -m pip install -q "$tmp"/dist/*.whl \
+            timeout 900 "$tmp/venv/bin/python" -m pip install -q "$(echo "$tmp"/dist/*.whl)[desk]" \
                 >>"$tmp/build.log" 2>&1 &&
             note "built and installed $(basename "$tmp"/dist/*.whl)" &&
             (
@@ -74,7 +96,8 @@ import importlib.resources, rabbit_retry, rabbit_retry.worker, rabbit_retry.cont
 assert rabbit_retry.__file__.startswith("'"$tmp"'/venv/"), rabbit_retry.__file__
 assert importlib.resources.files("rabbit_retry").joinpath("py.typed").is_file()
 assert importlib.resources.files("rabbit_retry").joinpath("desk/static/js/app.js").is_file()
-print("wheel smoke: imports, py.typed, the desk page and the CLI work from", rabbit_retry.__file__)'
+print("wheel smoke: imports, py.typed, the desk page and the CLI work from", rabbit_retry.__file__)' &&
+                desk_smoke "$tmp"
             )
     } </dev/null || rc=$?
     [ "$rc" -eq 0 ] || tail -n 40 "$tmp/build.log" >&2 2>/dev/null || true

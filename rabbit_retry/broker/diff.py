@@ -103,6 +103,18 @@ def queue_differences(live: LiveQueue, queue: Queue) -> list[str]:
     ]
 
 
+def parking_type_advice(live: LiveQueue, queue: Queue) -> str:
+    """What to do about a parking queue of the other type: apply never deletes one, since it
+    holds the only copy of what it holds."""
+    owner = queue.owner
+    return (
+        f"apply never replaces a parking queue: empty it (rabbit-retry parking replay or purge "
+        f"{owner}), delete it while empty (rabbitmqctl delete_queue {queue.name} --if-empty; "
+        f"workers retry their parks meanwhile), then apply again; or keep "
+        f"parking: {{queue_type: {live.type}}} for {owner}"
+    )
+
+
 def exchange_differences(live: LiveExchange, exchange: Exchange) -> list[str]:
     return [
         *_field("type", live.type, exchange.type),
@@ -212,6 +224,9 @@ def diff(plan: Plan, live: LiveState) -> list[Change]:
     for queue in plan.queues:
         live_queue = live.queues.get(queue.name)
         differences = None if live_queue is None else queue_differences(live_queue, queue)
+        if differences and queue.role == "parking" and live_queue is not None \
+                and live_queue.type != queue.queue_type:
+            differences.append(parking_type_advice(live_queue, queue))
         changes.append(
             _compare("queue", queue.name, queue, differences, _queue_summary(queue))
         )

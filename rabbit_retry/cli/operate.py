@@ -3,7 +3,7 @@
 Exit codes (README, "Commands"): 0 done; 1 the broker is unreachable or failed, and for
 ``status``, drift (so monitoring can alert on it); 2 bad input, including a queue that does not
 exist on the broker (the name given is what is wrong) and a replay or purge that has no terminal
-to confirm on and no ``--yes``; 3 the parking queue is not a classic queue.
+to confirm on and no ``--yes``; 3 the parking queue is one looking could harm (parking/kinds.py).
 """
 
 from __future__ import annotations

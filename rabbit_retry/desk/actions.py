@@ -29,6 +29,7 @@ from typing import Any
 
 import aiormq.exceptions
 from aiormq.abc import AbstractChannel, AbstractConnection
+from pamqp import commands as spec
 
 from rabbit_retry import contract
 from rabbit_retry.broker.connect import connect
@@ -162,71 +163,83 @@ class Actions:
 
     async def _publish_rows(self, channel: AbstractChannel, claimed: Claimed,
                             result: ReplayResult, renew: asyncio.Task[None]) -> str | None:
+        """Publish every row still claimed by the replay: the next page is read (and its copies
+        built) while this one is published, and confirmed rows are marked in the background,
+        so the broker always has ``WINDOW`` copies to confirm."""
         user = self.settings.user
         window = asyncio.Semaphore(WINDOW)
         in_flight: dict[str, asyncio.Future[Any]] = {}  # message id -> its publish
         confirmed: list[int] = []
         refused: dict[int, str] = {}
         pending: set[asyncio.Task[None]] = set()
+        marking: asyncio.Task[None] | None = None
         started = time.monotonic()
         sent = 0
-        after = 0
 
-        async def one(row: dict[str, Any]) -> None:
-            target = claimed.to_queue or row["queue"]
-            source = stored_properties(row)
-            headers = replay_headers(source.headers)
-            headers[REPLAY_ID] = claimed.id
-            properties = contract.republish_properties(source, headers, user)
+        def page(after: int) -> list[Copy]:
+            return [_copy(row, claimed, user) for row in
+                    self.store.replay_rows(claimed.id, after, PAGE)]
+
+        async def one(copy: Copy) -> None:
             try:
                 await channel.basic_publish(
-                    stored_body(row), exchange="", routing_key=target, properties=properties,
+                    copy.body, exchange="", routing_key=copy.target, properties=copy.properties,
                     mandatory=True, timeout=CONFIRM_TIMEOUT_S,
                 )
-                confirmed.append(row["id"])
+                confirmed.append(copy.row_id)
             except aiormq.exceptions.PublishError:
-                refused[row["id"]] = f"queue {target!r} does not exist (the broker returned it)"
+                refused[copy.row_id] = (f"queue {copy.target!r} does not exist (the broker "
+                                        "returned it)")
             except aiormq.exceptions.DeliveryError:
-                refused[row["id"]] = f"queue {target!r} refused it (full?)"
+                refused[copy.row_id] = f"queue {copy.target!r} refused it (full?)"
             finally:
                 window.release()
 
-        async def flush() -> None:
-            done, confirmed[:] = list(confirmed), []
-            await asyncio.to_thread(self.store.settle_replayed, claimed.id, done)
-            result.replayed += len(done)
+        async def mark(before: asyncio.Task[None] | None, ids: list[int]) -> None:
+            if before is not None:
+                await before
+            await asyncio.to_thread(self.store.settle_replayed, claimed.id, ids)
+            result.replayed += len(ids)
 
-        while True:
-            rows = await asyncio.to_thread(self.store.replay_rows, claimed.id, after, PAGE)
-            if not rows:
-                break
-            for row in rows:
-                if renew.done():
-                    renew.result()  # the lease was lost: stop here, the new owner goes on
-                after = row["id"]
-                if claimed.rate:
-                    ahead = started + sent / claimed.rate - time.monotonic()
-                    if ahead > 0:
-                        await asyncio.sleep(ahead)
-                await window.acquire()
-                # aiormq matches a basic.return to its publish by message id: never two copies
-                # with one id in flight on the channel.
-                mid = _message_id(row)
-                earlier = in_flight.get(mid)
-                if earlier is not None:
-                    await asyncio.gather(earlier, return_exceptions=True)
-                task = asyncio.create_task(one(row))
-                in_flight[mid] = task
-                task.add_done_callback(_forget(in_flight, mid))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-                sent += 1
-                if len(confirmed) >= PAGE:
-                    await flush()
-            await _wait_all(pending)
-            await flush()
+        def flush() -> None:
+            nonlocal marking
+            if confirmed:
+                ids, confirmed[:] = list(confirmed), []
+                marking = asyncio.create_task(mark(marking, ids))
+
+        copies = await asyncio.to_thread(page, 0)
+        while copies:
+            following = asyncio.create_task(asyncio.to_thread(page, copies[-1].row_id))
+            try:
+                for copy in copies:
+                    if renew.done():
+                        renew.result()  # the lease was lost: stop here, the new owner goes on
+                    if claimed.rate:
+                        ahead = started + sent / claimed.rate - time.monotonic()
+                        if ahead > 0:
+                            await asyncio.sleep(ahead)
+                    await window.acquire()
+                    # aiormq matches a basic.return to its publish by message id: never two
+                    # copies with one id in flight on the channel.
+                    earlier = in_flight.get(copy.message_id)
+                    if earlier is not None:
+                        await asyncio.gather(earlier, return_exceptions=True)
+                    task = asyncio.create_task(one(copy))
+                    in_flight[copy.message_id] = task
+                    task.add_done_callback(_forget(in_flight, copy.message_id))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                    sent += 1
+                    if len(confirmed) >= PAGE:
+                        flush()
+            except BaseException:
+                following.cancel()
+                raise
+            copies = await following
         await _wait_all(pending)
-        await flush()
+        flush()
+        if marking is not None:
+            await marking
         if refused:
             await asyncio.to_thread(self.store.unclaim, claimed.id, list(refused))
             result.refused = len(refused)
@@ -235,17 +248,32 @@ class Actions:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """A row's replay copy, ready to publish."""
+
+    row_id: int
+    message_id: str
+    target: str
+    body: bytes
+    properties: spec.Basic.Properties
+
+
+def _copy(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
+    source = stored_properties(row)
+    headers = replay_headers(source.headers)
+    headers[REPLAY_ID] = claimed.id
+    properties = contract.republish_properties(source, headers, user)
+    return Copy(row["id"], str(properties.message_id or f"row-{row['id']}"),
+                claimed.to_queue or row["queue"], stored_body(row), properties)
+
+
 def _forget(in_flight: dict[str, Any], mid: str) -> Callable[[asyncio.Task[None]], None]:
     def done(task: asyncio.Task[None]) -> None:
         if in_flight.get(mid) is task:
             del in_flight[mid]
 
     return done
-
-
-def _message_id(row: dict[str, Any]) -> str:
-    props = row.get("properties") or {}
-    return str(props.get("message_id") or f"row-{row['id']}")
 
 
 async def _wait_all(tasks: set[asyncio.Task[None]]) -> None:

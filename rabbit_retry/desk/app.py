@@ -54,6 +54,7 @@ CSRF_COOKIE = "rabbit_retry_csrf"
 CSRF_HEADER = "X-CSRF-Token"
 ACTOR_HEADER = "X-Actor"
 MAX_LIMIT = 500
+MAX_IDS = 10_000  # SQLite takes at most 32,766 parameters in one statement
 REPLY_WAIT_S = 30.0  # a replay still running after this answers 202; the audit shows the rest
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'")
@@ -173,9 +174,11 @@ def _selection(data: dict[str, Any]) -> Selection:
         if not isinstance(group, str) or not re.fullmatch(r"[0-9a-f]{16}", group):
             raise Error(400, f'"group": not a group id: {str(group)[:40]!r}')
         return Selection(group=group)
-    if (not isinstance(ids, list) or not ids or len(ids) > 100_000
+    if (not isinstance(ids, list) or not ids
             or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
         raise Error(400, '"ids": a non-empty list of message ids (numbers)')
+    if len(ids) > MAX_IDS:
+        raise Error(400, f'"ids": at most {MAX_IDS:,} at a time (a whole group: "group": ID)')
     return Selection(ids=tuple(ids))
 
 

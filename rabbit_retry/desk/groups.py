@@ -34,6 +34,7 @@ tests/unit/test_desk_groups.py say so.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -150,6 +151,7 @@ def _cut(text: str) -> str:
     return text[:end].rstrip()
 
 
+@functools.lru_cache(maxsize=8192)  # a flood of one cause repeats its messages
 def normalise(message: str) -> str:
     """``message`` with its variable parts replaced by placeholders (see the module's table).
 

@@ -97,25 +97,38 @@ class Ingest:
             amqp = transport.connection
             channel = await amqp.channel(publisher_confirms=False)
             await channel.basic_qos(prefetch_count=self.prefetch)
+
+            cancelled = asyncio.Event()
+
+            async def on_cancel(_frame: Any) -> None:
+                # A parking queue deleted under the desk: start over, and look for it again.
+                log.warning("desk: the broker cancelled a parking queue's consumer (deleted?)")
+                cancelled.set()
+
+            channel.on_consumer_cancel_callbacks.add(on_cancel)
             self._pending = []
             flusher = asyncio.create_task(self._flush_forever(channel))
             try:
                 waiting = set(self.parking)
+                on_cancel_seen = asyncio.create_task(cancelled.wait())
                 while True:
                     waiting = await self._consume_present(amqp, channel, waiting)
                     self.consuming.set()
                     done, _ = await asyncio.wait(
-                        {flusher, asyncio.ensure_future(channel.closing)},
+                        {flusher, on_cancel_seen, asyncio.ensure_future(channel.closing)},
                         timeout=RECHECK_S if waiting else None,
                         return_when=asyncio.FIRST_COMPLETED,
                     )
+                    if on_cancel_seen in done:
+                        raise BrokerError("a parking queue's consumer was cancelled")
                     if done:
                         for task in done:
                             task.result()  # raises what stopped it
                         raise BrokerError("the ingest channel closed")
             finally:
                 flusher.cancel()
-                await asyncio.gather(flusher, return_exceptions=True)
+                on_cancel_seen.cancel()
+                await asyncio.gather(flusher, on_cancel_seen, return_exceptions=True)
         finally:
             await connection.close()
 
@@ -165,7 +178,10 @@ class Ingest:
 
     async def _store(self, taken: list[tuple[str, DeliveredMessage]]) -> None:
         moment = datetime.now(UTC)
-        rows = [parked(queue, m.body, m.header.properties, now=moment) for queue, m in taken]
+        # Rows are made in the store's thread: the event loop goes on receiving meanwhile.
+        rows = await asyncio.to_thread(
+            lambda: [parked(queue, m.body, m.header.properties, now=moment) for queue, m in taken]
+        )
         failures = 0
         while True:
             try:

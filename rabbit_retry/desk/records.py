@@ -30,7 +30,7 @@ from rabbit_retry.parking.headers import parked_at
 from rabbit_retry.parking.message import jsonable
 
 # Per-redelivery counters: the same copy delivered twice must have the same digest.
-_UNSTABLE = frozenset({contract.X_DELIVERY_COUNT, contract.X_ACQUIRED_COUNT})
+_UNSTABLE = contract.RETURN_COUNTERS
 EXCEPTION_MESSAGE_MAX = 2000  # characters stored of an exception message (the worker writes less)
 
 

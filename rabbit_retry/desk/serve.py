@@ -148,6 +148,7 @@ async def _housekeeping(store: Store, actions: Actions, keep: timedelta) -> None
     discarded."""
     swept_at = -SWEEP_EVERY_S
     loop = asyncio.get_running_loop()
+    failing = False
     while True:
         try:
             await actions.adopt_abandoned()
@@ -157,8 +158,15 @@ async def _housekeeping(store: Store, actions: Actions, keep: timedelta) -> None
                 if removed:
                     log.info("desk: removed %d replayed or discarded messages older than %s",
                              removed, keep)
+            if failing:
+                log.info("desk: housekeeping works again")
+            failing = False
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the store is down: the next round tries again
-            log.warning("desk: housekeeping failed: %s", exc)
+            if not failing:  # once per outage, not every round
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                log.warning("desk: housekeeping failed (%s); trying again every %.0fs",
+                            first, ADOPT_EVERY_S)
+            failing = True
         await asyncio.sleep(ADOPT_EVERY_S)

@@ -105,7 +105,10 @@ class Store:
             )
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         else:
-            self.engine = sa.create_engine(target, pool_size=pool_size, pool_pre_ping=True)
+            # psycopg's executemany pipelines the rows; SQLAlchemy's "insertmanyvalues" would
+            # build one statement with thousands of parameters per batch instead.
+            self.engine = sa.create_engine(target, pool_size=pool_size, pool_pre_ping=True,
+                                           use_insertmanyvalues=False)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -147,9 +150,18 @@ class Store:
         group_rows = list(first_of_group.values())
         with self._tx() as tx:
             tx.execute(self._insert_ignore(groups, ["id"]), group_rows)
-            new = Counter(tx.execute(
-                self._insert_ignore(messages, ["digest"]).returning(messages.c.queue), rows
-            ).scalars())
+            # A plain executemany (RETURNING would make PostgreSQL's driver parse one huge
+            # statement per batch); a copy already stored is skipped. The new rows are those
+            # of the batch carrying this batch's ingest time.
+            tx.execute(self._insert_ignore(messages, ["digest"]), rows)
+            m = messages.c
+            new = Counter({
+                str(queue): int(count) for queue, count in tx.execute(
+                    sa.select(m.queue, sa.func.count())
+                    .where(m.digest.in_([r["digest"] for r in rows]), m.ingested_at == at)
+                    .group_by(m.queue)
+                )
+            })
             self._add(tx, "ingested", new)
             return sum(new.values())
 

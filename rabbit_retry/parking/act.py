@@ -17,7 +17,7 @@ from rabbit_retry.parking.session import (
     ParkingQueue,
     Taken,
     Target,
-    management_type_of,
+    management_kind_of,
     open_parking,
 )
 from rabbit_retry.settings import Settings
@@ -108,7 +108,7 @@ async def replay(
     handled even where an idempotent consumer already handled their key."""
     pacer = Pacer(rate)
     async with open_parking(
-        settings, name, need_main=True, type_of=management_type_of(settings)
+        settings, name, need_main=True, kind_of=management_kind_of(settings)
     ) as parking:
 
         async def move(taken: Taken) -> None:
@@ -129,5 +129,5 @@ async def purge(
     """Deletes up to ``limit`` matching messages. Without a filter it deletes the messages that
     were parked when it started, one by one, never ``queue.purge``: a message parked while the
     operator confirmed is not deleted unseen."""
-    async with open_parking(settings, name, type_of=management_type_of(settings)) as parking:
+    async with open_parking(settings, name, kind_of=management_kind_of(settings)) as parking:
         return await _walk(parking, selection, parking.delete, limit, progress, "purge")

@@ -16,7 +16,7 @@ from typing import IO
 from rabbit_retry.errors import InputError
 from rabbit_retry.parking.filters import Selection
 from rabbit_retry.parking.message import ParkedMessage, export_record
-from rabbit_retry.parking.session import Target, management_type_of, open_parking
+from rabbit_retry.parking.session import Target, management_kind_of, open_parking
 from rabbit_retry.settings import Settings
 
 
@@ -36,7 +36,7 @@ async def peek(
 ) -> Peeked:
     """Calls ``visit`` with each parked message from the head, up to ``limit``; every one of them
     is still parked, in the same order, when this returns."""
-    async with open_parking(settings, name, type_of=management_type_of(settings)) as parking:
+    async with open_parking(settings, name, kind_of=management_kind_of(settings)) as parking:
         while limit is None or parking.taken < limit:
             taken = await parking.take()
             if taken is None:

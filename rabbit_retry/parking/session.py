@@ -2,9 +2,10 @@
 acted on, requeue the rest.
 
 Why it is safe to look:
-- ``Q.parking`` is a classic queue (see topology/compile.py): no delivery limit, so reading and
-  requeueing a message any number of times never drops it, and a requeued message goes back to
-  its original position, so parked order survives.
+- ``Q.parking`` is a classic queue, or a quorum queue with a delivery limit no look reaches (see
+  topology/compile.py and parking/kinds.py): reading and requeueing a message any number of
+  times never drops it. A classic queue puts a requeued message back in its original position;
+  a quorum queue gets them back in small ordered batches, which keeps their order too.
 - Messages are taken with ``basic.get`` without auto-ack and stay unacknowledged while we hold
   them. Whatever happens to this process, the broker requeues every unsettled one when the
   channel or connection dies; on a normal exit we nack them with requeue ourselves.
@@ -16,6 +17,7 @@ Why it is safe to look:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -28,14 +30,25 @@ from pamqp import commands as spec
 
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.broker.management import Management
-from rabbit_retry.contract import PROPERTY_NAMES, republish_properties
+from rabbit_retry.contract import PROPERTY_NAMES, RETURN_COUNTERS, republish_properties
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.parking.headers import replay_headers
+from rabbit_retry.parking.kinds import peek_refusal, requeue_batches
 from rabbit_retry.parking.message import ParkedMessage
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import naming
 
 PUBLISH_TIMEOUT_S = 60.0
+REQUEUE_WAIT_S = 5.0  # how long a quorum queue may take to show a batch given back
+REQUEUE_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A queue's type and arguments, as the management API reports them."""
+
+    type: str
+    arguments: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -75,9 +88,18 @@ def properties_dict(properties: spec.Basic.Properties) -> dict[str, Any]:
 class ParkingQueue:
     """A parking queue opened for one verb; use through ``open_parking``."""
 
-    def __init__(self, channel: AbstractChannel, target: Target, ready: int, user: str) -> None:
+    def __init__(
+        self,
+        channel: AbstractChannel,
+        target: Target,
+        ready: int,
+        user: str,
+        *,
+        quorum: bool = False,
+    ) -> None:
         self._channel = channel
         self._user = user
+        self._quorum = quorum
         self.target = target
         self.ready = ready  # messages ready when we opened it: the most we will ever read
         self.taken = 0
@@ -98,7 +120,12 @@ class ParkingQueue:
         message = ParkedMessage(
             position=self.taken,
             body=got.body,
-            headers=dict(properties.headers or {}),
+            # A quorum queue counts our own looks in these; they say nothing about the message.
+            headers={
+                key: value
+                for key, value in (properties.headers or {}).items()
+                if key not in RETURN_COUNTERS
+            },
             properties=properties_dict(properties),
         )
         return Taken(message, tag, properties)
@@ -147,6 +174,9 @@ class ParkingQueue:
 
     async def requeue_rest(self) -> None:
         """Every message taken and not settled goes back, in its original position."""
+        if self._held and not self._channel.is_closed and self._quorum:
+            await self._take_the_rest()
+            await self._requeue_in_order()
         if self._held and not self._channel.is_closed:
             # The broker refuses a nack naming a tag already acked, even with multiple=True:
             # name the highest tag still held, which covers every held one below it.
@@ -157,6 +187,41 @@ class ParkingQueue:
             # declare on the same channel reaches the queue after the nack, so once it answers
             # they are all back.
             await self._channel.queue_declare(self.target.parking, passive=True)
+
+
+    async def _ready(self) -> int:
+        ok = await self._channel.queue_declare(self.target.parking, passive=True)
+        return int(ok.message_count or 0)
+
+    async def _take_the_rest(self) -> None:
+        # A quorum queue hands out what was given back before what never left, each in the
+        # order it arrived there; so giving back only the head we read would move it behind
+        # the rest. Taking the rest of what was there too and giving everything back in order
+        # leaves the queue as it was (a stop before the end reads the whole queue).
+        for _ in range(self.ready - self.taken):
+            got = await self._channel.basic_get(self.target.parking, no_ack=False)
+            if not isinstance(got.delivery, spec.Basic.GetOk):
+                return
+            assert got.delivery.delivery_tag is not None
+            self._held.add(got.delivery.delivery_tag)
+
+    async def _requeue_in_order(self) -> None:
+        # A quorum queue shuffles a batch given back at once (parking/kinds.py): give them back
+        # a few at a time, in the order taken, each batch once the queue shows the last one back.
+        # Its ready count moves with other clients too, so a batch that never shows (a consumer
+        # took them) ends the waiting and the rest goes back at once, below.
+        base = await self._ready()
+        returned = 0
+        for batch in requeue_batches(self._held):
+            for tag in batch:
+                await self._channel.basic_nack(tag, requeue=True)
+                self._held.discard(tag)
+            returned += len(batch)
+            deadline = asyncio.get_running_loop().time() + REQUEUE_WAIT_S
+            while await self._ready() < base + returned:
+                if asyncio.get_running_loop().time() > deadline:
+                    return
+                await asyncio.sleep(REQUEUE_POLL_S)
 
 
 def _reply_text(exc: aiormq.exceptions.PublishError) -> str:
@@ -199,14 +264,15 @@ async def open_parking(
     name: str,
     *,
     need_main: bool = False,
-    type_of: Callable[[str], str | None] | None = None,
+    kind_of: Callable[[str], Kind | None] | None = None,
 ) -> AsyncIterator[ParkingQueue]:
     """Connect, find the parking queue ``name`` designates, and yield it opened on a channel
     with publisher confirms; on the way out every unsettled message is requeued.
 
-    ``type_of`` tells a queue's type when it can (from the management API; None when it cannot
-    tell): a parking queue that is not classic is refused, since a quorum queue's delivery limit
-    could drop a message we only meant to look at, and its requeues do not keep order.
+    ``kind_of`` tells a queue's type and arguments when it can (from the management API; None
+    when it cannot tell): a parking queue the verbs could harm by looking is refused
+    (``parking.kinds.peek_refusal``). Without the API's word the queue is taken for classic,
+    which is what a parking queue is unless its file asked for quorum.
     """
     connection = await connect(settings, name="rabbit-retry parking")
     try:
@@ -216,16 +282,21 @@ async def open_parking(
                 f"queue {target.main!r} does not exist in vhost {settings.vhost!r}: replay would "
                 "have nowhere to send the messages"
             )
-        queue_type = type_of(target.parking) if type_of is not None else None
-        if queue_type is not None and queue_type != "classic":
-            raise ConflictError(
-                f"{target.parking!r} is a {queue_type} queue; rabbit-retry only reads classic "
-                "parking queues, where looking at a message can never drop or reorder it"
-            )
+        kind = kind_of(target.parking) if kind_of is not None else None
+        if kind is not None:
+            refusal = peek_refusal(target.parking, kind.type, kind.arguments)
+            if refusal is not None:
+                raise ConflictError(refusal)
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         raw = await channel.get_underlay_channel()
         ok = await raw.queue_declare(target.parking, passive=True)
-        parking = ParkingQueue(raw, target, int(ok.message_count or 0), settings.user)
+        parking = ParkingQueue(
+            raw,
+            target,
+            int(ok.message_count or 0),
+            settings.user,
+            quorum=kind is not None and kind.type == "quorum",
+        )
         try:
             yield parking
         finally:
@@ -239,12 +310,12 @@ async def open_parking(
             await connection.close()
 
 
-def management_type_of(settings: Settings) -> Callable[[str], str | None]:
-    """A queue's type as the management API reports it; None when it cannot say (API down, or
-    pointed at another broker), since the AMQP side alone is enough to work safely on a broker
-    that rabbit-retry provisioned."""
+def management_kind_of(settings: Settings) -> Callable[[str], Kind | None]:
+    """A queue's type and arguments as the management API reports them; None when it cannot say
+    (API down, or pointed at another broker), since the AMQP side alone is enough to work safely
+    on a broker that rabbit-retry provisioned."""
 
-    def type_of(queue: str) -> str | None:
+    def kind_of(queue: str) -> Kind | None:
         try:
             with Management.for_settings(settings, timeout=5.0) as api:
                 info = api.queue(settings.vhost, queue)
@@ -252,6 +323,10 @@ def management_type_of(settings: Settings) -> Callable[[str], str | None]:
             return None
         if info is None:
             return None
-        return str(info.get("type") or "classic")
+        arguments = info.get("arguments")
+        return Kind(
+            str(info.get("type") or "classic"),
+            dict(arguments) if isinstance(arguments, dict) else {},
+        )
 
-    return type_of
+    return kind_of

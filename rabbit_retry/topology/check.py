@@ -140,7 +140,30 @@ def _queue_problems(
             problems.append(Problem(bpath, f"the same binding as bindings[{seen[identity]}]"))
         seen.setdefault(identity, i)
     problems += _queue_argument_problems((*path, "arguments"), queue)
+    problems += _replica_problems(path, queue, spec)
     return problems
+
+
+def _replica_problems(path: Path, queue: QueueConfig, spec: TopologySpec) -> list[Problem]:
+    # ``defaults.replicas`` reaches only the queues that have quorum queues; a queue that asks
+    # for replicas itself and has none is a mistake worth one line.
+    own = spec.queues[queue.name].replicas
+    if own is not None and not queue.quorum_queues:
+        return [
+            Problem(
+                (*path, "replicas"),
+                "replicas applies to quorum queues; this queue and its parking queue are classic",
+            )
+        ]
+    if queue.replicas is not None and "x-quorum-initial-group-size" in queue.arguments:
+        return [
+            Problem(
+                (*path, "arguments", "x-quorum-initial-group-size"),
+                "set replicas instead (it also reaches the retry tiers and a quorum parking "
+                "queue); not both",
+            )
+        ]
+    return []
 
 
 def _name_problems(path: Path, kind: str, name: str) -> list[Problem]:

@@ -9,10 +9,13 @@ Why the arguments are what they are:
   to ``Q`` alone and is never fanned out again to siblings bound to the original exchange.
 - Quorum queues (main and tiers) use at-least-once dead-lettering, which needs reject-publish
   overflow: the broker keeps a message until the next queue confirms it.
-- The parking queue is a classic queue on every broker: classic queues have no delivery limit
-  (RabbitMQ 4.x drops or dead-letters a quorum message after 20 deliveries by default), so
-  peeking at parked messages any number of times can never lose one, and a requeued message
-  keeps its place, so parked order survives a peek.
+- The parking queue is classic unless the file asks for quorum. A classic queue has no delivery
+  limit and a requeued message keeps its place, so peeks never lose or reorder anything; but on
+  a cluster it lives on one node. A quorum parking queue is replicated, and carries a delivery
+  limit no peek will ever reach: without one, 4.x drops a message after 20 returns (a peek is a
+  return on 3.10-4.2), and 3.10 reads -1 as "drop at the first return", so -1 cannot serve every
+  version. It has no dead-letter target: nothing ever leaves it but by a verb or the desk.
+- ``replicas`` sets ``x-quorum-initial-group-size`` on every quorum queue of ``Q``.
 """
 
 from __future__ import annotations
@@ -23,12 +26,30 @@ from rabbit_retry.topology import naming
 from rabbit_retry.topology.model import QueueConfig, Topology
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
 
+# Returns before a quorum parking queue drops a message: 2**31 - 1, accepted as a limit by 3.10,
+# 4.0 and 4.3 (each checked to keep 100 messages requeued 25 times).
+PARKING_DELIVERY_LIMIT = 2_147_483_647
 
-def _type_arguments(queue_type: str) -> dict[str, Any]:
+
+def _type_arguments(queue_type: str, replicas: int | None) -> dict[str, Any]:
     arguments: dict[str, Any] = {"x-queue-type": queue_type}
     if queue_type == "quorum":
         arguments["x-dead-letter-strategy"] = "at-least-once"
         arguments["x-overflow"] = "reject-publish"
+        if replicas is not None:
+            arguments["x-quorum-initial-group-size"] = replicas
+    return arguments
+
+
+def parking_arguments(queue: QueueConfig) -> dict[str, Any]:
+    if queue.parking_type == "classic":
+        return {"x-queue-type": "classic"}
+    arguments: dict[str, Any] = {
+        "x-queue-type": "quorum",
+        "x-delivery-limit": PARKING_DELIVERY_LIMIT,
+    }
+    if queue.replicas is not None:
+        arguments["x-quorum-initial-group-size"] = queue.replicas
     return arguments
 
 
@@ -42,7 +63,7 @@ def compile_queue(queue: QueueConfig) -> tuple[list[Exchange], list[Queue], list
         owner=name,
         arguments={
             **queue.arguments,
-            **_type_arguments(queue.queue_type),
+            **_type_arguments(queue.queue_type, queue.replicas),
             "x-dead-letter-exchange": retry_exchange,
             "x-dead-letter-routing-key": name,
         },
@@ -59,7 +80,7 @@ def compile_queue(queue: QueueConfig) -> tuple[list[Exchange], list[Queue], list
                 owner=name,
                 delay_ms=delay_ms,
                 arguments={
-                    **_type_arguments(queue.queue_type),
+                    **_type_arguments(queue.queue_type, queue.replicas),
                     "x-message-ttl": delay_ms,
                     "x-dead-letter-exchange": "",
                     "x-dead-letter-routing-key": name,
@@ -76,7 +97,7 @@ def compile_queue(queue: QueueConfig) -> tuple[list[Exchange], list[Queue], list
             name=naming.parking_queue(name),
             role="parking",
             owner=name,
-            arguments={"x-queue-type": "classic"},
+            arguments=parking_arguments(queue),
         )
     )
     return exchanges, queues, bindings

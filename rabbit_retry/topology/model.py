@@ -25,6 +25,9 @@ DurationMs = Annotated[int, BeforeValidator(parse_duration)]
 DEFAULT_DELAYS_MS = (5_000, 30_000, 300_000)
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_QUEUE_TYPE: QueueType = "quorum"
+# Parking stays classic unless the file asks: an existing classic parking queue is never turned
+# into a conflict by an upgrade, and on one node a classic queue keeps a peeked message's place.
+DEFAULT_PARKING_TYPE: QueueType = "classic"
 SUPPORTED_VERSION = 1
 
 
@@ -61,16 +64,24 @@ class ExchangeSpec(_Spec):
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
+class ParkingSpec(_Spec):
+    queue_type: QueueType | None = None
+
+
 class QueueSpec(_Spec):
     queue_type: QueueType | None = None
     bindings: list[BindingSpec] = Field(default_factory=list)
     retry: RetrySpec | None = None
+    parking: ParkingSpec | None = None
+    replicas: int | None = Field(default=None, ge=1)
     arguments: dict[str, Any] = Field(default_factory=dict)
 
 
 class DefaultsSpec(_Spec):
     queue_type: QueueType | None = None
     retry: RetrySpec | None = None
+    parking: ParkingSpec | None = None
+    replicas: int | None = Field(default=None, ge=1)
 
 
 class TopologySpec(_Spec):
@@ -121,6 +132,13 @@ class QueueConfig(BaseModel):
     bindings: tuple[BindingSpec, ...]
     retry: RetryPolicy
     arguments: Mapping[str, Any]
+    parking_type: QueueType = DEFAULT_PARKING_TYPE
+    replicas: int | None = None  # x-quorum-initial-group-size of its quorum queues; None: broker's
+
+    @property
+    def quorum_queues(self) -> bool:
+        """Whether any queue of ``Q`` (main, tiers, parking) is a quorum queue."""
+        return "quorum" in (self.queue_type, self.parking_type)
 
 
 class ExchangeConfig(BaseModel):
@@ -155,6 +173,7 @@ class Topology(BaseModel):
 def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
     """Merge ``defaults`` (and the built-in defaults under them) into every queue."""
     default_retry = spec.defaults.retry or RetrySpec()
+    default_parking = spec.defaults.parking or ParkingSpec()
     queues = []
     for name, queue in spec.queues.items():
         retry = queue.retry or RetrySpec()
@@ -167,6 +186,10 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
                 bindings=tuple(queue.bindings),
                 retry=RetryPolicy(delays_ms=tuple(delays), max_attempts=max_attempts),
                 arguments=dict(queue.arguments),
+                parking_type=(queue.parking or ParkingSpec()).queue_type
+                or default_parking.queue_type
+                or DEFAULT_PARKING_TYPE,
+                replicas=queue.replicas or spec.defaults.replicas,
             )
         )
     exchanges = tuple(

@@ -4,9 +4,11 @@
   consumer's channel with QoS ``prefetch`` (also how many deliveries it handles at once) and
   one confirming channel for retry and parked copies.
 - The first connection and topology check are not retried: a worker that cannot start says
-  why in one line and exits 1. After that, a lost connection or channel drops the stale
-  deliveries (the broker requeues them), reconnects with capped exponential backoff and
-  resumes consuming; an outage is logged when it starts and when it ends, not per attempt.
+  why in one line and exits 1. Except on a cluster, an object whose node is down (it exists,
+  but the broker cannot reach it): the worker waits for it with backoff, logged once.
+- After that, a lost connection or channel drops the stale deliveries (the broker requeues
+  them), reconnects with capped exponential backoff and resumes consuming; an outage is
+  logged when it starts and when it ends, not per attempt.
 - SIGTERM / SIGINT: cancel the consumers so nothing new arrives, let in-flight handlers finish
   within the grace period, then close. Whatever did not finish is not acked and goes back to
   the broker. A second signal stops at once.
@@ -29,8 +31,9 @@ import aiormq.exceptions
 from aiormq.abc import AbstractConnection
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_never, wait_exponential_jitter
 
+from rabbit_retry.broker.absence import is_missing
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
-from rabbit_retry.errors import BrokerError, InputError
+from rabbit_retry.errors import BrokerError, InputError, NodeDownError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import load_topology, naming
 from rabbit_retry.topology.model import Topology
@@ -101,7 +104,11 @@ async def check_objects(
                     await channel.queue_declare(name, passive=True)
                 else:
                     await channel.exchange_declare(name, passive=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
+            except aiormq.exceptions.ChannelNotFoundEntity as exc:
+                if not is_missing(str(exc)):
+                    raise NodeDownError(
+                        f"{kind} {name!r} exists but its node does not answer ({mask(str(exc))})"
+                    ) from None
                 raise BrokerError(
                     f"{kind} {name!r} does not exist on the broker; run `rabbit-retry apply "
                     f"{hint}` first"
@@ -160,6 +167,27 @@ class Runner:
                 await connection.close()
             raise
         return session
+
+    async def _first_open(self) -> Session | None:
+        """``_open``, waiting out a node that is down (NodeDownError); None if stopped."""
+        delay = RECONNECT_INITIAL
+        waiting_since: float | None = None
+        while True:
+            try:
+                session = await self._open()
+            except NodeDownError as exc:
+                if waiting_since is None:
+                    waiting_since = time.monotonic()
+                    log.warning("%s; waiting for it", exc, extra={"event": "node_down"})
+                await self._sleep_unless_stopped(delay)
+                if self._stop.is_set():
+                    return None
+                delay = min(delay * 2, RECONNECT_MAX)
+                continue
+            if waiting_since is not None:
+                log.warning("the node is back after %.1fs; consuming",
+                            time.monotonic() - waiting_since, extra={"event": "node_back"})
+            return session
 
     async def _sleep_unless_stopped(self, seconds: float) -> None:
         with suppress(TimeoutError):
@@ -231,7 +259,7 @@ class Runner:
             for sub in self.subscriptions
         ]
         try:
-            session = await self._open()
+            session = await self._first_open()
             while session is not None:
                 self.ready.set()
                 stop_wait: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())

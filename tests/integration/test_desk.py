@@ -3,7 +3,10 @@ discard, audit, metrics, and who may do what."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +22,13 @@ from support.provision import provision, topology
 
 from rabbit_retry.settings import Settings
 
+# orders parks into a quorum queue, audit into a classic one: the desk takes both.
 TOPOLOGY = """\
 version: 1
 queues:
   orders:
     retry: {delays: [1s], max_attempts: 2}
+    parking: {queue_type: quorum}
   audit:
     queue_type: classic
 """
@@ -37,6 +42,21 @@ def causes(n_timeouts: int, n_missing: int) -> list[Parked]:
             + [Parked(f'{{"order": {i}}}'.encode(), exception_type="KeyError", reason="permanent",
                       message_id=f"k-{i}", headers={"exception-message": f"order {i} not found"})
                for i in range(n_missing)])
+
+
+@contextlib.asynccontextmanager
+async def desk_with(settings: Settings, tmp_path: Path, timeouts: int, missing: int,
+                    **kwargs: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The topology applied, ``timeouts`` + ``missing`` messages parked and a desk (SQLite)
+    that has stored them all."""
+    topo = topology(TOPOLOGY)
+    await provision(settings, topo)
+    await park(settings, "orders", causes(timeouts, missing))
+    async with desk_running(topo, settings, f"sqlite:///{tmp_path / 'd.db'}",
+                            **kwargs) as client:
+        await eventually(lambda: _parked_now(client, timeouts + missing),
+                         what=f"{timeouts + missing} parked")
+        yield client
 
 
 async def _parked_now(client: Any, n: int) -> bool:
@@ -100,11 +120,7 @@ async def depth_is(settings: Settings, queue: str, n: int) -> bool:
 async def test_a_group_replayed_and_another_discarded_with_the_audit(
     fresh_vhost: Settings, tmp_path: Path
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(50, 30))
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
-        await eventually(lambda: _parked_now(client, 80), what="80 parked")
+    async with desk_with(fresh_vhost, tmp_path, 50, 30) as client:
         groups = (await client.get("/api/groups")).json()
         timeouts, missing = _group(groups, "TimeoutError"), _group(groups, "KeyError")
 
@@ -153,11 +169,7 @@ async def test_a_group_replayed_and_another_discarded_with_the_audit(
 async def test_replay_to_another_queue_and_what_the_broker_refuses(
     fresh_vhost: Settings, tmp_path: Path
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(6, 0))
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
-        await eventually(lambda: _parked_now(client, 6), what="6 parked")
+    async with desk_with(fresh_vhost, tmp_path, 6, 0) as client:
         ids = [m["id"] for m in (await client.get("/api/messages")).json()["items"]]
 
         unknown = await client.post("/api/replay", json={"ids": ids[:2], "to": "nowhere"})
@@ -200,15 +212,13 @@ async def test_replay_to_another_queue_and_what_the_broker_refuses(
     ("post", "/api/discard", {"ids": [1], "reason": "  "}, '"reason": a discard needs a reason '
                                                            "(text)"),
     ("post", "/api/discard", [1], "the request body must be a JSON object"),
+    ("post", "/api/replay", {"ids": list(range(1, 10_002))},
+     '"ids": at most 10,000 at a time (a whole group: "group": ID)'),
 ])
 async def test_bad_requests_get_one_line_and_change_nothing(
     fresh_vhost: Settings, tmp_path: Path, method: str, path: str, payload: Any, says: str
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(2, 0))
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
-        await eventually(lambda: _parked_now(client, 2), what="2 parked")
+    async with desk_with(fresh_vhost, tmp_path, 2, 0) as client:
         if method == "get":
             response = await client.get(path)
         else:
@@ -223,13 +233,7 @@ async def test_bad_requests_get_one_line_and_change_nothing(
 async def test_with_a_token_every_request_needs_it_and_the_page_needs_csrf(
     fresh_vhost: Settings, tmp_path: Path
 ) -> None:
-    topo = topology(TOPOLOGY)
-    await provision(fresh_vhost, topo)
-    await park(fresh_vhost, "orders", causes(3, 0))
-
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}",
-                            token=TOKEN) as client:
-        await eventually(lambda: _parked_now(client, 3), what="3 parked")
+    async with desk_with(fresh_vhost, tmp_path, 3, 0, token=TOKEN) as client:
         base = str(client.base_url)
         async with httpx.AsyncClient(base_url=base) as anonymous:
             for path in ("/api/overview", "/api/messages", "/metrics", "/api/audit"):
@@ -290,3 +294,65 @@ def test_without_a_token_the_desk_refuses_to_listen_beyond_loopback(
         ran = cli(fresh_vhost, "desk", str(path), *args)
         assert ran.code == 2 and ran.err.startswith(says), ran.err
         assert len(ran.err.strip().splitlines()) == 1
+
+
+async def test_the_store_down_keeps_parked_messages_in_their_queue_until_it_is_back(
+    fresh_vhost: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import psycopg
+    from support.stores import POSTGRES_URL
+
+    caplog.set_level(logging.INFO, logger="rabbit_retry.desk")
+    topo = topology(TOPOLOGY)
+    await provision(fresh_vhost, topo)
+    with store_url("postgresql", Path("/nonexistent")) as url:
+        name = url.rsplit("/", 1)[1]
+
+        def connections(allowed: bool) -> None:
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+                admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allowed).lower()}')
+                if not allowed:
+                    admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                  "WHERE datname = %s", (name,))
+
+        async with desk_running(topo, fresh_vhost, url) as client:
+            await park(fresh_vhost, "orders", causes(10, 0))
+            await eventually(lambda: _parked_now(client, 10), what="10 stored")
+            connections(False)
+            try:
+                await park(fresh_vhost, "orders", causes(0, 40))
+                await eventually(
+                    lambda: any("parked messages failed" in r.getMessage()
+                                for r in caplog.records), what="the failure logged")
+                await asyncio.sleep(2)  # several retries, held unacked meanwhile
+            finally:
+                connections(True)
+            await eventually(lambda: _parked_now(client, 50), what="all 50 stored", within=60)
+            await eventually(lambda: depth_is(fresh_vhost, "orders.parking", 0),
+                             what="the parking queue emptied")
+        failed = [r for r in caplog.records if "parked messages failed" in r.getMessage()]
+        assert len(failed) == 1, [r.getMessage() for r in failed]  # once, not per attempt
+        [back] = [m for r in caplog.records
+                  if (m := re.search(r"works again after (\d+) failed", r.getMessage()))]
+        assert int(back.group(1)) >= 2  # the control: "once" covered several failed attempts
+
+
+async def test_a_parking_queue_deleted_under_the_desk_is_consumed_again_once_restored(
+    fresh_vhost: Settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="rabbit_retry.desk")
+    topo = topology(TOPOLOGY)
+    async with desk_with(fresh_vhost, tmp_path, 2, 0) as client:
+        connection = await aiormq.connect(fresh_vhost.url)
+        channel = await connection.channel()
+        await channel.queue_delete("orders.parking")
+        await connection.close()
+        await eventually(lambda: any("does not exist" in r.getMessage() for r in caplog.records),
+                         what="the missing parking queue reported")
+        await provision(fresh_vhost, topo)
+        await park(fresh_vhost, "orders", causes(0, 3))
+        await eventually(lambda: _parked_now(client, 5), what="the new ones stored", within=90)

@@ -34,7 +34,10 @@ BINARY = bytes(range(256)) * 2
 RICH_PROPERTIES: dict[str, Any] = {
     "content_type": "application/json",
     "content_encoding": "utf-8",
-    "priority": 3,
+    # 4: a quorum queue on 4.x delivers by priority (4.0: 5 and above first; 4.3: also 0-3
+    # after messages without one, which rank as 4), so any other value reorders the quorum
+    # variant; test_quorum_parking_order_follows_priority shows it.
+    "priority": 4,
     "correlation_id": "corr-3",
     "reply_to": "replies",
     "message_type": "order.created",
@@ -62,9 +65,14 @@ IDS = [m.message_id for m in MESSAGES]
 Run = Callable[..., Any]
 
 
-@pytest.fixture
-def parked(fresh_vhost: Settings) -> Settings:
-    asyncio.run(provision(fresh_vhost, TOPOLOGY))
+# Every verb runs on a classic parking queue and on a quorum one, as ``parking: {queue_type:
+# quorum}`` declares it.
+QUORUM_PARKING = TOPOLOGY + "    parking: {queue_type: quorum}\n"
+
+
+@pytest.fixture(params=["classic", "quorum"])
+def parked(fresh_vhost: Settings, request: pytest.FixtureRequest) -> Settings:
+    asyncio.run(provision(fresh_vhost, QUORUM_PARKING if request.param == "quorum" else TOPOLOGY))
     asyncio.run(park(fresh_vhost, "orders", MESSAGES))
     return fresh_vhost
 
@@ -79,7 +87,10 @@ def ids_of(seen: list[Seen]) -> list[str]:
 
 
 def snapshot(seen: list[Seen]) -> list[tuple[bytes, dict[str, Any], dict[str, Any]]]:
-    return [(s.body, s.headers, s.properties) for s in seen]
+    # A quorum queue counts each look (ours and the management API's) in these two.
+    counted = ("x-delivery-count", "x-acquired-count")
+    return [(s.body, {k: v for k, v in s.headers.items() if k not in counted}, s.properties)
+            for s in seen]
 
 
 def parking_of(api: Management, settings: Settings) -> list[Seen]:
@@ -206,7 +217,7 @@ def test_replay_where_moves_exactly_the_matching_ones_with_reset_headers(
     assert (rich.content_type, rich.content_encoding, rich.priority, rich.correlation_id,
             rich.reply_to, rich.message_type, rich.app_id, rich.user_id, rich.timestamp,
             rich.delivery_mode) == (
-        "application/json", "utf-8", 3, "corr-3", "replies", "order.created", "shop", "guest",
+        "application/json", "utf-8", 4, "corr-3", "replies", "order.created", "shop", "guest",
         RICH_PROPERTIES["timestamp"], 2)
 
 
@@ -447,21 +458,70 @@ def test_an_unreachable_broker_is_exit_1(run_cli: Run) -> None:
     assert "secret" not in result.err + result.out
 
 
-def test_a_parking_queue_that_is_not_classic_is_refused(
+def test_a_quorum_parking_queue_a_look_could_empty_is_refused(
     fresh_vhost: Settings, run_cli: Run, management: Management
 ) -> None:
-    # Declared by hand as quorum: a peek requeues every message, and 4.x quorum queues drop a
-    # message after 20 deliveries, so rabbit-retry will not read it.
+    # Declared by hand as quorum without a limit: a look requeues every message, and 4.x quorum
+    # queues drop a message after 20 returns, so rabbit-retry will not read it.
     asyncio.run(on_channel(fresh_vhost, lambda ch: ch.queue_declare(
         "jobs.parking", durable=True, arguments={"x-queue-type": "quorum"})))
     asyncio.run(park(fresh_vhost, "jobs", [Parked(b"x", message_id="j")]))
     result = run_cli("parking", "show", "jobs", settings=fresh_vhost)
     assert result.code == 3
-    assert result.err == ("error: 'jobs.parking' is a quorum queue; rabbit-retry only reads "
-                          "classic parking queues, where looking at a message can never drop or "
-                          "reorder it\n")
+    assert result.err == (
+        "error: 'jobs.parking' is a quorum queue with no x-delivery-limit: every look at a "
+        "message counts toward the limit past which the broker drops it; declare it with "
+        "rabbit-retry apply (parking: {queue_type: quorum}), which sets a limit no look can "
+        "reach\n")
     assert [s.properties["message_id"] for s in look(management, fresh_vhost, "jobs.parking")] \
         == ["j"]
+
+
+MANY = [Parked(b"%d" % i, message_id=f"n{i}") for i in range(100)]
+
+
+def test_a_quorum_parking_queue_keeps_its_order_through_partial_looks_and_replays(
+    fresh_vhost: Settings, run_cli: Run
+) -> None:
+    # 100 messages: a quorum queue shuffles more than 32 requeued at once, and puts a requeued
+    # head behind what it handed out before; neither may show.
+    asyncio.run(provision(fresh_vhost, QUORUM_PARKING))
+    asyncio.run(park(fresh_vhost, "orders", MANY))
+    every = [m.message_id for m in MANY]
+
+    def shown(*args: str) -> list[str]:
+        result = run_cli("parking", "show", "orders", "--json", *args, settings=fresh_vhost)
+        assert result.code == 0, result.err
+        return [m["message_id"] for m in json.loads(result.out)["messages"]]
+
+    for _ in range(3):
+        assert shown() == every
+    assert shown("--limit", "7") == every[:7]
+    assert shown() == every
+    assert shown("--limit", "40") == every[:40]
+    # a replay of the first ten leaves the other ninety in their order
+    result = run_cli("parking", "replay", "orders", "--limit", "10", "--yes",
+                     settings=fresh_vhost)
+    assert result.code == 0, result.err
+    assert shown() == every[10:]
+    assert [m.message_id for m in drain_sync(fresh_vhost, "orders")] == every[:10]
+
+
+def test_quorum_parking_order_follows_priority(
+    fresh_vhost: Settings, run_cli: Run, management: Management
+) -> None:
+    # What the broker does, not rabbit-retry: parked copies keep the priority property, and a
+    # quorum queue hands out higher priorities first on 4.x (3.10 ignores it).
+    asyncio.run(provision(fresh_vhost, QUORUM_PARKING))
+    asyncio.run(park(fresh_vhost, "orders", [
+        Parked(b"a", message_id="plain"),
+        Parked(b"b", message_id="high", properties={"priority": 9}),
+    ]))
+    result = run_cli("parking", "show", "orders", "--json", settings=fresh_vhost)
+    assert result.code == 0, result.err
+    ids = [m["message_id"] for m in json.loads(result.out)["messages"]]
+    major = int(str(management.get("/overview")["rabbitmq_version"]).split(".")[0])
+    assert ids == (["high", "plain"] if major >= 4 else ["plain", "high"])
 
 
 def test_a_replay_the_main_queue_refuses_stops_and_keeps_the_rest_parked(

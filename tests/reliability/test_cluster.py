@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
 from rel_support import Worker, mixed_stream, ok_ids, settle
 from support.amqp import publish_sync
 from support.cluster import cluster_or_skip, leader
@@ -23,8 +22,12 @@ from support.process import apply
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 
+# Parking queues are quorum, replicated on every node: with classic ones the node that held
+# them took every park down with it (each lane filled with held parks and consumption stopped).
 TOPOLOGY = """\
 version: 1
+defaults:
+  parking: {queue_type: quorum}
 exchanges:
   rel: {type: topic}
 queues:
@@ -42,13 +45,6 @@ ORDERS, PAYMENTS = 14_000, 6_000
 DOWN_FOR_S = 20.0
 
 
-# Seen on the cluster with the code of this commit: parking queues are classic, so they live on
-# the node that declared them (c1). With c1 killed at 30% of the stream, every park is nacked
-# by the broker; the workers hold those messages unacked and retry (nothing lost), but each
-# lane fills with held parks and consumption stops until c1 is back, and the worker that was on
-# c1 cannot pass its startup check elsewhere ("queue 'rel.orders.parking' does not exist").
-@pytest.mark.skip(reason="needs replicated parking queues (issue 14, step 3, not done): a "
-                  "classic parking queue on the killed node stalls every worker's parks")
 def test_the_leader_of_a_main_queue_killed_mid_stream_loses_nothing(
     fresh_vhost: Settings, tmp_path: Path, records: Path, management: Management,
     worker_guard: list[Worker],

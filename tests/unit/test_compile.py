@@ -253,3 +253,43 @@ def test_each_tier_routes_by_its_label_and_returns_to_q_alone(delays: list[int])
             tier.arguments["x-dead-letter-exchange"],
             tier.arguments["x-dead-letter-routing-key"],
         ) == ("", "q")
+
+
+REPLICATED = """\
+version: 1
+defaults:
+  parking: {queue_type: quorum}
+  replicas: 3
+queues:
+  jobs: {}
+  mail:
+    queue_type: classic
+  local:
+    queue_type: classic
+    parking: {queue_type: classic}
+"""
+
+
+def test_a_quorum_parking_queue_has_a_limit_no_look_reaches_and_nowhere_to_drop_to() -> None:
+    plan = plan_of(REPLICATED)
+    assert queue(plan, "jobs.parking").arguments == {
+        "x-queue-type": "quorum",
+        "x-delivery-limit": 2_147_483_647,
+        "x-quorum-initial-group-size": 3,
+    }
+    # a classic main queue may still park into a replicated queue
+    assert queue(plan, "mail.parking").arguments["x-queue-type"] == "quorum"
+    assert queue(plan, "local.parking").arguments == {"x-queue-type": "classic"}
+
+
+def test_replicas_reach_every_quorum_queue_of_q_and_no_classic_one() -> None:
+    plan = plan_of(REPLICATED)
+    sizes = {q.name: q.arguments.get("x-quorum-initial-group-size") for q in plan.queues}
+    assert {n for n, size in sizes.items() if size == 3} == {
+        "jobs", "jobs.retry.5s", "jobs.retry.30s", "jobs.retry.5m", "jobs.parking",
+        "mail.parking",
+    }
+    assert {n for n, size in sizes.items() if size is None} == {
+        "mail", "mail.retry.5s", "mail.retry.30s", "mail.retry.5m",
+        "local", "local.retry.5s", "local.retry.30s", "local.retry.5m", "local.parking",
+    }

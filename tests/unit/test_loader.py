@@ -153,7 +153,7 @@ queues:
         "t.yml:4: queues.b.retry.max_attempts: must be at least 1, got 0",
         "t.yml:6: queues.a.queue_type: expected 'quorum' or 'classic', got 'lazy'",
         "t.yml:7: queues.a.colour: unknown key 'colour' (allowed: queue_type, bindings, retry, "
-        "arguments)",
+        "parking, replicas, arguments)",
     ]
 
 
@@ -167,7 +167,7 @@ def test_unknown_key_suggests_the_near_miss() -> None:
     text = "version: 1\nqueues:\n  q:\n    retries: {max_attempts: 2}\n"
     assert problems(text) == [
         "t.yml:4: queues.q.retries: unknown key 'retries'; did you mean 'retry'? (allowed: "
-        "queue_type, bindings, retry, arguments)"
+        "queue_type, bindings, retry, parking, replicas, arguments)"
     ]
 
 
@@ -266,7 +266,7 @@ queues:
 """
     assert problems(text) == [
         "t.yml:10: queues.c.bogus: unknown key 'bogus' (allowed: queue_type, bindings, retry, "
-        "arguments)"
+        "parking, replicas, arguments)"
     ]
 
 
@@ -359,3 +359,40 @@ queues:
     )
     assert topology.queue("c").retry.max_attempts == 3
     assert not recwarn.list
+
+
+def test_replicas_on_a_queue_without_a_quorum_queue_is_one_line() -> None:
+    text = ("version: 1\nqueues:\n  q:\n    queue_type: classic\n    replicas: 3\n")
+    assert problems(text) == [
+        "t.yml:5: queues.q.replicas: replicas applies to quorum queues; this queue and its "
+        "parking queue are classic"
+    ]
+
+
+def test_replicas_and_the_argument_together_are_refused() -> None:
+    text = ("version: 1\nqueues:\n  q:\n    replicas: 3\n"
+            "    arguments: {x-quorum-initial-group-size: 3}\n")
+    assert problems(text) == [
+        "t.yml:5: queues.q.arguments.x-quorum-initial-group-size: set replicas instead (it also "
+        "reaches the retry tiers and a quorum parking queue); not both"
+    ]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("parking: {queue_type: stream}",
+     "queues.q.parking.queue_type: expected 'quorum' or 'classic', got 'stream'"),
+    ("replicas: 0", "queues.q.replicas: must be at least 1, got 0"),
+    ("parking: {type: quorum}",
+     "queues.q.parking.type: unknown key 'type'; did you mean 'queue_type'? (allowed: "
+     "queue_type)"),
+])
+def test_bad_parking_and_replicas_keys_are_one_line(body: str, message: str) -> None:
+    assert problems(f"version: 1\nqueues:\n  q:\n    {body}\n") == [f"t.yml:4: {message}"]
+
+
+def test_defaults_replicas_skip_queues_without_a_quorum_queue() -> None:
+    text = ("version: 1\ndefaults: {replicas: 2}\nqueues:\n  a: {}\n"
+            "  b: {queue_type: classic}\n")
+    topology = parse_topology(text, "t.yml")
+    assert [q.replicas for q in topology.queues] == [2, 2]
+    assert [q.parking_type for q in topology.queues] == ["classic", "classic"]

@@ -1,0 +1,30 @@
+"""The README's first command, ``scripts/quickstart.sh``, as CI runs it (no terminal), against
+a vhost of its own: the whole loop ends with the desk showing what parked, and stops by itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from rabbit_retry.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quickstart_shows_the_whole_loop_and_ends_by_itself(
+    fresh_vhost: Settings, tmp_path: Path
+) -> None:
+    env = {**os.environ, "CI": "true", "RABBIT_RETRY_URL": fresh_vhost.url,
+           "RABBIT_RETRY_MANAGEMENT_URL": fresh_vhost.management_url,
+           "RABBIT_RETRY_DESK_STORE": f"sqlite:///{tmp_path / 'desk.db'}"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "quickstart.sh")], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "handled order-2 at attempt 2" in out  # the retry through the 1 s tier
+    assert "2 succeeded, 1 parked" in out
+    assert ("1 x demo.orders: rabbit_retry.worker.consumer.Permanent: customer 'ghost' does not "
+            "exist (permanent)") in out
+    assert "The failure desk served http://127.0.0.1:" in out
+    assert (tmp_path / "desk.db").exists()
