@@ -84,6 +84,7 @@ messages = sa.Table(
     sa.Index("ix_messages_status_group", "status", "group_id", "parked_at"),
     sa.Index("ix_messages_status_parked", "status", "parked_at"),
     sa.Index("ix_messages_queue_status_parked", "queue", "status", "parked_at"),
+    sa.Index("ix_messages_status_queue_reason", "status", "queue", "reason", "parked_at"),
     sa.Index("ix_messages_status_changed", "status", "changed_at"),
     sa.Index("ix_messages_message_id", "message_id"),
     sa.Index("ix_messages_correlation_id", "correlation_id"),

@@ -11,6 +11,7 @@ twice (a desk killed between commit and ack, or two desks) is stored once.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -244,16 +245,28 @@ class Store:
             return header
         pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         return sa.or_(
-            m.message_id == text,
-            m.correlation_id == text,
             m.body_text.like(pattern, escape="\\"),
             m.exception_message.like(pattern, escape="\\"),
         )
 
     def messages(self, q: Query) -> tuple[int, list[dict[str, Any]]]:
-        """(how many match, one page of them, newest parked first)."""
-        where = self._filters(q)
+        """(how many match, one page of them, newest parked first).
+
+        A text that is some message's id or correlation id finds those messages alone (two
+        index lookups); only a text that is neither is searched for in bodies and exception
+        messages, which reads every row the other filters leave."""
         m = messages.c
+        where = self._filters(dataclasses.replace(q, text=None))
+        if q.text and q.text.strip():
+            text = q.text.strip()
+            name, eq, _ = text.partition("=")
+            if not (eq and name and " " not in name):
+                exact = sa.or_(m.message_id == text, m.correlation_id == text)
+                with self.engine.connect() as c:
+                    found = c.execute(sa.select(m.id).where(exact, *where).limit(1)).first()
+                where.append(exact if found is not None else self._text_filter(text))
+            else:
+                where.append(self._text_filter(text))
         count = sa.select(sa.func.count()).select_from(messages).where(*where)
         page = (
             sa.select(messages).where(*where)

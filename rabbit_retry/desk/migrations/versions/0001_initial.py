@@ -48,6 +48,7 @@ def upgrade() -> None:
         ("ix_messages_status_group", ["status", "group_id", "parked_at"]),
         ("ix_messages_status_parked", ["status", "parked_at"]),
         ("ix_messages_queue_status_parked", ["queue", "status", "parked_at"]),
+        ("ix_messages_status_queue_reason", ["status", "queue", "reason", "parked_at"]),
         ("ix_messages_status_changed", ["status", "changed_at"]),
         ("ix_messages_message_id", ["message_id"]),
         ("ix_messages_correlation_id", ["correlation_id"]),
