@@ -244,7 +244,8 @@ else
             # The last stage: the cluster's variables replace the single node's from here on.
             eval "$("$ROOT/scripts/cluster.sh" env)"
             run_pytest "pytest on a 3-node RabbitMQ 4.3 cluster" \
-                tests/integration/test_cluster_urls.py tests/reliability/test_cluster.py \
+                tests/integration/test_cluster_urls.py tests/integration/test_cluster_status.py \
+                tests/reliability/test_cluster.py \
                 tests/reliability/test_refusals.py -- "$@"
         else
             FAILED+=("cluster (did not start)")
