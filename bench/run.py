@@ -124,6 +124,15 @@ BENCHES = (
         {"messages": 100, "runs": 1, "backlog": 300},
         900,
     ),
+    Bench(
+        "cluster",
+        "bench.bench_cluster",
+        "Cluster: throughput against one node, and the pause when a leader dies",
+        # Not measured (a note says why) when scripts/cluster.sh's cluster is not up.
+        {"messages": 20_000, "runs": 3, "kills": 3},
+        {"messages": 100, "runs": 1, "kills": 1, "failover_messages": 1_000, "before": 100},
+        1800,
+    ),
 )
 PACKAGES = (
     "rabbit-retry",

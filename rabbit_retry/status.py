@@ -17,9 +17,10 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from rabbit_retry.broker.counts import ready_and_consumers
-from rabbit_retry.broker.diff import Change, diff
+from rabbit_retry.broker.diff import Change, diff, replication_of
 from rabbit_retry.broker.inspect import LiveState, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
+from rabbit_retry.broker.replicas import Replication
 from rabbit_retry.settings import Settings
 from rabbit_retry.tables import cell, new_table
 from rabbit_retry.text import plural
@@ -56,6 +57,8 @@ class QueueStatus:
     # (queue, messages) for Q and its tiers where a quorum queue holds messages it could not
     # dead-letter yet: a missing next queue, or a dead-letter cycle (docs/versions.md).
     held: tuple[tuple[str, int], ...] = ()
+    # Each live quorum queue of Q (main, tiers, parking): its leader and replicas.
+    replicas: tuple[Replication, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -67,6 +70,7 @@ class QueueStatus:
             "parked": self.parked,
             "tiers": dict(self.tiers),
             "held_for_dead_lettering": dict(self.held),
+            "replicas": [r.to_json() for r in self.replicas],
         }
 
 
@@ -119,17 +123,27 @@ class Status:
 
     @property
     def ok(self) -> bool:
+        """No drift. A replica down is a warning, not drift: the queue works while a majority
+        of its replicas runs, and the file cannot fix it."""
         return not self.drift
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """One line per quorum queue with a replica offline, or fewer than the file asks for."""
+        return tuple(
+            r.warning for row in self.queues for r in row.replicas if r.warning is not None
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
             "vhost": self.vhost,
             "file": self.source,
             "ok": self.ok,
+            "warnings": list(self.warnings),
             "queues": [q.to_json() for q in self.queues],
             "drift": [d.to_json() for d in self.drift],
             # Every other count is read from the broker the moment status runs.
-            "sampled": ["unacked", "held_for_dead_lettering"],
+            "sampled": ["unacked", "held_for_dead_lettering", "online"],
         }
 
 
@@ -178,6 +192,15 @@ def _tiers_of(main: str, live: LiveState) -> tuple[tuple[str, int], ...]:
     return tuple((name, live.queues[name].messages) for name in names)
 
 
+def _replicas_of(plan: Plan, main: str, live: LiveState) -> tuple[Replication, ...]:
+    out = []
+    for queue in plan.queues_of(main):
+        live_queue = live.queues.get(queue.name)
+        if live_queue is not None and live_queue.type == "quorum" and live_queue.members:
+            out.append(replication_of(live_queue, queue, live.nodes))
+    return tuple(out)
+
+
 def build_status(
     plan: Plan, live: LiveState, changes: Sequence[Change], *, vhost: str, source: str
 ) -> Status:
@@ -201,6 +224,7 @@ def build_status(
                     for name in (main.name, *(t for t, _ in tiers))
                     if name in live.queues and live.queues[name].messages_dlx
                 ),
+                replicas=_replicas_of(plan, main.name, live),
             )
         )
     return Status(vhost, source, tuple(rows), drift_of(changes, plan))
@@ -213,6 +237,29 @@ def read_status(api: Management, settings: Settings, plan: Plan, source: str) ->
     exact = asyncio.run(ready_and_consumers(settings, sorted(live.queues)))
     live = with_exact_counts(live, exact)
     return build_status(plan, live, diff(plan, live), vhost=settings.vhost, source=source)
+
+
+def _replicas_view(status: Status) -> list[RenderableType]:
+    """The leader and replicas of every quorum queue, when there is more than one node to tell
+    apart (or something to warn about); the warnings below, one line each."""
+    replicas = [r for row in status.queues for r in row.replicas]
+    if not any(len(r.members) > 1 or r.warning for r in replicas):
+        return []
+    table = new_table(title="quorum queues")
+    for column in ("queue", "leader", "online", "replicas"):
+        table.add_column(column, justify="right" if column == "online" else "left")
+    for r in replicas:
+        online = f"{len(r.online)}/{len(r.members)}"
+        table.add_row(
+            cell(r.queue),
+            cell(r.leader),
+            Text(online, style="bold yellow") if r.warning else cell(online),
+            cell(", ".join(m if m in r.online else f"{m} (down)" for m in r.members)),
+        )
+    parts: list[RenderableType] = [table]
+    for warning in status.warnings:
+        parts.append(Text(f"WARNING: {warning}", style="bold yellow"))
+    return parts
 
 
 def status_view(status: Status) -> RenderableType:
@@ -247,6 +294,7 @@ def status_view(status: Status) -> RenderableType:
         )
     parts.append(table)
     parts.append(Text(SAMPLED_NOTE, style="dim"))
+    parts.extend(_replicas_view(status))
     for row in status.queues:
         for name, count in row.held:
             parts.append(Text(

@@ -9,6 +9,7 @@
 #   scripts/cluster.sh status    one line per node: running or not, its ports
 #   scripts/cluster.sh env       the test variables for the cluster, as `export` lines
 #   scripts/cluster.sh ctl N ARGS  rabbitmqctl aimed at node N
+#   scripts/cluster.sh queues N ARGS  rabbitmq-queues aimed at node N (add_member, grow, ...)
 #
 # Node N is cN@localhost: AMQP 576N, management 1576N, distribution 2576N. The nodes run from
 # the RabbitMQ 4.3 chroot of scripts/broker.sh (built through `scripts/broker.sh up 4.3` when
@@ -252,6 +253,13 @@ case "$ACTION" in
         shift
         ensure_chroot
         in_chroot_as "$n" timeout 300 rabbitmqctl -n "$(node_name "$n")" "$@"
+        ;;
+    queues)
+        check_n "${1:-}"
+        n="$1"
+        shift
+        ensure_chroot
+        in_chroot_as "$n" timeout 300 rabbitmq-queues -n "$(node_name "$n")" "$@"
         ;;
     *) usage ;;
 esac

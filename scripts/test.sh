@@ -10,6 +10,7 @@
 #
 #   ./scripts/test.sh                        the matrix above
 #   ./scripts/test.sh --broker 4.3 [ARGS]    one version; ARGS go to pytest (e.g. -k apply -x)
+#   ./scripts/test.sh --broker cluster       only the cluster stage
 #   ./scripts/test.sh tests/unit             only the pure tests: no broker needed
 #
 # With RABBIT_RETRY_TEST_URL set (and RABBIT_RETRY_TEST_MANAGEMENT_URL), the tests run once,
@@ -110,7 +111,7 @@ args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --broker)
-            [ $# -ge 2 ] || die "--broker needs a version: 3.10, 4.0 or 4.3"
+            [ $# -ge 2 ] || die "--broker needs a version: 3.10, 4.0, 4.3 or cluster"
             BROKERS+=("$2")
             shift 2
             ;;
@@ -195,14 +196,58 @@ version_targets() {
     esac
 }
 
+only_cluster=""
+[ "${BROKERS[*]-}" != cluster ] || only_cluster=1
+
 if [ -z "$only_unit" ]; then
-    stage "wheel: build it, install it in a fresh venv, smoke it"
-    wheel_smoke || FAILED+=(wheel)
+    if [ -z "$only_cluster" ]; then
+        stage "wheel: build it, install it in a fresh venv, smoke it"
+        wheel_smoke || FAILED+=(wheel)
+    fi
     stage "idempotency stores: PostgreSQL and Redis"
     ensure_stores
-    stage "chromium and chromedriver (the failure desk page's browser tests)"
-    ensure_chromium
+    if [ -z "$only_cluster" ]; then
+        stage "chromium and chromedriver (the failure desk page's browser tests)"
+        ensure_chromium
+    fi
 fi
+
+# The cluster tests need every node, and a stage that started the cluster stops it again,
+# however the script ends (a failure, CI's timeout): three nodes left running would hold ports
+# and memory on the next run's machine.
+CLUSTER_TESTS=(tests/integration/test_cluster_urls.py tests/integration/test_cluster_status.py
+    tests/reliability/test_cluster.py tests/reliability/test_refusals.py)
+# Starting three nodes and clustering them: well under this on a 2-core machine (about 30 s).
+CLUSTER_UP_TIMEOUT="${RABBIT_RETRY_CLUSTER_UP_TIMEOUT:-600}"
+started_cluster=""
+stop_cluster() {
+    if [ -n "$started_cluster" ]; then
+        started_cluster=""
+        note "stopping the cluster this run started"
+        timeout 300 "$ROOT/scripts/cluster.sh" down </dev/null || note "scripts/cluster.sh down failed"
+    fi
+}
+trap stop_cluster EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+cluster_stage() {
+    local began=$SECONDS
+    stage "cluster of three RabbitMQ 4.3 nodes"
+    if ! "$ROOT/scripts/cluster.sh" status 2>/dev/null | grep -q '^running members: .* .* '; then
+        started_cluster=1
+    fi
+    if timeout --kill-after=30 "$CLUSTER_UP_TIMEOUT" "$ROOT/scripts/cluster.sh" up </dev/null; then
+        note "cluster up after $((SECONDS - began))s"
+        # The last stage: the cluster's variables replace the single node's from here on.
+        eval "$("$ROOT/scripts/cluster.sh" env)"
+        run_pytest "pytest on a 3-node RabbitMQ 4.3 cluster" "${CLUSTER_TESTS[@]}" -- "$@"
+    else
+        FAILED+=("cluster (did not start within ${CLUSTER_UP_TIMEOUT}s)")
+    fi
+    stop_cluster
+    note "cluster stage took $((SECONDS - began))s"
+}
 
 label=""
 if [ -n "$only_unit" ]; then
@@ -215,9 +260,14 @@ elif [ -n "${RABBIT_RETRY_TEST_URL:-}" ]; then
         "$ROOT/scripts/ensure-broker.sh" </dev/null
     label="pytest"
     if [ "${targets[*]-}" = "-" ]; then run_pytest "$label $*" -- "$@"; else run_pytest "$label tests $*" tests -- "$@"; fi
+elif [ -n "$only_cluster" ]; then
+    [ "${targets[*]-}" != "-" ] || die "--broker cluster runs the cluster tests; name no paths"
+    label="tests on a 3-node 4.3 cluster"
+    cluster_stage "$@"
 else
     [ "${#BROKERS[@]}" -gt 0 ] || BROKERS=(4.3 3.10 4.0)
     for version in "${BROKERS[@]}"; do
+        [ "$version" != cluster ] || continue
         stage "broker $version"
         if ! "$ROOT/scripts/broker.sh" up "$version" </dev/null; then
             FAILED+=("broker $version (did not start)")
@@ -234,22 +284,10 @@ else
     label="tests on RabbitMQ ${BROKERS[*]}"
     # The cluster tests, on three 4.3 nodes (scripts/cluster.sh), when 4.3 is in the matrix and
     # no test paths were named; label says so. A cluster this run started is stopped again.
-    if [[ " ${BROKERS[*]} " == *" 4.3 "* && "${targets[*]-}" != "-" ]]; then
-        stage "cluster of three RabbitMQ 4.3 nodes"
+    if [[ " ${BROKERS[*]} " == *" 4.3 "* || " ${BROKERS[*]} " == *" cluster "* ]] &&
+        [ "${targets[*]-}" != "-" ]; then
         label="$label and a 3-node 4.3 cluster"
-        started_cluster=""
-        "$ROOT/scripts/cluster.sh" status 2>/dev/null | grep -q '^running members: .* .* ' ||
-            started_cluster=1
-        if "$ROOT/scripts/cluster.sh" up </dev/null; then
-            # The last stage: the cluster's variables replace the single node's from here on.
-            eval "$("$ROOT/scripts/cluster.sh" env)"
-            run_pytest "pytest on a 3-node RabbitMQ 4.3 cluster" \
-                tests/integration/test_cluster_urls.py tests/reliability/test_cluster.py \
-                tests/reliability/test_refusals.py -- "$@"
-        else
-            FAILED+=("cluster (did not start)")
-        fi
-        [ -z "$started_cluster" ] || "$ROOT/scripts/cluster.sh" down </dev/null || true
+        cluster_stage "$@"
     fi
 fi
 

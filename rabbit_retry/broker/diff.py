@@ -15,14 +15,19 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState, NodeCapacity
+from rabbit_retry.broker.replicas import GROUP_SIZE, Replication, replicas_note
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
 
-ChangeKind = Literal["create", "unchanged", "conflict", "unbind", "prune", "keep"]
+# ``grow``: a live quorum queue with fewer replicas than the file asks for; apply cannot add
+# them (broker/replicas.py), the detail says what can.
+ChangeKind = Literal["create", "unchanged", "conflict", "unbind", "prune", "keep", "grow"]
 ObjectKind = Literal["exchange", "queue", "binding"]
-KINDS: tuple[ChangeKind, ...] = ("create", "unchanged", "conflict", "unbind", "prune", "keep")
+KINDS: tuple[ChangeKind, ...] = (
+    "create", "unchanged", "conflict", "unbind", "prune", "keep", "grow"
+)
 
 # The queue type lives in LiveQueue.type: a classic queue declared without the argument is
 # still classic, so the argument itself is never compared.
@@ -76,10 +81,12 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _argument_differences(live: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
+def _argument_differences(
+    live: Mapping[str, Any], file: Mapping[str, Any], ignore: frozenset[str] = frozenset()
+) -> list[str]:
     out = []
     for key in sorted(set(live) | set(file)):
-        if key == _TYPE_ARGUMENT:
+        if key == _TYPE_ARGUMENT or key in ignore:
             continue
         if key not in live:
             out.append(f"{key}: live absent, file {show(file[key])}")
@@ -94,13 +101,51 @@ def _field(name: str, live: Any, file: Any) -> list[str]:
     return [] if _same(live, file) else [f"{name}: live {show(live)}, file {show(file)}"]
 
 
+def _both_quorum(live: LiveQueue, queue: Queue) -> bool:
+    return live.type == "quorum" and queue.queue_type == "quorum"
+
+
 def queue_differences(live: LiveQueue, queue: Queue) -> list[str]:
+    # A quorum queue's replicas are not a conflict: see replication_of.
+    ignore = frozenset({GROUP_SIZE}) if _both_quorum(live, queue) else frozenset()
     return [
         *_field("type", live.type, queue.queue_type),
         *_field("durable", live.durable, queue.durable),
         *_field("auto_delete", live.auto_delete, False),
-        *_argument_differences(live.arguments, queue.arguments),
+        *_argument_differences(live.arguments, queue.arguments, ignore),
     ]
+
+
+def replication_of(live: LiveQueue, queue: Queue, nodes: tuple[str, ...]) -> Replication:
+    """The replicas of a live quorum queue against those ``queue`` asks for."""
+    asked = queue.arguments.get(GROUP_SIZE)
+    return Replication(
+        queue=live.name,
+        leader=live.leader,
+        members=live.members,
+        online=live.online,
+        asked=asked if isinstance(asked, int) and not isinstance(asked, bool) else None,
+        nodes=nodes,
+    )
+
+
+def _replicas_change(
+    live: LiveQueue, queue: Queue, state: LiveState, differences: list[str]
+) -> Change | None:
+    """A quorum queue's change when its replicas (argument or members) differ from the file;
+    a conflict only when something else differs too."""
+    if not _both_quorum(live, queue):
+        return None
+    replication = replication_of(live, queue, state.nodes)
+    note = replicas_note(
+        queue.name, state.vhost, replication.asked, live.arguments.get(GROUP_SIZE), replication
+    )
+    if note is None:
+        return None
+    short, text = note
+    if differences:
+        return Change("conflict", "queue", queue.name, "; ".join([*differences, text]), queue)
+    return Change("grow" if short else "unchanged", "queue", queue.name, text, queue)
 
 
 def parking_type_advice(live: LiveQueue, queue: Queue) -> str:
@@ -227,6 +272,11 @@ def diff(plan: Plan, live: LiveState) -> list[Change]:
         if differences and queue.role == "parking" and live_queue is not None \
                 and live_queue.type != queue.queue_type:
             differences.append(parking_type_advice(live_queue, queue))
+        if live_queue is not None and differences is not None:
+            replicas = _replicas_change(live_queue, queue, live, differences)
+            if replicas is not None:
+                changes.append(replicas)
+                continue
         changes.append(
             _compare("queue", queue.name, queue, differences, _queue_summary(queue))
         )
@@ -253,7 +303,9 @@ def nothing_to_do(changes: Iterable[Change], *, prune: bool = False) -> bool:
     With ``--prune`` a ``keep`` is work too: its count comes from statistics that lag, so the
     broker is asked again and decides.
     """
-    idle: set[ChangeKind] = {"unchanged"} if prune else {"unchanged", "keep", "prune"}
+    idle: set[ChangeKind] = {"unchanged", "grow"}
+    if not prune:
+        idle |= {"keep", "prune"}
     return all(c.kind in idle for c in changes)
 
 

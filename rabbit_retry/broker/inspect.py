@@ -31,6 +31,11 @@ class LiveQueue:
     consumers: int = 0
     # Quorum queues only: messages the queue holds until their dead-letter target confirms.
     messages_dlx: int = 0
+    # Quorum queues only (broker/replicas.py): the node leading it, the nodes holding a
+    # replica, and those of them the API saw running at its last statistics collection.
+    leader: str | None = None
+    members: tuple[str, ...] = ()
+    online: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class LiveState:
     queues: Mapping[str, LiveQueue]
     exchanges: Mapping[str, LiveExchange]  # the default exchange ("") is left out
     bindings: tuple[Binding, ...]  # queue-destination bindings from non-default exchanges
+    nodes: tuple[str, ...] = ()  # every node of the cluster, running or not
+    vhost: str = ""
 
     @classmethod
     def empty(cls) -> LiveState:
@@ -69,8 +76,14 @@ def _count(raw: Mapping[str, Any], key: str) -> int:
     return int(value) if isinstance(value, int | float) else 0
 
 
+def _names(raw: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = raw.get(key)
+    return tuple(str(v) for v in value) if isinstance(value, list) else ()
+
+
 def parse_queue(raw: Mapping[str, Any]) -> LiveQueue:
     arguments = dict(raw.get("arguments") or {})
+    leader = raw.get("leader")
     return LiveQueue(
         name=str(raw["name"]),
         type=str(raw.get("type") or arguments.get("x-queue-type") or "classic"),
@@ -82,6 +95,9 @@ def parse_queue(raw: Mapping[str, Any]) -> LiveQueue:
         messages_unacknowledged=_count(raw, "messages_unacknowledged"),
         consumers=_count(raw, "consumers"),
         messages_dlx=_count(raw, "messages_dlx"),
+        leader=str(leader) if isinstance(leader, str) and leader else None,
+        members=_names(raw, "members"),
+        online=_names(raw, "online"),
     )
 
 
@@ -111,7 +127,7 @@ def parse_bindings(raw: Iterable[Mapping[str, Any]]) -> tuple[Binding, ...]:
 
 _QUEUE_COLUMNS = ",".join(
     ("name", "type", "durable", "auto_delete", "arguments", "messages", "messages_ready",
-     "messages_unacknowledged", "consumers", "messages_dlx")
+     "messages_unacknowledged", "consumers", "messages_dlx", "leader", "members", "online")
 )
 _EXCHANGE_COLUMNS = "name,type,durable,auto_delete,internal,arguments"
 
@@ -130,7 +146,20 @@ def read_live(api: Management, vhost: str) -> LiveState:
         raise BrokerError(f"vhost {vhost!r} does not exist on the broker") from None
     queues = {q.name: q for q in map(parse_queue, raw_queues)}
     exchanges = {e.name: e for e in map(parse_exchange, raw_exchanges) if e.name}
-    return LiveState(queues=queues, exchanges=exchanges, bindings=parse_bindings(raw_bindings))
+    return LiveState(queues=queues, exchanges=exchanges, bindings=parse_bindings(raw_bindings),
+                     nodes=_cluster_nodes(api), vhost=vhost)
+
+
+def _cluster_nodes(api: Management) -> tuple[str, ...]:
+    """The names of the cluster's nodes, or none when the user may not list them (only the
+    monitoring and administrator tags may): replica checks then go without the cluster's size.
+    """
+    try:
+        raw = api.get("/nodes", columns="name")
+    except (BrokerError, NotFound):
+        return ()
+    return tuple(sorted(str(n["name"]) for n in raw if isinstance(n, dict) and n.get("name")))
+
 
 
 def read_capacity(api: Management) -> NodeCapacity:

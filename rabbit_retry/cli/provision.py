@@ -46,6 +46,7 @@ _STYLE = {
     "unbind": "yellow",
     "prune": "yellow",
     "keep": "cyan",
+    "grow": "yellow",
 }
 
 
@@ -84,6 +85,8 @@ def _summary(changes: Sequence[Change], vhost: str) -> str:
         f"{totals['prune']} to prune",
         f"{totals['keep']} obsolete but not empty",
     ]
+    if totals["grow"]:
+        parts.append(f"{totals['grow']} short of replicas")
     return f"vhost {vhost!r}: " + ", ".join(parts)
 
 
@@ -138,6 +141,7 @@ def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: b
     for c in report.unbound:
         click.echo(f"unbound {c.name}: {c.detail}")
     if prune:
+        _report_grow(changes)
         for name in report.pruned:
             click.echo(f"pruned {name} (obsolete, empty)")
         for name, left in report.kept:
@@ -149,6 +153,13 @@ def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: b
     for c in changes:
         if c.kind in ("prune", "keep"):
             click.echo(f"left {c.name} ({c.detail}); apply --prune deletes it once empty")
+    _report_grow(changes)
+
+
+def _report_grow(changes: Sequence[Change]) -> None:
+    for c in changes:
+        if c.kind == "grow":
+            click.echo(f"left {c.name} short of replicas: {c.detail}")
 
 
 @cli.command()

@@ -234,6 +234,7 @@ def test_second_apply_and_plan_have_nothing_to_do(
     document = json.loads(as_json.out)
     assert document["summary"] == {
         "create": 0, "unchanged": 17, "conflict": 0, "unbind": 0, "prune": 0, "keep": 0,
+        "grow": 0,
     }
     assert document["vhost"] == fresh_vhost.vhost
     assert {c["name"] for c in document["changes"] if c["object"] == "queue"} == set(

@@ -118,12 +118,20 @@ def test_status_counts_what_each_queue_holds(
         deadline = time.monotonic() + DEADLINE_S
         while True:
             code, data = status_json(run_cli, fresh_vhost, topology)
+            replicas = [q.pop("replicas") for q in data["queues"]]
             if data["queues"] == expected or time.monotonic() > deadline:
                 break
             time.sleep(1)
         assert data["queues"] == expected
         assert (code, data["ok"], data["drift"], data["vhost"], data["file"]) == (
             0, True, [], fresh_vhost.vhost, str(topology))
+        # One node: each quorum queue (orders, its tiers; payments is classic) has one replica,
+        # its leader, online; nothing to warn about.
+        assert [[r["queue"] for r in q] for q in replicas] == [
+            ["orders", "orders.retry.1h", "orders.retry.2h"], []]
+        for r in replicas[0]:
+            assert r["members"] == r["online"] == [r["leader"]] and r["warning"] is None
+        assert data["warnings"] == []
 
         result = run_cli("status", str(topology), settings=fresh_vhost)
     assert result.code == 0, result.err
@@ -147,7 +155,7 @@ def test_parked_and_ready_counts_are_exact_at_once(
         orders = data["queues"][0]
         assert (code, orders["queue"], orders["parked"], orders["ready"]) == (
             0, "orders", 7 * round_, 3 * round_)
-    assert data["sampled"] == ["unacked", "held_for_dead_lettering"]
+    assert data["sampled"] == ["unacked", "held_for_dead_lettering", "online"]
 
 
 def test_a_deleted_tier_and_parking_queue_are_drift_first_and_exit_1(

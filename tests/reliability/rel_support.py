@@ -58,7 +58,8 @@ class Worker:
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
-    def start(self) -> Worker:
+    def start(self, *, consuming: bool = True) -> Worker:
+        """Starts the process and, unless ``consuming`` is False, waits until it consumes."""
         assert self.process is None or self.process.poll() is not None, "already running"
         consuming_before = self.log().count("consuming queue=")
         argv = [CLI, "--url", self.settings.url_list, "worker",
@@ -70,6 +71,8 @@ class Worker:
                 cwd=self.records,
             )
         self.starts += 1
+        if not consuming:
+            return self
         wanted = consuming_before + len(self.classes)
         wait_for(lambda: self.log().count("consuming queue=") >= wanted or self.exited(),
                  "the worker to consume")

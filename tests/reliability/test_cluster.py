@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rel_support import Worker, mixed_stream, ok_ids, settle
-from support.amqp import publish_sync
+from rel_support import Worker, mixed_stream, ok_ids, settle, spec_body
+from support.amqp import Outgoing, publish_sync
 from support.cluster import cluster_or_skip, leader
 from support.poll import wait_for
 from support.process import apply
@@ -95,3 +95,57 @@ def test_the_leader_of_a_main_queue_killed_mid_stream_loses_nothing(
     for log in logs:
         assert "Traceback" not in log, log[-3000:]
     ledger.check("leader of a main queue killed on a 3-node cluster", started)
+
+
+CLASSIC = """\
+version: 1
+queues:
+  rel.orders:
+    queue_type: classic
+    parking: {queue_type: classic}
+    retry: {delays: [200ms], max_attempts: 3}
+"""
+WAITING = "exists but its node does not answer"
+
+
+def test_a_worker_started_while_its_classic_queues_node_is_down_waits_then_consumes(
+    fresh_vhost: Settings, tmp_path: Path, records: Path, management: Management,
+    worker_guard: list[Worker],
+) -> None:
+    """A classic queue lives on the node that declared it. With that node down, the worker's
+    startup check is refused NOT_FOUND as if the queue did not exist: the worker must wait for
+    the node (one line), not exit with "run apply first", and consume once it is back."""
+    cluster = cluster_or_skip(management)
+    home = cluster.nodes[2]
+    topology = tmp_path / "classic.yml"
+    topology.write_text(CLASSIC)
+    apply(fresh_vhost.starting_at(2), topology)  # declared over the last node: they live there
+    for name in ("rel.orders", "rel.orders.parking"):
+        info = management.queue(fresh_vhost.vhost, name)
+        assert info is not None and info["node"] == home, info
+    messages = [Outgoing(f"m-{i}", spec_body(f"m-{i}")) for i in range(200)]
+    publish_sync(fresh_vhost, messages, routing_key="rel.orders")
+
+    worker = Worker(fresh_vhost, topology, records, "Orders")  # the list starts at c1
+    worker_guard.append(worker)
+    with cluster.down(home):
+        started = time.monotonic()
+        worker.start(consuming=False)
+        line = wait_for(
+            lambda: next((x for x in worker.log().splitlines() if WAITING in x), None),
+            "the worker to say it waits for the node", within=300,
+            unless=lambda: f"exited:\n{worker.log()[-3000:]}" if worker.exited() else None)
+        waited_s = time.monotonic() - started
+        # The event, not a window: the worker said it waits, so it has not consumed.
+        assert not worker.exited() and ok_ids(records) == set()
+        assert "run `rabbit-retry apply" not in worker.log()
+        print(f"[cluster] {home} down; after {waited_s:.1f}s the worker logged: {line}")
+    wait_for(lambda: len(ok_ids(records)) == len(messages),
+             f"every message handled once {home} is back", within=600,
+             unless=lambda: f"exited:\n{worker.log()[-3000:]}" if worker.exited() else None)
+    log = worker.log()
+    assert log.count(WAITING) == 1 and log.count("the node is back after") == 1, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    worker.stop()
+    back = next(x for x in log.splitlines() if "the node is back after" in x)
+    print(f"[cluster] then: {back}")

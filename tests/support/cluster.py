@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -36,10 +38,25 @@ class Cluster:
         """Start a killed node again; it rejoins with its data (returns once it answers)."""
         self._run("start", str(self.number(node)))
 
-    def _run(self, *args: str) -> None:
+    @contextmanager
+    def down(self, node: str) -> Iterator[None]:
+        """The node killed for the block, started again after it, however the block ends (the
+        next test needs every node)."""
+        self.kill(node)
+        try:
+            yield
+        finally:
+            self.start(node)
+
+    def queues(self, node: str, *args: str) -> str:
+        """``rabbitmq-queues ARGS`` aimed at ``node``; its output."""
+        return self._run("queues", str(self.number(node)), *args)
+
+    def _run(self, *args: str) -> str:
         done = subprocess.run([self.script, *args], capture_output=True, text=True,
                               timeout=300, stdin=subprocess.DEVNULL)
         assert done.returncode == 0, f"{self.script} {' '.join(args)}: {done.stderr.strip()}"
+        return done.stdout
 
 
 def cluster_or_skip(api: Management) -> Cluster:

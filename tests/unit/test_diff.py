@@ -127,6 +127,7 @@ def test_applied_plan_is_all_unchanged() -> None:
     assert nothing_to_do(changes) and nothing_to_do(changes, prune=True)
     assert count(changes) == {
         "create": 0, "unchanged": 17, "conflict": 0, "unbind": 0, "prune": 0, "keep": 0,
+        "grow": 0,
     }
 
 

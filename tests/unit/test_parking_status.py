@@ -66,7 +66,7 @@ def test_counts_per_main_queue_with_old_tiers_still_draining() -> None:
         "queue": "orders", "ready": 7, "unacked": 2, "consumers": 1, "retrying": 8,
         "parked": 5,
         "tiers": {"orders.retry.1m": 1, "orders.retry.1s": 3, "orders.retry.5m": 4},
-        "held_for_dead_lettering": {},
+        "held_for_dead_lettering": {}, "replicas": [],
     }
     assert (payments.queue, payments.ready, payments.retrying) == ("payments", 9, 0)
     assert status.ok and status.drift == ()  # an old tier draining is not drift
