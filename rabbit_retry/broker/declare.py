@@ -220,7 +220,7 @@ async def apply_changes(
     ``live_bindings`` are the bindings read with the diff; pruning a quorum tier unbinds them
     first and restores them if the tier turns out not to be empty.
     """
-    if any(c.kind == "conflict" for c in changes):
+    if any(c.kind in ("conflict", "migrate") for c in changes):
         raise AssertionError("apply_changes called with conflicts; check the diff first")
     report = ApplyReport()
     if work_count(changes, prune=prune) == 0:

@@ -1,7 +1,9 @@
 """Plan vs live broker -> the list of changes ``apply`` would make; pure.
 
-Like Terraform's plan, but it never proposes to destroy data to converge: a live object that
-differs from the file is a ``conflict`` for a human to resolve, and the only deletions it ever
+Like Terraform's plan, but it never proposes to destroy data to converge: a live exchange that
+differs from the file is a ``conflict`` for a human to resolve; a live queue that differs is a
+``migrate``, which ``apply`` refuses and ``rabbit-retry migrate`` carries out, moving every
+message (broker/migrate_plan.py); and the only deletions it ever
 proposes are retry tiers that left the file (``prune``), which ``apply`` deletes only with
 ``--prune`` and only while empty. Main queues, parking queues and anything the file does not
 derive are never touched.
@@ -20,9 +22,11 @@ from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
 
-ChangeKind = Literal["create", "unchanged", "conflict", "unbind", "prune", "keep"]
+ChangeKind = Literal["create", "unchanged", "conflict", "migrate", "unbind", "prune", "keep"]
 ObjectKind = Literal["exchange", "queue", "binding"]
-KINDS: tuple[ChangeKind, ...] = ("create", "unchanged", "conflict", "unbind", "prune", "keep")
+KINDS: tuple[ChangeKind, ...] = (
+    "create", "unchanged", "conflict", "migrate", "unbind", "prune", "keep"
+)
 
 # The queue type lives in LiveQueue.type: a classic queue declared without the argument is
 # still classic, so the argument itself is never compared.
@@ -134,6 +138,20 @@ def _compare(
     return Change("unchanged", object_kind, name, "", item)
 
 
+def _queue_change(queue: Queue, live: LiveState) -> Change:
+    live_queue = live.queues.get(queue.name)
+    held = live.queues.get(naming.migrating_queue(queue.name))
+    differences = None if live_queue is None else queue_differences(live_queue, queue)
+    if differences or held is not None:
+        # The broker cannot change a queue's type or arguments in place: ``migrate`` builds
+        # it again beside a holding queue and moves every message.
+        messages = (live_queue.messages if live_queue else 0) + (held.messages if held else 0)
+        what = "; ".join(differences or ["a migration is under way"])
+        detail = f"{what}; migrate keeps its {plural(messages, 'message')}"
+        return Change("migrate", "queue", queue.name, detail, queue)
+    return _compare("queue", queue.name, queue, differences, _queue_summary(queue))
+
+
 def _looks_like_tier(live: LiveQueue, owner: str) -> bool:
     # Only a queue this tool made is ever proposed for deletion: its name and its wiring
     # (TTL, dead-lettering straight back to its main queue) must both say it is a tier.
@@ -210,11 +228,7 @@ def diff(plan: Plan, live: LiveState) -> list[Change]:
         )
         changes.append(_compare("exchange", exchange.name, exchange, differences, exchange.type))
     for queue in plan.queues:
-        live_queue = live.queues.get(queue.name)
-        differences = None if live_queue is None else queue_differences(live_queue, queue)
-        changes.append(
-            _compare("queue", queue.name, queue, differences, _queue_summary(queue))
-        )
+        changes.append(_queue_change(queue, live))
     live_bindings = {b.key for b in live.bindings}
     for binding in plan.bindings:
         kind: ChangeKind = "unchanged" if binding.key in live_bindings else "create"
@@ -230,6 +244,28 @@ def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:
     for change in changes:
         totals[change.kind] += 1
     return totals
+
+
+def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
+    """Why ``apply`` will not go on, one line per object; empty when it can."""
+    lines = [
+        f"{c.object} {c.name} in vhost {vhost!r} differs from the file: {c.detail}"
+        for c in changes
+        if c.kind in ("conflict", "migrate")
+    ]
+    if not lines:
+        return []
+    if any(c.kind == "conflict" for c in changes):
+        lines.append(
+            "nothing was changed; fix the file or the live exchange (an exchange must be "
+            "deleted and redeclared by hand)"
+        )
+    if any(c.kind == "migrate" for c in changes):
+        lines.append(
+            f"nothing was changed; `rabbit-retry migrate {file}` rebuilds these queues and "
+            "keeps their messages"
+        )
+    return lines
 
 
 def nothing_to_do(changes: Iterable[Change], *, prune: bool = False) -> bool:

@@ -27,6 +27,7 @@ from rabbit_retry.broker.diff import (
     diff,
     new_quorum_queues,
     nothing_to_do,
+    refusal,
 )
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live
@@ -43,6 +44,7 @@ _STYLE = {
     "create": "green",
     "unchanged": "dim",
     "conflict": "bold red",
+    "migrate": "magenta",
     "unbind": "yellow",
     "prune": "yellow",
     "keep": "cyan",
@@ -80,6 +82,7 @@ def _summary(changes: Sequence[Change], vhost: str) -> str:
         f"{totals['create']} to create",
         f"{totals['unchanged']} unchanged",
         f"{totals['conflict']} in conflict",
+        f"{totals['migrate']} to migrate",
         f"{totals['unbind']} to unbind",
         f"{totals['prune']} to prune",
         f"{totals['keep']} obsolete but not empty",
@@ -99,19 +102,6 @@ def _print_changes(changes: Sequence[Change], vhost: str) -> None:
         for c in changes:
             click.echo(_line(c))
     click.echo(_summary(changes, vhost))
-
-
-def _conflict_error(changes: Sequence[Change], vhost: str) -> ConflictError:
-    lines = [
-        f"{c.object} {c.name} in vhost {vhost!r} differs from the file: {c.detail}"
-        for c in changes
-        if c.kind == "conflict"
-    ]
-    lines.append(
-        "nothing was changed; fix the file or the live objects (a changed queue must be "
-        "deleted and redeclared by hand, with its messages moved first)"
-    )
-    return ConflictError("\n".join(lines))
 
 
 @contextmanager
@@ -182,9 +172,17 @@ def plan(ctx: click.Context, file: str, as_json: bool) -> None:
         click.echo(json.dumps(document, indent=2, sort_keys=True))
     else:
         _print_changes(changes, settings.vhost)
-    conflicts = count(changes)["conflict"]
-    if conflicts:
-        raise ConflictError(f"{conflicts} object(s) conflict with {file}; apply would refuse")
+    totals = count(changes)
+    if totals["conflict"]:
+        raise ConflictError(
+            f"{totals['conflict']} object(s) conflict with {file}; apply would refuse"
+        )
+    if totals["migrate"]:
+        raise ConflictError(
+            f"{plural(totals['migrate'], 'queue')} must be rebuilt to match {file} (the broker "
+            f"cannot change them in place); apply would refuse; `rabbit-retry migrate {file}` "
+            "does it and keeps their messages"
+        )
 
 
 @cli.command()
@@ -196,8 +194,9 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
     """Create what FILE needs on the broker; a second run changes nothing."""
     settings = settings_of(ctx)
     changes, live = _read(settings, _load(file))
-    if any(c.kind == "conflict" for c in changes):
-        raise _conflict_error(changes, settings.vhost)
+    refused = refusal(changes, settings.vhost, file)
+    if refused:
+        raise ConflictError("\n".join(refused))
     names = unsendable(changes)
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
@@ -219,6 +218,65 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
             apply_changes(settings, changes, live.bindings, prune=prune, progress=advance)
         )
     _report(report, changes, settings.vhost, prune)
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+@cli.command()
+@click.argument("file")
+@click.option("--dry-run", is_flag=True, help="Print the steps; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def migrate(ctx: click.Context, file: str, dry_run: bool, yes: bool) -> None:
+    """Rebuild every queue of FILE the broker cannot change in place, keeping its messages.
+
+    Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
+    again; a run that was stopped at any point is finished by running migrate again.
+    """
+    from rabbit_retry.broker.migrate import migrate as run_migrations
+    from rabbit_retry.broker.migrate_plan import describe, plan_migrations
+
+    settings = settings_of(ctx)
+    compiled = _load(file)
+    changes, live = _read(settings, compiled)
+    migrations = plan_migrations(changes, live, compiled.bindings)
+    if not migrations:
+        click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
+        return
+    for migration in migrations:
+        for line in describe(migration):
+            click.echo(line)
+    if dry_run:
+        click.echo("dry run: nothing was changed")
+        return
+    if not yes:
+        if not _stdin_is_terminal():
+            raise InputError(
+                "refusing to migrate without confirmation: stdin is not a terminal; pass --yes"
+            )
+        click.confirm(
+            f"Migrate {plural(len(migrations), 'queue')} in vhost {settings.vhost!r}?",
+            default=False,
+            abort=True,
+        )
+    outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
+    click.echo(
+        f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
+        + ", ".join(o.name for o in outcomes)
+    )
+    left = [c for c in diff(compiled, read_live_of(settings)) if c.kind != "unchanged"]
+    if left:
+        click.echo(f"`rabbit-retry apply {file}` has {plural(len(left), 'change')} left to make")
+
+
+def read_live_of(settings: Settings) -> LiveState:
+    with Management.for_settings(settings) as api:
+        return read_live(api, settings.vhost)
 
 
 @cli.command()

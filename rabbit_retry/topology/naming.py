@@ -7,6 +7,7 @@ from rabbit_retry.topology.durations import label, parse_duration
 
 RETRY_SUFFIX = ".retry"
 PARKING_SUFFIX = ".parking"
+MIGRATING_SUFFIX = ".migrating"
 
 
 def retry_exchange(queue: str) -> str:
@@ -30,6 +31,11 @@ def tier_prefix(queue: str) -> str:
 
 def parking_queue(queue: str) -> str:
     return queue + PARKING_SUFFIX
+
+
+def migrating_queue(queue: str) -> str:
+    """The holding queue ``rabbit-retry migrate`` keeps ``queue``'s messages in meanwhile."""
+    return queue + MIGRATING_SUFFIX
 
 
 def main_queue_of_parking(name: str) -> str | None:
