@@ -109,18 +109,21 @@ class _Run:
 
     async def peek(self, queue: str) -> Copies:
         """The identities of every message ready in ``queue``, which keeps them all: they are
-        taken unacked and given back when the channel closes (a classic queue puts each back
-        in its place)."""
+        taken unacked and given back with one ``nack(requeue)``, each to its place."""
         state = await self.count(queue)
         if not state or not state[0]:
             return Copies()
         channel = await self.channel()
         seen = []
+        last = 0
         for _ in range(state[0]):
             got = await channel.basic_get(queue, no_ack=False, timeout=TIMEOUT)
             if not isinstance(got.delivery, spec.Basic.GetOk):
                 break
+            last = int(got.delivery.delivery_tag or 0)
             seen.append(identity(got.header.properties.message_id, got.body))
+        if last:
+            await channel.basic_nack(last, multiple=True, requeue=True)
         await channel.close()
         return Copies(seen)
 
@@ -200,7 +203,6 @@ class _Run:
 async def _run_one(run: _Run, migration: Migration, outcome: Outcome) -> None:
     name, hold = migration.name, hold_queue(migration.name)
     queue = migration.queue
-    resumed_refill = migration.steps[:1] == ("refill",)
     for step in migration.steps:
         outcome.steps.append(step)
         if step == "hold":
@@ -237,14 +239,11 @@ async def _run_one(run: _Run, migration: Migration, outcome: Outcome) -> None:
                 await run.rebind(hold, held, bind=False)
         elif step == "refill":
             state = await run.count(name)
-            # A run killed while refilling may have moved copies it did not ack: look at what
-            # the new queue holds, unless workers already consume it (then at most one batch
-            # can arrive twice; README, docs/migrations.md).
-            copies = (
-                await run.peek(name)
-                if resumed_refill and state is not None and state[1] == 0
-                else Copies()
-            )
+            # What the new queue holds already: messages routed to it and to the holding queue
+            # in the instant before the marker, and copies a killed run moved but never acked.
+            # Not while workers consume it: then such a message may arrive twice
+            # (docs/migrations.md).
+            copies = await run.peek(name) if state is not None and state[1] == 0 else Copies()
             outcome.refilled = await run.move(hold, name, copies, marker=True)
             await _delete_when_empty(run, hold)
             run.say(
