@@ -12,20 +12,29 @@ derive are never touched.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState, NodeCapacity
+from rabbit_retry.broker.inspect import (
+    LiveExchange,
+    LivePolicy,
+    LiveQueue,
+    LiveState,
+    NodeCapacity,
+)
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
-from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
+from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue
 
-ChangeKind = Literal["create", "unchanged", "conflict", "migrate", "unbind", "prune", "keep"]
-ObjectKind = Literal["exchange", "queue", "binding"]
+ChangeKind = Literal[
+    "create", "unchanged", "update", "conflict", "migrate", "unbind", "prune", "keep"
+]
+ObjectKind = Literal["exchange", "queue", "binding", "policy"]
 KINDS: tuple[ChangeKind, ...] = (
-    "create", "unchanged", "conflict", "migrate", "unbind", "prune", "keep"
+    "create", "unchanged", "update", "conflict", "migrate", "unbind", "prune", "keep"
 )
 
 # The queue type lives in LiveQueue.type: a classic queue declared without the argument is
@@ -39,7 +48,7 @@ class Change:
     object: ObjectKind
     name: str
     detail: str = ""
-    item: Exchange | Queue | Binding | None = None
+    item: Exchange | Queue | Binding | Policy | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "object": self.object, "name": self.name}
@@ -49,6 +58,12 @@ class Change:
                 "destination": self.item.destination,
                 "routing_key": self.item.routing_key,
                 "arguments": dict(self.item.arguments),
+            }
+        if isinstance(self.item, Policy):
+            out |= {
+                "pattern": self.item.pattern,
+                "definition": dict(self.item.definition),
+                "priority": self.item.priority,
             }
         out["detail"] = self.detail
         return out
@@ -233,9 +248,90 @@ def diff(plan: Plan, live: LiveState) -> list[Change]:
     for binding in plan.bindings:
         kind: ChangeKind = "unchanged" if binding.key in live_bindings else "create"
         changes.append(Change(kind, "binding", binding_name(binding), "", binding))
+    changes += _policy_changes(plan, live)
     changes += _misrouting(plan, live)
     changes += _obsolete(plan, live)
     return changes
+
+
+def _policy_text(definition: Mapping[str, Any], priority: int) -> str:
+    keys = ", ".join(f"{k}: {show(v)}" for k, v in sorted(definition.items()))
+    return f"{{{keys}}} priority {priority}"
+
+
+def _policy_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
+    """Each queue's tunables as one policy of its own, changed in place (no redeclare); one
+    left by an earlier file for a queue of this file is deleted."""
+    ours = {p.name: p for p in live.policies if not p.operator}
+    planned = {p.name for p in plan.policies}
+    for policy in plan.policies:
+        current = ours.get(policy.name)
+        wanted = _policy_text(policy.definition, policy.priority)
+        if current is None:
+            yield Change("create", "policy", policy.name, wanted, policy)
+        elif (
+            current.pattern != policy.pattern
+            or current.apply_to != policy.apply_to
+            or current.priority != policy.priority
+            or not _same(dict(current.definition), dict(policy.definition))
+        ):
+            was = _policy_text(current.definition, current.priority)
+            yield Change("update", "policy", policy.name, f"live {was}, file {wanted}", policy)
+        else:
+            yield Change("unchanged", "policy", policy.name, wanted, policy)
+    for queue in plan.main_queues:
+        name = naming.policy_name(queue.name)
+        current = ours.get(name)
+        if current is not None and name not in planned:
+            gone = Policy(name, current.pattern, {}, current.priority, queue.name)
+            yield Change("update", "policy", name, "no longer in the file: deleted", gone)
+
+
+def _matches(policy: LivePolicy, queue: Queue) -> bool:
+    if policy.apply_to not in ("queues", "all", f"{queue.queue_type}_queues"):
+        return False
+    try:
+        return re.search(policy.pattern, queue.name) is not None
+    except re.error:  # a pattern only Erlang's regex engine reads; say nothing rather than guess
+        return False
+
+
+def policy_notes(plan: Plan, live: LiveState) -> list[str]:
+    """Every other policy and operator policy that also matches a queue whose tunables the file
+    manages, and what it does to ours (RabbitMQ applies the one policy of highest priority, then
+    merges the operator policy of highest priority in, the lower numeric limit winning)."""
+    queues = {q.name: q for q in plan.queues}
+    notes = []
+    for ours in plan.policies:
+        queue = queues[ours.queue]
+        for other in sorted(live.policies, key=lambda p: (p.operator, -p.priority, p.name)):
+            if other.name == ours.name or not _matches(other, queue):
+                continue
+            keys = ", ".join(sorted(other.definition)) or "no keys"
+            if other.operator:
+                notes.append(
+                    f"operator policy {other.name} ({keys}) also applies to queue {queue.name}: "
+                    f"where both set a limit, the lower one wins"
+                )
+            elif other.priority > ours.priority:
+                notes.append(
+                    f"policy {other.name} (priority {other.priority}, {keys}) wins over "
+                    f"{ours.name} (priority {ours.priority}) on queue {queue.name}: the file's "
+                    "tunables do not apply; raise policy.priority or change that policy"
+                )
+            elif other.priority == ours.priority:
+                notes.append(
+                    f"policy {other.name} has the same priority ({other.priority}) as "
+                    f"{ours.name} on queue {queue.name}: which one applies is up to the broker; "
+                    "give policy.priority another value"
+                )
+            else:
+                notes.append(
+                    f"policy {other.name} (priority {other.priority}, {keys}) loses to "
+                    f"{ours.name} (priority {ours.priority}) on queue {queue.name}: its keys no "
+                    "longer apply there"
+                )
+    return notes
 
 
 def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:

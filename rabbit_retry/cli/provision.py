@@ -27,11 +27,13 @@ from rabbit_retry.broker.diff import (
     diff,
     new_quorum_queues,
     nothing_to_do,
+    policy_notes,
     refusal,
 )
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live
 from rabbit_retry.broker.management import Management
+from rabbit_retry.broker.policies import apply_policies
 from rabbit_retry.cli import cli, settings_of
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
@@ -43,6 +45,7 @@ from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 _STYLE = {
     "create": "green",
     "unchanged": "dim",
+    "update": "yellow",
     "conflict": "bold red",
     "migrate": "magenta",
     "unbind": "yellow",
@@ -60,6 +63,13 @@ def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
         check_same_broker(settings, api)
         live = read_live(api, settings.vhost)
     return diff(plan, live), live
+
+
+def _notes(plan: Plan, live: LiveState) -> list[str]:
+    notes = policy_notes(plan, live)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    return notes
 
 
 def _capacity(settings: Settings, changes: Sequence[Change]) -> str | None:
@@ -81,6 +91,7 @@ def _summary(changes: Sequence[Change], vhost: str) -> str:
     parts = [
         f"{totals['create']} to create",
         f"{totals['unchanged']} unchanged",
+        f"{totals['update']} to update",
         f"{totals['conflict']} in conflict",
         f"{totals['migrate']} to migrate",
         f"{totals['unbind']} to unbind",
@@ -118,7 +129,7 @@ def _progress(total: int) -> Iterator[Advance | None]:
 
 def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: bool) -> None:
     if report.created:
-        made = {"exchange": 0, "queue": 0, "binding": 0}
+        made = {"exchange": 0, "queue": 0, "binding": 0, "policy": 0}
         for c in report.created:
             made[c.object] += 1
         click.echo(
@@ -161,17 +172,20 @@ def validate(file: str) -> None:
 def plan(ctx: click.Context, file: str, as_json: bool) -> None:
     """Compare FILE with the live broker; exit 3 if anything conflicts."""
     settings = settings_of(ctx)
-    changes, _ = _read(settings, _load(file))
+    compiled = _load(file)
+    changes, live = _read(settings, compiled)
     if as_json:
         document = {
             "file": file,
             "vhost": settings.vhost,
             "summary": count(changes),
             "changes": [c.to_json() for c in changes],
+            "policy_notes": policy_notes(compiled, live),
         }
         click.echo(json.dumps(document, indent=2, sort_keys=True))
     else:
         _print_changes(changes, settings.vhost)
+        _notes(compiled, live)
     totals = count(changes)
     if totals["conflict"]:
         raise ConflictError(
@@ -193,7 +207,8 @@ def plan(ctx: click.Context, file: str, as_json: bool) -> None:
 def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
     """Create what FILE needs on the broker; a second run changes nothing."""
     settings = settings_of(ctx)
-    changes, live = _read(settings, _load(file))
+    compiled = _load(file)
+    changes, live = _read(settings, compiled)
     refused = refusal(changes, settings.vhost, file)
     if refused:
         raise ConflictError("\n".join(refused))
@@ -209,6 +224,7 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
         return
     if problem:
         raise BrokerError(problem)
+    _notes(compiled, live)
     if nothing_to_do(changes, prune=prune):
         click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
         _report(ApplyReport(), changes, settings.vhost, prune)
@@ -218,6 +234,9 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
             apply_changes(settings, changes, live.bindings, prune=prune, progress=advance)
         )
     _report(report, changes, settings.vhost, prune)
+    with Management.for_settings(settings) as api:
+        for line in apply_policies(api, settings.vhost, changes):
+            click.echo(line)
 
 
 def _stdin_is_terminal() -> bool:

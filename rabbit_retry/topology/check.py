@@ -140,6 +140,35 @@ def _queue_problems(
             problems.append(Problem(bpath, f"the same binding as bindings[{seen[identity]}]"))
         seen.setdefault(identity, i)
     problems += _queue_argument_problems((*path, "arguments"), queue)
+    problems += _policy_problems((*path, "policy"), queue)
+    return problems
+
+
+# Policy key -> the queue argument that sets the same thing.
+_POLICY_ARGUMENT = {
+    "max-length": ("max_length", "x-max-length"),
+    "max-length-bytes": ("max_length_bytes", "x-max-length-bytes"),
+    "overflow": ("overflow", "x-overflow"),
+    "delivery-limit": ("delivery_limit", "x-delivery-limit"),
+    "message-ttl": ("message_ttl", "x-message-ttl"),
+}
+
+
+def _policy_problems(path: Path, queue: QueueConfig) -> list[Problem]:
+    problems = []
+    for key in queue.policy:
+        field, argument = _POLICY_ARGUMENT[key]
+        where: Path = (*path, field)
+        if argument in queue.arguments:
+            problems.append(Problem(where, f"also set as argument {argument!r}; set it once"))
+        elif key == "overflow" and queue.queue_type == "quorum":
+            problems.append(Problem(where, "quorum queues need reject-publish for at-least-once "
+                                    "dead letters; rabbit-retry sets it"))
+        elif key == "overflow" and queue.policy[key] == "reject-publish":
+            problems.append(Problem(where, "reject-publish on a classic queue silently drops "
+                                    "retried messages that return while the queue is full"))
+        elif key == "delivery-limit" and queue.queue_type != "quorum":
+            problems.append(Problem(where, "classic queues have no delivery limit"))
     return problems
 
 

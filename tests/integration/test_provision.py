@@ -225,16 +225,16 @@ def test_second_apply_and_plan_have_nothing_to_do(
     assert len(lines) == 18
     assert all(line.startswith("unchanged ") for line in lines[:-1])
     assert lines[-1] == (
-        f"vhost {fresh_vhost.vhost!r}: 0 to create, 17 unchanged, 0 in conflict, 0 to migrate, "
-        "0 to unbind, 0 to prune, 0 obsolete but not empty"
+        f"vhost {fresh_vhost.vhost!r}: 0 to create, 17 unchanged, 0 to update, 0 in conflict, "
+        "0 to migrate, 0 to unbind, 0 to prune, 0 obsolete but not empty"
     )
 
     as_json = run_cli("plan", file, "--json", settings=fresh_vhost)
     assert as_json.code == 0
     document = json.loads(as_json.out)
     assert document["summary"] == {
-        "create": 0, "unchanged": 17, "conflict": 0, "migrate": 0, "unbind": 0, "prune": 0,
-        "keep": 0,
+        "create": 0, "unchanged": 17, "update": 0, "conflict": 0, "migrate": 0, "unbind": 0,
+        "prune": 0, "keep": 0,
     }
     assert document["vhost"] == fresh_vhost.vhost
     assert {c["name"] for c in document["changes"] if c["object"] == "queue"} == set(

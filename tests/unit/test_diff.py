@@ -126,8 +126,8 @@ def test_applied_plan_is_all_unchanged() -> None:
     assert len(changes) == len(plan.exchanges) + len(plan.queues) + len(plan.bindings)
     assert nothing_to_do(changes) and nothing_to_do(changes, prune=True)
     assert count(changes) == {
-        "create": 0, "unchanged": 17, "conflict": 0, "migrate": 0, "unbind": 0, "prune": 0,
-        "keep": 0,
+        "create": 0, "unchanged": 17, "update": 0, "conflict": 0, "migrate": 0, "unbind": 0,
+        "prune": 0, "keep": 0,
     }
 
 
