@@ -188,16 +188,24 @@ class _Run:
         return done
 
     def consumer_connections(self, queue: str) -> list[str]:
-        path = f"/queues/{quote(self.vhost, safe='')}/{quote(queue, safe='')}"
+        """The connections with a consumer on ``queue``. The queue's own consumer details lack
+        the channel on some versions (3.10 gives an empty list), so the vhost's consumer list
+        is read too."""
+        where = quote(self.vhost, safe="")
         try:
-            raw = self.api.get(path)
+            raw = self.api.get(f"/queues/{where}/{quote(queue, safe='')}")
+            listed = [*(raw.get("consumer_details") or []), *self.api.get(f"/consumers/{where}")]
         except NotFound:
             return []
-        names = {
-            str(c.get("channel_details", {}).get("connection_name") or "")
-            for c in raw.get("consumer_details") or []
-        }
-        return sorted(n for n in names if n)
+        names = set()
+        for consumer in listed:
+            on = consumer.get("queue")
+            if isinstance(on, dict) and on.get("name") != queue:
+                continue
+            channel = consumer.get("channel_details")
+            if isinstance(channel, dict) and channel.get("connection_name"):
+                names.add(str(channel["connection_name"]))
+        return sorted(names)
 
 
 async def _run_one(run: _Run, migration: Migration, outcome: Outcome) -> None:
@@ -271,6 +279,7 @@ async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
     for _ in range(RELEASE_ATTEMPTS):
         for connection in run.consumer_connections(name):
             run.api.close_connection(connection, f"rabbit-retry migrate: {name} is being rebuilt")
+            run.say(f"{name}: closed consumer connection {connection!r}; it reconnects by itself")
             outcome.closed += 1
         more = await run.move(name, hold, Copies(), marker=False)
         outcome.drained.moved += more.moved

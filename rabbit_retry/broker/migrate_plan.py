@@ -29,13 +29,14 @@ migration killed at any point is finished by running ``migrate`` again.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from rabbit_retry.broker.diff import Change, queue_differences
-from rabbit_retry.broker.inspect import LiveState
+from rabbit_retry.broker.inspect import LivePolicy, LiveState
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding, Queue
@@ -131,6 +132,36 @@ def plan_migrations(
         )
         out.append(Migration(queue, differences, messages, steps, own))
     return out
+
+
+# Policy keys that would make the holding queue drop or expire what it holds.
+HOLD_HAZARDS = ("max-length", "max-length-bytes", "message-ttl", "expires")
+
+
+def hold_hazards(migrations: Sequence[Migration], policies: Iterable[LivePolicy]) -> list[str]:
+    """Policies that would apply to a holding queue and drop, expire or delete what it holds;
+    one line each. ``migrate`` refuses to start while there is one."""
+    lines = []
+    for migration in migrations:
+        if "hold" not in migration.steps:
+            continue  # the holding queue exists already and keeps what it has
+        hold = hold_queue(migration.name)
+        for policy in policies:
+            keys = sorted(set(policy.definition) & set(HOLD_HAZARDS))
+            if not keys or policy.apply_to not in ("queues", "all", "classic_queues"):
+                continue
+            try:
+                matches = re.search(policy.pattern, hold) is not None
+            except re.error:
+                matches = True  # cannot tell: better to ask than to lose messages
+            if matches:
+                kind = "operator policy" if policy.operator else "policy"
+                lines.append(
+                    f"{kind} {policy.name} ({', '.join(keys)}) would apply to the holding queue "
+                    f"{hold} and could drop messages while they wait there; narrow its "
+                    "pattern first"
+                )
+    return lines
 
 
 _WHAT: dict[Step, str] = {

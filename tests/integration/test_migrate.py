@@ -8,6 +8,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 from support.amqp import blocking, depth_sync, drain_sync, persistent, publish, publish_stream
 from support.poll import eventually
@@ -175,3 +176,23 @@ def test_a_worker_consuming_the_queue_follows_it_through_the_migration(
 
     asyncio.run(go())
     assert Seen.handled.count("after") == 1
+
+
+def test_a_policy_that_would_drop_held_messages_stops_migrate_before_anything_changes(
+    tmp_path: Path, fresh_vhost: Settings, management: Management, run_cli: Callable[..., object]
+) -> None:
+    old = _write(tmp_path, _file("classic"), "old.yml")
+    assert run_cli("apply", old, settings=fresh_vhost).code == 0  # type: ignore[attr-defined]
+    path = f"/policies/{quote(fresh_vhost.vhost, safe='')}/short"
+    management.request("PUT", path, json={"pattern": "^mig\\.orders\\.", "apply-to": "queues",
+                                          "definition": {"message-ttl": 1}, "priority": 0})
+    new = _write(tmp_path, _file("quorum"), "new.yml")
+    refused = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert refused.code == 3  # type: ignore[attr-defined]
+    assert refused.err.splitlines() == [  # type: ignore[attr-defined]
+        f"error: policy short (message-ttl) would apply to the holding queue {name}.migrating "
+        "and could drop messages while they wait there; narrow its pattern first"
+        for name in (Q, *TIERS)
+    ] + ["error: nothing was changed"]
+    assert _type(management, fresh_vhost, Q) == "classic"
+    assert management.queue(fresh_vhost.vhost, f"{Q}.migrating") is None

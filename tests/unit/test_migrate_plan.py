@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 
 from rabbit_retry.broker.diff import diff
-from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState
+from rabbit_retry.broker.inspect import LiveExchange, LivePolicy, LiveQueue, LiveState
 from rabbit_retry.broker.migrate_plan import (
     STEPS,
     Copies,
     Seen,
     describe,
+    hold_hazards,
     hold_queue,
     identity,
     is_marker,
@@ -163,3 +164,23 @@ def test_the_marker_is_recognised_as_text_or_bytes() -> None:
     assert is_marker({"x-rabbit-retry-migration": b"routed-back"})
     assert not is_marker({"x-rabbit-retry-migration": "other"})
     assert not is_marker(None)
+
+
+def test_a_policy_that_would_drop_held_messages_is_named_before_anything_starts() -> None:
+    plan = _plan()
+    live = _live(plan, main={"type": "classic"})
+    migrations = plan_migrations(diff(plan, live), live, plan.bindings)
+    policies = [
+        LivePolicy("all-short", ".*", "all", {"message-ttl": 1000}, 1),
+        LivePolicy("exact", "^orders$", "queues", {"max-length": 1}, 1),  # not the holding queue
+        LivePolicy("harmless", ".*", "queues", {"queue-mode": "lazy"}, 1),
+        LivePolicy("cap", "migrating$", "queues", {"max-length": 5}, 0, operator=True),
+    ]
+    assert hold_hazards(migrations, policies) == [
+        "policy all-short (message-ttl) would apply to the holding queue orders.migrating and "
+        "could drop messages while they wait there; narrow its pattern first",
+        "operator policy cap (max-length) would apply to the holding queue orders.migrating and "
+        "could drop messages while they wait there; narrow its pattern first",
+    ]
+    resumed = [dataclasses.replace(m, steps=m.steps[1:]) for m in migrations]
+    assert hold_hazards(resumed, policies) == []
