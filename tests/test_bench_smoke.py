@@ -39,6 +39,7 @@ SHAPES = {
         3,
     ),
     "resilience": (["no idempotency", "SQLite", "PostgreSQL", "Redis"], 4),
+    "migrate": (["rabbit-retry migrate", "bare shovel-style move"], 3),
 }
 
 
