@@ -216,6 +216,7 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
     problem = _capacity(settings, changes)
+    _notes(compiled, live)
     if dry_run:
         _print_changes(changes, settings.vhost)
         if problem:
@@ -224,7 +225,6 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
         return
     if problem:
         raise BrokerError(problem)
-    _notes(compiled, live)
     if nothing_to_do(changes, prune=prune):
         click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
         _report(ApplyReport(), changes, settings.vhost, prune)

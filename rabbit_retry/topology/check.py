@@ -234,6 +234,16 @@ def _derived_name_problems(
                 f"{shorten(tier_of[name])}",
             )
         )
+    elif name.endswith(naming.MIGRATING_SUFFIX) and (
+        held := _migrating_owner(name, queues, owners)
+    ) is not None:
+        problems.append(
+            Problem(
+                path,
+                f"queue {shorten(name)} collides with the holding queue `rabbit-retry migrate` "
+                f"uses for queue {shorten(held)}",
+            )
+        )
     elif (exchange_owner := _owner_of_retry_exchange(name, queues)) is not None:
         problems.append(
             Problem(
@@ -255,6 +265,13 @@ def _derived_name_problems(
                 )
             )
     return problems
+
+
+def _migrating_owner(name: str, queues: Mapping[str, QueueConfig], owners: _Owners) -> str | None:
+    """The queue of the file (or derived from it) whose holding queue ``name`` would be."""
+    held = name[: -len(naming.MIGRATING_SUFFIX)]
+    derived = held in queues or held in owners[0] or held in owners[1]
+    return held if derived else None
 
 
 def _tier_namespace_owner(name: str, queues: Mapping[str, QueueConfig]) -> str | None:

@@ -21,6 +21,7 @@ from rabbit_retry.broker.migrate_plan import (
     plan_migrations,
     stage,
 )
+from rabbit_retry.errors import InputError
 from rabbit_retry.topology import compile_topology, parse_topology
 from rabbit_retry.topology.plan import Binding, Plan, Queue
 
@@ -184,3 +185,14 @@ def test_a_policy_that_would_drop_held_messages_is_named_before_anything_starts(
     ]
     resumed = [dataclasses.replace(m, steps=m.steps[1:]) for m in migrations]
     assert hold_hazards(resumed, policies) == []
+
+
+def test_a_queue_named_like_a_holding_queue_is_refused() -> None:
+    text = "version: 1\nqueues:\n  orders: {}\n  orders.parking.migrating: {}\n"
+    with pytest.raises(InputError) as caught:
+        parse_topology(text, "t.yml")
+    assert str(caught.value) == (
+        "t.yml:4: queues.orders.parking.migrating: queue 'orders.parking.migrating' collides "
+        "with the holding queue `rabbit-retry migrate` uses for queue 'orders.parking'"
+    )
+    parse_topology("version: 1\nqueues:\n  other.migrating: {}\n", "t.yml")  # no such queue
