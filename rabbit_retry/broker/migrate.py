@@ -127,6 +127,12 @@ class _Run:
         await channel.close()
         return Copies(seen)
 
+    async def exact(self, queue: str) -> int:
+        state = await self.count(queue)
+        if state is None:
+            raise BrokerError(f"{queue} disappeared while migrating; run migrate again")
+        return state[0]
+
     async def move(self, source: str, target: str, copies: Copies, *, marker: bool) -> Moved:
         """Every ready message of ``source`` into ``target``, each copy confirmed before its
         original is acked; a message ``copies`` holds is dropped instead. With ``marker``, the
@@ -224,7 +230,15 @@ async def _run_one(run: _Run, migration: Migration, outcome: Outcome) -> None:
             await run.rebind(hold, bindings, bind=True)
             await run.rebind(name, bindings, bind=False)
         elif step == "drain":
-            outcome.drained = await run.move(name, hold, await run.peek(hold), marker=False)
+            copies = await run.peek(hold)
+            before = await run.exact(hold)
+            outcome.drained = await run.move(name, hold, copies, marker=False)
+            # Nothing but us takes from the holding queue: every confirmed copy must be there.
+            if await run.exact(hold) < before + outcome.drained.moved:
+                raise BrokerError(
+                    f"{hold} holds fewer messages than were moved into it; the originals of "
+                    f"unconfirmed copies are still in {name}; run migrate again"
+                )
             run.say(
                 f"{name}: moved {outcome.drained.moved} messages into {hold}"
                 + (f" ({outcome.drained.dropped} already there)" if outcome.drained.dropped else "")
@@ -252,7 +266,17 @@ async def _run_one(run: _Run, migration: Migration, outcome: Outcome) -> None:
             # Not while workers consume it: then such a message may arrive twice
             # (docs/migrations.md).
             copies = await run.peek(name) if state is not None and state[1] == 0 else Copies()
+            holding = await run.exact(hold)
             outcome.refilled = await run.move(hold, name, copies, marker=True)
+            # Unbound, the holding queue only loses messages, and only to us: each one it held
+            # was moved, or dropped as a copy, or was the marker.
+            left = await run.exact(hold)
+            if left or outcome.refilled.moved + outcome.refilled.dropped > holding:
+                raise BrokerError(
+                    f"{hold}: {holding} held, {outcome.refilled.moved} moved, "
+                    f"{outcome.refilled.dropped} dropped, {left} left: the counts disagree; "
+                    "nothing was acked unconfirmed; run migrate again"
+                )
             await _delete_when_empty(run, hold)
             run.say(
                 f"{name}: moved {outcome.refilled.moved} messages back from {hold}"
