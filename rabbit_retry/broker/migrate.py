@@ -35,6 +35,7 @@ from rabbit_retry.broker.migrate_plan import (
     identity,
     is_marker,
     moved_headers,
+    schedule,
 )
 from rabbit_retry.contract import republish_properties
 from rabbit_retry.errors import BrokerError
@@ -214,10 +215,12 @@ class _Run:
         return sorted(names)
 
 
-async def _run_one(run: _Run, migration: Migration, outcome: Outcome) -> None:
+async def _run_steps(
+    run: _Run, migration: Migration, steps: Sequence[Step], outcome: Outcome
+) -> None:
     name, hold = migration.name, hold_queue(migration.name)
     queue = migration.queue
-    for step in migration.steps:
+    for step in steps:
         outcome.steps.append(step)
         if step == "hold":
             channel = await run.channel()
@@ -350,17 +353,16 @@ async def _delete_when_empty(run: _Run, queue: str) -> None:
 async def migrate(
     settings: Settings, migrations: Sequence[Migration], say: Say = lambda _: None
 ) -> list[Outcome]:
-    """Run every migration's remaining steps, one queue at a time."""
-    outcomes = []
+    """Run every migration's remaining steps, in ``schedule``'s order."""
+    outcomes: dict[str, Outcome] = {}
     connection = await connect(settings, name="rabbit-retry migrate")
     try:
         with Management.for_settings(settings) as api:
             run = _Run(connection, api, settings, say)
-            for migration in migrations:
-                outcome = Outcome(migration.name)
-                outcomes.append(outcome)
+            for migration, steps in schedule(migrations):
+                outcome = outcomes.setdefault(migration.name, Outcome(migration.name))
                 try:
-                    await _run_one(run, migration, outcome)
+                    await _run_steps(run, migration, steps, outcome)
                 except CONNECTION_ERRORS as exc:
                     if isinstance(exc, BrokerError):
                         raise
@@ -371,4 +373,4 @@ async def migrate(
                     ) from exc
     finally:
         await connection.close()
-    return outcomes
+    return [outcomes[m.name] for m in migrations]

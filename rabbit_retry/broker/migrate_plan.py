@@ -23,7 +23,8 @@ holding queue ``X.migrating`` that exists only while the migration runs:
    drop what follows it, delete the holding queue once the broker counts it empty.
 
 Every step is idempotent, and which one to resume at is read from the broker (``stage``): a
-migration killed at any point is finished by running ``migrate`` again.
+migration killed at any point is finished by running ``migrate`` again. A main queue's tiers
+run their first three steps before it is rebuilt and the rest after (``schedule``).
 """
 
 from __future__ import annotations
@@ -132,6 +133,36 @@ def plan_migrations(
         )
         out.append(Migration(queue, differences, messages, steps, own))
     return out
+
+
+# Steps that fill a tier's holding queue, run before its main queue is rebuilt.
+EARLY: tuple[Step, ...] = ("hold", "route-to-hold", "drain")
+
+
+def schedule(migrations: Sequence[Migration]) -> list[tuple[Migration, tuple[Step, ...]]]:
+    """The order to run the steps in: a main queue's tiers are emptied into their holding
+    queues before the main queue is deleted, and refilled after it is back.
+
+    Held, a tier's message cannot expire, so none can be dead-lettered to the main queue in the
+    instant it does not exist; and while it is rebuilt, retries routed to the tiers wait in the
+    holding queues. They wait longer than their delay, never less."""
+    mains = {m.name for m in migrations if m.queue.role == "main"}
+    order: list[tuple[Migration, tuple[Step, ...]]] = []
+    later: dict[str, list[tuple[Migration, tuple[Step, ...]]]] = {}
+    for migration in migrations:
+        if migration.queue.role == "tier" and migration.queue.owner in mains:
+            early = tuple(s for s in migration.steps if s in EARLY)
+            rest = tuple(s for s in migration.steps if s not in EARLY)
+            if early:
+                order.append((migration, early))
+            if rest:
+                later.setdefault(migration.queue.owner, []).append((migration, rest))
+    for migration in migrations:
+        if migration.queue.role == "tier" and migration.queue.owner in mains:
+            continue
+        order.append((migration, migration.steps))
+        order += later.pop(migration.name, [])
+    return order
 
 
 # Policy keys that would make the holding queue drop or expire what it holds.

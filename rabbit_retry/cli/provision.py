@@ -258,7 +258,12 @@ def migrate(ctx: click.Context, file: str, dry_run: bool, yes: bool) -> None:
     again; a run that was stopped at any point is finished by running migrate again.
     """
     from rabbit_retry.broker.migrate import migrate as run_migrations
-    from rabbit_retry.broker.migrate_plan import describe, hold_hazards, plan_migrations
+    from rabbit_retry.broker.migrate_plan import (
+        describe,
+        hold_hazards,
+        plan_migrations,
+        schedule,
+    )
 
     settings = settings_of(ctx)
     compiled = _load(file)
@@ -270,6 +275,8 @@ def migrate(ctx: click.Context, file: str, dry_run: bool, yes: bool) -> None:
     for migration in migrations:
         for line in describe(migration):
             click.echo(line)
+    order = [f"{m.name} ({steps[0]}..{steps[-1]})" for m, steps in schedule(migrations)]
+    click.echo("order: " + ", ".join(order))
     hazards = hold_hazards(migrations, live.policies)
     if hazards:
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))

@@ -94,6 +94,11 @@ def test_classic_to_quorum_keeps_every_message_of_the_queue_its_tiers_and_parkin
     assert dry.code == 0, dry.err  # type: ignore[attr-defined]
     assert "dry run: nothing was changed" in dry.out  # type: ignore[attr-defined]
     assert f"  drain         move the messages of {Q} into {Q}.migrating" in dry.out  # type: ignore[attr-defined]
+    # Tiers are held while their main queue is rebuilt: none can expire into a missing queue.
+    assert (  # type: ignore[attr-defined]
+        f"order: {TIERS[0]} (hold..drain), {TIERS[1]} (hold..drain), {Q} (hold..refill), "
+        f"{TIERS[0]} (release..refill), {TIERS[1]} (release..refill)"
+    ) in dry.out.splitlines()  # type: ignore[attr-defined]
     no_terminal = run_cli("migrate", new, settings=fresh_vhost)
     assert no_terminal.code == 2  # type: ignore[attr-defined]
     assert no_terminal.err == (  # type: ignore[attr-defined]

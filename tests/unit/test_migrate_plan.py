@@ -19,6 +19,7 @@ from rabbit_retry.broker.migrate_plan import (
     is_marker,
     moved_headers,
     plan_migrations,
+    schedule,
     stage,
 )
 from rabbit_retry.errors import InputError
@@ -196,3 +197,24 @@ def test_a_queue_named_like_a_holding_queue_is_refused() -> None:
         "with the holding queue `rabbit-retry migrate` uses for queue 'orders.parking'"
     )
     parse_topology("version: 1\nqueues:\n  other.migrating: {}\n", "t.yml")  # no such queue
+
+
+def test_tiers_are_held_before_their_main_queue_is_rebuilt_and_refilled_after() -> None:
+    plan = _plan()
+    live = _live(plan, main={"type": "classic"})
+    queues = dict(live.queues)
+    for q in plan.queues:
+        if q.role == "tier":
+            queues[q.name] = dataclasses.replace(queues[q.name], type="classic")
+    live = dataclasses.replace(live, queues=queues)
+    migrations = plan_migrations(diff(plan, live), live, plan.bindings)
+    assert [m.name for m in migrations] == ["orders", "orders.retry.5s"]
+    order = [(m.name, steps) for m, steps in schedule(migrations)]
+    assert order == [
+        ("orders.retry.5s", ("hold", "route-to-hold", "drain")),
+        ("orders", STEPS),
+        ("orders.retry.5s", ("release", "redeclare", "route-back", "refill")),
+    ]
+    # Alone (its main queue needs nothing, or is done), a tier runs every step at once.
+    (tier,) = [m for m in migrations if m.queue.role == "tier"]
+    assert schedule([tier]) == [(tier, STEPS)]
