@@ -11,6 +11,7 @@ new queue while nothing consumes it).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from rabbit_retry.topology.plan import Binding
 TIMEOUT = 60.0
 BATCH = 200  # messages taken (unacked) before their copies are confirmed and they are acked
 RELEASE_ATTEMPTS = 20  # rounds of "close consumers, drain, delete if empty and unused"
+RELEASE_WATCH = 2.0  # seconds to watch for the moment a closed consumer is gone
 
 Say = Callable[[str], None]
 
@@ -302,7 +304,14 @@ async def _mark(run: _Run, hold: str) -> None:
 
 async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
     """Delete ``name`` once nothing consumes it and it is empty, draining what consumers gave
-    back; a worker reconnecting in between only means another round."""
+    back.
+
+    A worker whose connection is closed reconnects at once, in a few round trips (connect,
+    check its queues, consume); so right after closing, ``name`` is watched on one channel and
+    deleted in the first moment it has neither consumers nor messages, one round trip later. A
+    worker back before that only means another round.
+    """
+    classic = (run.api.queue(run.vhost, name) or {}).get("type", "classic") == "classic"
     for _ in range(RELEASE_ATTEMPTS):
         for connection in run.consumer_connections(name):
             run.api.close_connection(connection, f"rabbit-retry migrate: {name} is being rebuilt")
@@ -310,22 +319,26 @@ async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
             outcome.closed += 1
         more = await run.move(name, hold, Copies(), marker=False)
         outcome.drained.moved += more.moved
-        state = await run.count(name)
-        if state is None:
-            return
-        ready, consumers = state
-        if ready or consumers:
-            await asyncio.sleep(0.2)
-            continue
         channel = await run.channel()
+        watch_until = time.monotonic() + RELEASE_WATCH
         try:
-            # A classic queue checks both at once; a quorum queue cannot (NOT_IMPLEMENTED), so
-            # it relies on the exact count just read.
-            classic = (run.api.queue(run.vhost, name) or {}).get("type", "classic") == "classic"
-            await channel.queue_delete(
-                name, if_unused=classic, if_empty=classic, timeout=TIMEOUT
-            )
-            return
+            while True:
+                try:
+                    ok = await channel.queue_declare(name, passive=True, timeout=TIMEOUT)
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    return
+                if ok.message_count:
+                    break  # drain again
+                if not ok.consumer_count:
+                    # A classic queue checks both at once; a quorum queue cannot
+                    # (NOT_IMPLEMENTED), so it relies on the exact count just read.
+                    await channel.queue_delete(
+                        name, if_unused=classic, if_empty=classic, timeout=TIMEOUT
+                    )
+                    return
+                if time.monotonic() > watch_until:
+                    break
+                await asyncio.sleep(0.002)
         except aiormq.exceptions.ChannelPreconditionFailed:
             continue
         finally:

@@ -174,6 +174,7 @@ def test_a_worker_consuming_the_queue_follows_it_through_the_migration(
             done = await asyncio.to_thread(run_cli, "migrate", new, "--yes",
                                            settings=fresh_vhost)
             assert done.code == 0, done.err  # type: ignore[attr-defined]
+            assert f"{Q}: closed consumer connection " in done.out  # type: ignore[attr-defined]
             await publish(fresh_vhost, b"{}", exchange="shop", routing_key="order.x",
                           message_id="after")
             await eventually(lambda: "after" in Seen.handled, within=60,
