@@ -133,6 +133,14 @@ BENCHES = (
         {"messages": 100, "runs": 1, "kills": 1, "failover_messages": 1_000, "before": 100},
         1800,
     ),
+    Bench(
+        "migrate",
+        "bench.bench_migrate",
+        "migrate: 10,000 messages, classic to quorum, against a bare shovel-style move",
+        {"n": 10_000, "runs": 3},
+        {"n": 50, "runs": 1},
+        900,
+    ),
 )
 PACKAGES = (
     "rabbit-retry",

@@ -169,6 +169,7 @@ def drift_of(changes: Iterable[Change], plan: Plan) -> tuple[Drift, ...]:
     kinds: dict[str, DriftKind] = {
         "create": "missing",
         "conflict": "different",
+        "migrate": "different",
         "unbind": "misrouted",
     }
     found = []

@@ -39,6 +39,7 @@ SHAPES = {
         3,
     ),
     "resilience": (["no idempotency", "SQLite", "PostgreSQL", "Redis"], 4),
+    "migrate": (["rabbit-retry migrate", "bare shovel-style move"], 3),
 }
 
 
@@ -77,7 +78,7 @@ def test_smoke_run_writes_the_report_and_leaves_no_vhost(
     report = json.loads((tmp_path / "run.json").read_text())
     benches = report["benches"]
     assert list(benches) == ["worker", "retry", "storm", "peers", "apply", "replay", "desk",
-                             "resilience", "cluster"]
+                             "resilience", "cluster", "migrate"]
     for key, (systems, width) in SHAPES.items():
         result = benches[key]["result"]
         assert [row[0] for row in result["rows"]] == systems, key

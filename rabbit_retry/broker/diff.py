@@ -1,7 +1,9 @@
 """Plan vs live broker -> the list of changes ``apply`` would make; pure.
 
-Like Terraform's plan, but it never proposes to destroy data to converge: a live object that
-differs from the file is a ``conflict`` for a human to resolve, and the only deletions it ever
+Like Terraform's plan, but it never proposes to destroy data to converge: a live exchange that
+differs from the file is a ``conflict`` for a human to resolve; a live queue that differs is a
+``migrate``, which ``apply`` refuses and ``rabbit-retry migrate`` carries out, moving every
+message (broker/migrate_plan.py); and the only deletions it ever
 proposes are retry tiers that left the file (``prune``), which ``apply`` deletes only with
 ``--prune`` and only while empty. Main queues, parking queues and anything the file does not
 derive are never touched.
@@ -10,23 +12,33 @@ derive are never touched.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState, NodeCapacity
+from rabbit_retry.broker.inspect import (
+    LiveExchange,
+    LivePolicy,
+    LiveQueue,
+    LiveState,
+    NodeCapacity,
+)
 from rabbit_retry.broker.replicas import GROUP_SIZE, Replication, replicas_note
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
-from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
+from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue
 
 # ``grow``: a live quorum queue with fewer replicas than the file asks for; apply cannot add
-# them (broker/replicas.py), the detail says what can.
-ChangeKind = Literal["create", "unchanged", "conflict", "unbind", "prune", "keep", "grow"]
-ObjectKind = Literal["exchange", "queue", "binding"]
+# them (broker/replicas.py), the detail says what can. ``migrate``: a queue the broker cannot
+# change in place, rebuilt by ``rabbit-retry migrate`` with its messages.
+ChangeKind = Literal[
+    "create", "unchanged", "update", "conflict", "migrate", "unbind", "prune", "keep", "grow"
+]
+ObjectKind = Literal["exchange", "queue", "binding", "policy"]
 KINDS: tuple[ChangeKind, ...] = (
-    "create", "unchanged", "conflict", "unbind", "prune", "keep", "grow"
+    "create", "unchanged", "update", "conflict", "migrate", "unbind", "prune", "keep", "grow"
 )
 
 # The queue type lives in LiveQueue.type: a classic queue declared without the argument is
@@ -40,7 +52,7 @@ class Change:
     object: ObjectKind
     name: str
     detail: str = ""
-    item: Exchange | Queue | Binding | None = None
+    item: Exchange | Queue | Binding | Policy | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "object": self.object, "name": self.name}
@@ -50,6 +62,12 @@ class Change:
                 "destination": self.item.destination,
                 "routing_key": self.item.routing_key,
                 "arguments": dict(self.item.arguments),
+            }
+        if isinstance(self.item, Policy):
+            out |= {
+                "pattern": self.item.pattern,
+                "definition": dict(self.item.definition),
+                "priority": self.item.priority,
             }
         out["detail"] = self.detail
         return out
@@ -129,11 +147,9 @@ def replication_of(live: LiveQueue, queue: Queue, nodes: tuple[str, ...]) -> Rep
     )
 
 
-def _replicas_change(
-    live: LiveQueue, queue: Queue, state: LiveState, differences: list[str]
-) -> Change | None:
-    """A quorum queue's change when its replicas (argument or members) differ from the file;
-    a conflict only when something else differs too."""
+def _replicas_change(live: LiveQueue, queue: Queue, state: LiveState) -> Change | None:
+    """A quorum queue's change when only its replicas (argument or members) differ from the
+    file (anything else differing makes it a migration)."""
     if not _both_quorum(live, queue):
         return None
     replication = replication_of(live, queue, state.nodes)
@@ -143,21 +159,7 @@ def _replicas_change(
     if note is None:
         return None
     short, text = note
-    if differences:
-        return Change("conflict", "queue", queue.name, "; ".join([*differences, text]), queue)
     return Change("grow" if short else "unchanged", "queue", queue.name, text, queue)
-
-
-def parking_type_advice(live: LiveQueue, queue: Queue) -> str:
-    """What to do about a parking queue of the other type: apply never deletes one, since it
-    holds the only copy of what it holds."""
-    owner = queue.owner
-    return (
-        f"apply never replaces a parking queue: empty it (rabbit-retry parking replay or purge "
-        f"{owner}), delete it while empty (rabbitmqctl delete_queue {queue.name} --if-empty; "
-        f"workers retry their parks meanwhile), then apply again; or keep "
-        f"parking: {{queue_type: {live.type}}} for {owner}"
-    )
 
 
 def exchange_differences(live: LiveExchange, exchange: Exchange) -> list[str]:
@@ -189,6 +191,25 @@ def _compare(
     if differences:
         return Change("conflict", object_kind, name, "; ".join(differences), item)
     return Change("unchanged", object_kind, name, "", item)
+
+
+def _queue_change(queue: Queue, live: LiveState) -> Change:
+    live_queue = live.queues.get(queue.name)
+    held = live.queues.get(naming.migrating_queue(queue.name))
+    differences = None if live_queue is None else queue_differences(live_queue, queue)
+    if live_queue is not None and differences == [] and held is None:
+        # Only its replicas differ (or nothing): the broker adds members live, or leaves them.
+        replicas = _replicas_change(live_queue, queue, live)
+        if replicas is not None:
+            return replicas
+    if differences or held is not None:
+        # The broker cannot change a queue's type or arguments in place: ``migrate`` builds
+        # it again beside a holding queue and moves every message.
+        messages = (live_queue.messages if live_queue else 0) + (held.messages if held else 0)
+        what = "; ".join(differences or ["a migration is under way"])
+        detail = f"{what}; migrate keeps its {plural(messages, 'message')}"
+        return Change("migrate", "queue", queue.name, detail, queue)
+    return _compare("queue", queue.name, queue, differences, _queue_summary(queue))
 
 
 def _looks_like_tier(live: LiveQueue, owner: str) -> bool:
@@ -267,26 +288,95 @@ def diff(plan: Plan, live: LiveState) -> list[Change]:
         )
         changes.append(_compare("exchange", exchange.name, exchange, differences, exchange.type))
     for queue in plan.queues:
-        live_queue = live.queues.get(queue.name)
-        differences = None if live_queue is None else queue_differences(live_queue, queue)
-        if differences and queue.role == "parking" and live_queue is not None \
-                and live_queue.type != queue.queue_type:
-            differences.append(parking_type_advice(live_queue, queue))
-        if live_queue is not None and differences is not None:
-            replicas = _replicas_change(live_queue, queue, live, differences)
-            if replicas is not None:
-                changes.append(replicas)
-                continue
-        changes.append(
-            _compare("queue", queue.name, queue, differences, _queue_summary(queue))
-        )
+        changes.append(_queue_change(queue, live))
     live_bindings = {b.key for b in live.bindings}
     for binding in plan.bindings:
         kind: ChangeKind = "unchanged" if binding.key in live_bindings else "create"
         changes.append(Change(kind, "binding", binding_name(binding), "", binding))
+    changes += _policy_changes(plan, live)
     changes += _misrouting(plan, live)
     changes += _obsolete(plan, live)
     return changes
+
+
+def _policy_text(definition: Mapping[str, Any], priority: int) -> str:
+    keys = ", ".join(f"{k}: {show(v)}" for k, v in sorted(definition.items()))
+    return f"{{{keys}}} priority {priority}"
+
+
+def _policy_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
+    """Each queue's tunables as one policy of its own, changed in place (no redeclare); one
+    left by an earlier file for a queue of this file is deleted."""
+    ours = {p.name: p for p in live.policies if not p.operator}
+    planned = {p.name for p in plan.policies}
+    for policy in plan.policies:
+        current = ours.get(policy.name)
+        wanted = _policy_text(policy.definition, policy.priority)
+        if current is None:
+            yield Change("create", "policy", policy.name, wanted, policy)
+        elif (
+            current.pattern != policy.pattern
+            or current.apply_to != policy.apply_to
+            or current.priority != policy.priority
+            or not _same(dict(current.definition), dict(policy.definition))
+        ):
+            was = _policy_text(current.definition, current.priority)
+            yield Change("update", "policy", policy.name, f"live {was}, file {wanted}", policy)
+        else:
+            yield Change("unchanged", "policy", policy.name, wanted, policy)
+    for queue in plan.main_queues:
+        name = naming.policy_name(queue.name)
+        current = ours.get(name)
+        if current is not None and name not in planned:
+            gone = Policy(name, current.pattern, {}, current.priority, queue.name)
+            yield Change("update", "policy", name, "no longer in the file: deleted", gone)
+
+
+def _matches(policy: LivePolicy, queue: Queue) -> bool:
+    if policy.apply_to not in ("queues", "all", f"{queue.queue_type}_queues"):
+        return False
+    try:
+        return re.search(policy.pattern, queue.name) is not None
+    except re.error:  # a pattern only Erlang's regex engine reads; say nothing rather than guess
+        return False
+
+
+def policy_notes(plan: Plan, live: LiveState) -> list[str]:
+    """Every other policy and operator policy that also matches a queue whose tunables the file
+    manages, and what it does to ours (RabbitMQ applies the one policy of highest priority, then
+    merges the operator policy of highest priority in, the lower numeric limit winning)."""
+    queues = {q.name: q for q in plan.queues}
+    notes = []
+    for ours in plan.policies:
+        queue = queues[ours.queue]
+        for other in sorted(live.policies, key=lambda p: (p.operator, -p.priority, p.name)):
+            if other.name == ours.name or not _matches(other, queue):
+                continue
+            keys = ", ".join(sorted(other.definition)) or "no keys"
+            if other.operator:
+                notes.append(
+                    f"operator policy {other.name} ({keys}) also applies to queue {queue.name}: "
+                    f"where both set a limit, the lower one wins"
+                )
+            elif other.priority > ours.priority:
+                notes.append(
+                    f"policy {other.name} (priority {other.priority}, {keys}) wins over "
+                    f"{ours.name} (priority {ours.priority}) on queue {queue.name}: the file's "
+                    "tunables do not apply; raise policy.priority or change that policy"
+                )
+            elif other.priority == ours.priority:
+                notes.append(
+                    f"policy {other.name} has the same priority ({other.priority}) as "
+                    f"{ours.name} on queue {queue.name}: which one applies is up to the broker; "
+                    "give policy.priority another value"
+                )
+            else:
+                notes.append(
+                    f"policy {other.name} (priority {other.priority}, {keys}) loses to "
+                    f"{ours.name} (priority {ours.priority}) on queue {queue.name}: its keys no "
+                    "longer apply there"
+                )
+    return notes
 
 
 def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:
@@ -295,6 +385,28 @@ def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:
     for change in changes:
         totals[change.kind] += 1
     return totals
+
+
+def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
+    """Why ``apply`` will not go on, one line per object; empty when it can."""
+    lines = [
+        f"{c.object} {c.name} in vhost {vhost!r} differs from the file: {c.detail}"
+        for c in changes
+        if c.kind in ("conflict", "migrate")
+    ]
+    if not lines:
+        return []
+    if any(c.kind == "conflict" for c in changes):
+        lines.append(
+            "nothing was changed; fix the file or the live exchange (an exchange must be "
+            "deleted and redeclared by hand)"
+        )
+    if any(c.kind == "migrate" for c in changes):
+        lines.append(
+            f"nothing was changed; `rabbit-retry migrate {file}` rebuilds these queues and "
+            "keeps their messages"
+        )
+    return lines
 
 
 def nothing_to_do(changes: Iterable[Change], *, prune: bool = False) -> bool:

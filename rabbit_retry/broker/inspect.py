@@ -49,12 +49,23 @@ class LiveExchange:
 
 
 @dataclass(frozen=True)
+class LivePolicy:
+    name: str
+    pattern: str
+    apply_to: str  # queues | exchanges | all | classic_queues | quorum_queues | streams
+    definition: Mapping[str, Any]
+    priority: int
+    operator: bool = False  # an operator policy: merged with the queue's, lower limits win
+
+
+@dataclass(frozen=True)
 class LiveState:
     queues: Mapping[str, LiveQueue]
     exchanges: Mapping[str, LiveExchange]  # the default exchange ("") is left out
     bindings: tuple[Binding, ...]  # queue-destination bindings from non-default exchanges
     nodes: tuple[str, ...] = ()  # every node of the cluster, running or not
     vhost: str = ""
+    policies: tuple[LivePolicy, ...] = ()  # policies and operator policies of the vhost
 
     @classmethod
     def empty(cls) -> LiveState:
@@ -125,6 +136,20 @@ def parse_bindings(raw: Iterable[Mapping[str, Any]]) -> tuple[Binding, ...]:
     )
 
 
+def parse_policies(raw: Iterable[Mapping[str, Any]], *, operator: bool) -> tuple[LivePolicy, ...]:
+    return tuple(
+        LivePolicy(
+            name=str(p["name"]),
+            pattern=str(p.get("pattern", "")),
+            apply_to=str(p.get("apply-to", "all")),
+            definition=dict(p.get("definition") or {}),
+            priority=int(p.get("priority") or 0),
+            operator=operator,
+        )
+        for p in raw
+    )
+
+
 _QUEUE_COLUMNS = ",".join(
     ("name", "type", "durable", "auto_delete", "arguments", "messages", "messages_ready",
      "messages_unacknowledged", "consumers", "messages_dlx", "leader", "members", "online")
@@ -142,12 +167,14 @@ def read_live(api: Management, vhost: str) -> LiveState:
         raw_queues = api.get(f"/queues/{where}", columns=_QUEUE_COLUMNS)
         raw_exchanges = api.get(f"/exchanges/{where}", columns=_EXCHANGE_COLUMNS)
         raw_bindings = api.bindings(vhost)
+        policies = parse_policies(api.get(f"/policies/{where}"), operator=False)
+        policies += parse_policies(api.get(f"/operator-policies/{where}"), operator=True)
     except NotFound:  # deleted while we read
         raise BrokerError(f"vhost {vhost!r} does not exist on the broker") from None
     queues = {q.name: q for q in map(parse_queue, raw_queues)}
     exchanges = {e.name: e for e in map(parse_exchange, raw_exchanges) if e.name}
     return LiveState(queues=queues, exchanges=exchanges, bindings=parse_bindings(raw_bindings),
-                     nodes=_cluster_nodes(api), vhost=vhost)
+                     nodes=_cluster_nodes(api), vhost=vhost, policies=policies)
 
 
 def _cluster_nodes(api: Management) -> tuple[str, ...]:

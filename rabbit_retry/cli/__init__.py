@@ -15,7 +15,8 @@ from rabbit_retry.settings import Settings, mask
 # Each verb's module, imported when that verb is looked up: `rabbit-retry worker` does not load
 # the operators' verbs and what they import (rich, httpx).
 _VERBS = {"status": "operate", "parking": "operate", "validate": "provision", "plan": "provision",
-          "apply": "provision", "export": "provision", "worker": "worker", "desk": "desk"}
+          "apply": "provision", "export": "provision", "migrate": "provision",
+          "worker": "worker", "desk": "desk"}
 
 
 class _LazyVerbs(click.Group):

@@ -27,10 +27,13 @@ from rabbit_retry.broker.diff import (
     diff,
     new_quorum_queues,
     nothing_to_do,
+    policy_notes,
+    refusal,
 )
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live
 from rabbit_retry.broker.management import Management
+from rabbit_retry.broker.policies import apply_policies
 from rabbit_retry.cli import cli, settings_of
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
@@ -42,7 +45,9 @@ from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 _STYLE = {
     "create": "green",
     "unchanged": "dim",
+    "update": "yellow",
     "conflict": "bold red",
+    "migrate": "magenta",
     "unbind": "yellow",
     "prune": "yellow",
     "keep": "cyan",
@@ -59,6 +64,13 @@ def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
         check_same_broker(settings, api)
         live = read_live(api, settings.vhost)
     return diff(plan, live), live
+
+
+def _notes(plan: Plan, live: LiveState) -> list[str]:
+    notes = policy_notes(plan, live)
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
+    return notes
 
 
 def _capacity(settings: Settings, changes: Sequence[Change]) -> str | None:
@@ -80,7 +92,9 @@ def _summary(changes: Sequence[Change], vhost: str) -> str:
     parts = [
         f"{totals['create']} to create",
         f"{totals['unchanged']} unchanged",
+        f"{totals['update']} to update",
         f"{totals['conflict']} in conflict",
+        f"{totals['migrate']} to migrate",
         f"{totals['unbind']} to unbind",
         f"{totals['prune']} to prune",
         f"{totals['keep']} obsolete but not empty",
@@ -104,19 +118,6 @@ def _print_changes(changes: Sequence[Change], vhost: str) -> None:
     click.echo(_summary(changes, vhost))
 
 
-def _conflict_error(changes: Sequence[Change], vhost: str) -> ConflictError:
-    lines = [
-        f"{c.object} {c.name} in vhost {vhost!r} differs from the file: {c.detail}"
-        for c in changes
-        if c.kind == "conflict"
-    ]
-    lines.append(
-        "nothing was changed; fix the file or the live objects (a changed queue must be "
-        "deleted and redeclared by hand, with its messages moved first)"
-    )
-    return ConflictError("\n".join(lines))
-
-
 @contextmanager
 def _progress(total: int) -> Iterator[Advance | None]:
     console = Console(stderr=True)
@@ -131,7 +132,7 @@ def _progress(total: int) -> Iterator[Advance | None]:
 
 def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: bool) -> None:
     if report.created:
-        made = {"exchange": 0, "queue": 0, "binding": 0}
+        made = {"exchange": 0, "queue": 0, "binding": 0, "policy": 0}
         for c in report.created:
             made[c.object] += 1
         click.echo(
@@ -182,20 +183,31 @@ def validate(file: str) -> None:
 def plan(ctx: click.Context, file: str, as_json: bool) -> None:
     """Compare FILE with the live broker; exit 3 if anything conflicts."""
     settings = settings_of(ctx)
-    changes, _ = _read(settings, _load(file))
+    compiled = _load(file)
+    changes, live = _read(settings, compiled)
     if as_json:
         document = {
             "file": file,
             "vhost": settings.vhost,
             "summary": count(changes),
             "changes": [c.to_json() for c in changes],
+            "policy_notes": policy_notes(compiled, live),
         }
         click.echo(json.dumps(document, indent=2, sort_keys=True))
     else:
         _print_changes(changes, settings.vhost)
-    conflicts = count(changes)["conflict"]
-    if conflicts:
-        raise ConflictError(f"{conflicts} object(s) conflict with {file}; apply would refuse")
+        _notes(compiled, live)
+    totals = count(changes)
+    if totals["conflict"]:
+        raise ConflictError(
+            f"{totals['conflict']} object(s) conflict with {file}; apply would refuse"
+        )
+    if totals["migrate"]:
+        raise ConflictError(
+            f"{plural(totals['migrate'], 'queue')} must be rebuilt to match {file} (the broker "
+            f"cannot change them in place); apply would refuse; `rabbit-retry migrate {file}` "
+            "does it and keeps their messages"
+        )
 
 
 @cli.command()
@@ -206,13 +218,16 @@ def plan(ctx: click.Context, file: str, as_json: bool) -> None:
 def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
     """Create what FILE needs on the broker; a second run changes nothing."""
     settings = settings_of(ctx)
-    changes, live = _read(settings, _load(file))
-    if any(c.kind == "conflict" for c in changes):
-        raise _conflict_error(changes, settings.vhost)
+    compiled = _load(file)
+    changes, live = _read(settings, compiled)
+    refused = refusal(changes, settings.vhost, file)
+    if refused:
+        raise ConflictError("\n".join(refused))
     names = unsendable(changes)
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
     problem = _capacity(settings, changes)
+    _notes(compiled, live)
     if dry_run:
         _print_changes(changes, settings.vhost)
         if problem:
@@ -230,6 +245,78 @@ def apply(ctx: click.Context, file: str, prune: bool, dry_run: bool) -> None:
             apply_changes(settings, changes, live.bindings, prune=prune, progress=advance)
         )
     _report(report, changes, settings.vhost, prune)
+    with Management.for_settings(settings) as api:
+        for line in apply_policies(api, settings.vhost, changes):
+            click.echo(line)
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+@cli.command()
+@click.argument("file")
+@click.option("--dry-run", is_flag=True, help="Print the steps; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def migrate(ctx: click.Context, file: str, dry_run: bool, yes: bool) -> None:
+    """Rebuild every queue of FILE the broker cannot change in place, keeping its messages.
+
+    Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
+    again; a run that was stopped at any point is finished by running migrate again.
+    """
+    from rabbit_retry.broker.migrate import migrate as run_migrations
+    from rabbit_retry.broker.migrate_plan import (
+        describe,
+        hold_hazards,
+        plan_migrations,
+        schedule,
+    )
+
+    settings = settings_of(ctx)
+    compiled = _load(file)
+    changes, live = _read(settings, compiled)
+    migrations = plan_migrations(changes, live, compiled.bindings)
+    if not migrations:
+        click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
+        return
+    for migration in migrations:
+        for line in describe(migration):
+            click.echo(line)
+    order = [f"{m.name} ({steps[0]}..{steps[-1]})" for m, steps in schedule(migrations)]
+    click.echo("order: " + ", ".join(order))
+    hazards = hold_hazards(migrations, live.policies)
+    if hazards:
+        raise ConflictError("\n".join([*hazards, "nothing was changed"]))
+    if dry_run:
+        click.echo("dry run: nothing was changed")
+        return
+    if not yes:
+        if not _stdin_is_terminal():
+            raise InputError(
+                "refusing to migrate without confirmation: stdin is not a terminal; pass --yes"
+            )
+        click.confirm(
+            f"Migrate {plural(len(migrations), 'queue')} in vhost {settings.vhost!r}?",
+            default=False,
+            abort=True,
+        )
+    outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
+    click.echo(
+        f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
+        + ", ".join(o.name for o in outcomes)
+    )
+    left = [c for c in diff(compiled, read_live_of(settings)) if c.kind != "unchanged"]
+    if left:
+        click.echo(f"`rabbit-retry apply {file}` has {plural(len(left), 'change')} left to make")
+
+
+def read_live_of(settings: Settings) -> LiveState:
+    with Management.for_settings(settings) as api:
+        return read_live(api, settings.vhost)
 
 
 @cli.command()

@@ -141,6 +141,35 @@ def _queue_problems(
         seen.setdefault(identity, i)
     problems += _queue_argument_problems((*path, "arguments"), queue)
     problems += _replica_problems(path, queue, spec)
+    problems += _policy_problems((*path, "policy"), queue)
+    return problems
+
+
+# Policy key -> the queue argument that sets the same thing.
+_POLICY_ARGUMENT = {
+    "max-length": ("max_length", "x-max-length"),
+    "max-length-bytes": ("max_length_bytes", "x-max-length-bytes"),
+    "overflow": ("overflow", "x-overflow"),
+    "delivery-limit": ("delivery_limit", "x-delivery-limit"),
+    "message-ttl": ("message_ttl", "x-message-ttl"),
+}
+
+
+def _policy_problems(path: Path, queue: QueueConfig) -> list[Problem]:
+    problems = []
+    for key in queue.policy:
+        field, argument = _POLICY_ARGUMENT[key]
+        where: Path = (*path, field)
+        if argument in queue.arguments:
+            problems.append(Problem(where, f"also set as argument {argument!r}; set it once"))
+        elif key == "overflow" and queue.queue_type == "quorum":
+            problems.append(Problem(where, "quorum queues need reject-publish for at-least-once "
+                                    "dead letters; rabbit-retry sets it"))
+        elif key == "overflow" and queue.policy[key] == "reject-publish":
+            problems.append(Problem(where, "reject-publish on a classic queue silently drops "
+                                    "retried messages that return while the queue is full"))
+        elif key == "delivery-limit" and queue.queue_type != "quorum":
+            problems.append(Problem(where, "classic queues have no delivery limit"))
     return problems
 
 
@@ -228,6 +257,16 @@ def _derived_name_problems(
                 f"{shorten(tier_of[name])}",
             )
         )
+    elif name.endswith(naming.MIGRATING_SUFFIX) and (
+        held := _migrating_owner(name, queues, owners)
+    ) is not None:
+        problems.append(
+            Problem(
+                path,
+                f"queue {shorten(name)} collides with the holding queue `rabbit-retry migrate` "
+                f"uses for queue {shorten(held)}",
+            )
+        )
     elif (exchange_owner := _owner_of_retry_exchange(name, queues)) is not None:
         problems.append(
             Problem(
@@ -249,6 +288,13 @@ def _derived_name_problems(
                 )
             )
     return problems
+
+
+def _migrating_owner(name: str, queues: Mapping[str, QueueConfig], owners: _Owners) -> str | None:
+    """The queue of the file (or derived from it) whose holding queue ``name`` would be."""
+    held = name[: -len(naming.MIGRATING_SUFFIX)]
+    derived = held in queues or held in owners[0] or held in owners[1]
+    return held if derived else None
 
 
 def _tier_namespace_owner(name: str, queues: Mapping[str, QueueConfig]) -> str | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.model import QueueConfig, Topology
-from rabbit_retry.topology.plan import Binding, Exchange, Plan, Queue
+from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue
 
 # Returns before a quorum parking queue drops a message: 2**31 - 1, accepted as a limit by 3.10,
 # 4.0 and 4.3 (each checked to keep 100 messages requeued 25 times).
@@ -118,4 +118,15 @@ def compile_topology(topology: Topology) -> Plan:
         exchanges += own_exchanges
         queues += own_queues
         bindings += own_bindings
-    return Plan(tuple(exchanges), tuple(queues), tuple(bindings))
+    policies = tuple(
+        Policy(
+            name=naming.policy_name(q.name),
+            pattern=naming.policy_pattern(q.name),
+            definition=dict(q.policy),
+            priority=q.policy_priority,
+            queue=q.name,
+        )
+        for q in topology.queues
+        if q.policy
+    )
+    return Plan(tuple(exchanges), tuple(queues), tuple(bindings), policies)

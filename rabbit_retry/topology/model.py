@@ -68,6 +68,36 @@ class ParkingSpec(_Spec):
     queue_type: QueueType | None = None
 
 
+Overflow = Literal["drop-head", "reject-publish", "reject-publish-dlx"]
+# The file's policy keys and the broker's policy definition keys they become.
+POLICY_KEYS = {
+    "max_length": "max-length",
+    "max_length_bytes": "max-length-bytes",
+    "overflow": "overflow",
+    "delivery_limit": "delivery-limit",
+    "message_ttl": "message-ttl",
+}
+DEFAULT_POLICY_PRIORITY = 10
+
+
+class PolicySpec(_Spec):
+    """Tunables the broker changes live: applied as one policy for exactly this queue."""
+
+    max_length: int | None = Field(default=None, ge=0)
+    max_length_bytes: int | None = Field(default=None, ge=0)
+    overflow: Overflow | None = None
+    delivery_limit: int | None = Field(default=None, ge=1)
+    message_ttl: DurationMs | None = None
+    priority: int | None = Field(default=None, ge=0, le=255)
+
+    def definition(self) -> dict[str, Any]:
+        return {
+            key: value
+            for field, key in POLICY_KEYS.items()
+            if (value := getattr(self, field)) is not None
+        }
+
+
 class QueueSpec(_Spec):
     queue_type: QueueType | None = None
     bindings: list[BindingSpec] = Field(default_factory=list)
@@ -75,6 +105,7 @@ class QueueSpec(_Spec):
     parking: ParkingSpec | None = None
     replicas: int | None = Field(default=None, ge=1)
     arguments: dict[str, Any] = Field(default_factory=dict)
+    policy: PolicySpec | None = None
 
 
 class DefaultsSpec(_Spec):
@@ -134,6 +165,8 @@ class QueueConfig(BaseModel):
     arguments: Mapping[str, Any]
     parking_type: QueueType = DEFAULT_PARKING_TYPE
     replicas: int | None = None  # x-quorum-initial-group-size of its quorum queues; None: broker's
+    policy: Mapping[str, Any] = Field(default_factory=dict)  # broker policy definition keys
+    policy_priority: int = DEFAULT_POLICY_PRIORITY
 
     @property
     def quorum_queues(self) -> bool:
@@ -190,6 +223,12 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
                 or default_parking.queue_type
                 or DEFAULT_PARKING_TYPE,
                 replicas=queue.replicas or spec.defaults.replicas,
+                policy=queue.policy.definition() if queue.policy else {},
+                policy_priority=(
+                    queue.policy.priority
+                    if queue.policy and queue.policy.priority is not None
+                    else DEFAULT_POLICY_PRIORITY
+                ),
             )
         )
     exchanges = tuple(

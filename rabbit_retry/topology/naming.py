@@ -3,10 +3,14 @@ to"), and the way back from such a name to ``Q``."""
 
 from __future__ import annotations
 
+import re
+
 from rabbit_retry.topology.durations import label, parse_duration
 
 RETRY_SUFFIX = ".retry"
 PARKING_SUFFIX = ".parking"
+MIGRATING_SUFFIX = ".migrating"
+POLICY_PREFIX = "rabbit-retry:"
 
 
 def retry_exchange(queue: str) -> str:
@@ -30,6 +34,21 @@ def tier_prefix(queue: str) -> str:
 
 def parking_queue(queue: str) -> str:
     return queue + PARKING_SUFFIX
+
+
+def migrating_queue(queue: str) -> str:
+    """The holding queue ``rabbit-retry migrate`` keeps ``queue``'s messages in meanwhile."""
+    return queue + MIGRATING_SUFFIX
+
+
+def policy_name(queue: str) -> str:
+    """The one policy rabbit-retry manages for ``queue`` (its file's ``policy`` block)."""
+    return POLICY_PREFIX + queue
+
+
+def policy_pattern(queue: str) -> str:
+    """A pattern that matches ``queue`` and nothing else."""
+    return "^" + re.escape(queue) + "$"
 
 
 def main_queue_of_parking(name: str) -> str | None:

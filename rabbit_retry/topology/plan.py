@@ -54,10 +54,23 @@ class Binding:
 
 
 @dataclass(frozen=True)
+class Policy:
+    """A policy rabbit-retry manages: one queue's tunables, matched by its exact name."""
+
+    name: str
+    pattern: str
+    definition: Mapping[str, Any]
+    priority: int
+    queue: str
+    apply_to: str = "queues"
+
+
+@dataclass(frozen=True)
 class Plan:
     exchanges: tuple[Exchange, ...]
     queues: tuple[Queue, ...]
     bindings: tuple[Binding, ...]
+    policies: tuple[Policy, ...] = ()
 
     def queues_of(self, owner: str) -> tuple[Queue, ...]:
         return tuple(q for q in self.queues if q.owner == owner)

@@ -93,6 +93,20 @@ def counting(version: object) -> Counting:
     return Counting(parsed, 20, "keeps", requeue_counts=False)
 
 
+def with_policy_limit(
+    arguments: Mapping[str, Any], policy: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """``arguments`` with the file's policy ``delivery-limit`` folded in: where both set one,
+    the broker applies the lower."""
+    limit = policy.get("delivery-limit")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return arguments
+    current = arguments.get(X_DELIVERY_LIMIT)
+    if isinstance(current, int) and not isinstance(current, bool) and 0 < current < limit:
+        return arguments
+    return {**arguments, X_DELIVERY_LIMIT: limit}
+
+
 def delivery_limit(
     queue_type: str, arguments: Mapping[str, Any], rules: Counting
 ) -> int | None:
@@ -103,7 +117,7 @@ def delivery_limit(
     Classic queues count nothing. A quorum queue's ``x-delivery-limit`` argument wins (below 1,
     such as 4.x's -1 for "unlimited", is the user's choice of no limit); without one, the
     version's default applies, or ``WORKER_RETURN_LIMIT`` where the broker has none. A limit
-    set by a policy is not visible to the worker.
+    set by a policy is visible only when it is the file's own (``with_policy_limit``).
     """
     if queue_type != "quorum":
         return None

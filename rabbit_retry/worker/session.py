@@ -65,7 +65,13 @@ from rabbit_retry.worker.lane import Lane, handler_done
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.pause import Breaker, Change
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
-from rabbit_retry.worker.redelivery import at_delivery_limit, counting, delivery_limit, native_ok
+from rabbit_retry.worker.redelivery import (
+    at_delivery_limit,
+    counting,
+    delivery_limit,
+    native_ok,
+    with_policy_limit,
+)
 
 log = logging.getLogger("rabbit_retry.worker")
 
@@ -127,7 +133,11 @@ class Session:
         self.amqp.closing.add_done_callback(lambda f: self._set_lost("the connection closed", f))
         self.counting = counting((self.amqp.server_properties or {}).get("version"))
         self.delivery_limits = {
-            sub.queue: delivery_limit(sub.config.queue_type, sub.config.arguments, self.counting)
+            sub.queue: delivery_limit(
+                sub.config.queue_type,
+                with_policy_limit(sub.config.arguments, sub.config.policy),
+                self.counting,
+            )
             for sub in subscriptions
         }
 

@@ -225,16 +225,16 @@ def test_second_apply_and_plan_have_nothing_to_do(
     assert len(lines) == 18
     assert all(line.startswith("unchanged ") for line in lines[:-1])
     assert lines[-1] == (
-        f"vhost {fresh_vhost.vhost!r}: 0 to create, 17 unchanged, 0 in conflict, 0 to unbind, "
-        "0 to prune, 0 obsolete but not empty"
+        f"vhost {fresh_vhost.vhost!r}: 0 to create, 17 unchanged, 0 to update, 0 in conflict, "
+        "0 to migrate, 0 to unbind, 0 to prune, 0 obsolete but not empty"
     )
 
     as_json = run_cli("plan", file, "--json", settings=fresh_vhost)
     assert as_json.code == 0
     document = json.loads(as_json.out)
     assert document["summary"] == {
-        "create": 0, "unchanged": 17, "conflict": 0, "unbind": 0, "prune": 0, "keep": 0,
-        "grow": 0,
+        "create": 0, "unchanged": 17, "update": 0, "conflict": 0, "migrate": 0, "unbind": 0,
+        "prune": 0, "keep": 0, "grow": 0,
     }
     assert document["vhost"] == fresh_vhost.vhost
     assert {c["name"] for c in document["changes"] if c["object"] == "queue"} == set(
@@ -285,7 +285,7 @@ CONFLICTS = {
 
 
 @pytest.mark.parametrize("case", list(CONFLICTS))
-def test_conflicting_queue_exits_3_and_changes_nothing(
+def test_changed_queue_exits_3_names_migrate_and_changes_nothing(
     case: str,
     tmp_path: Path,
     fresh_vhost: Settings,
@@ -302,16 +302,23 @@ def test_conflicting_queue_exits_3_and_changes_nothing(
     assert result.out == ""
     assert result.err.splitlines() == [
         f"error: queue {name} in vhost {fresh_vhost.vhost!r} differs from the file: "
-        f"{difference}",
-        "error: nothing was changed; fix the file or the live objects (a changed queue must "
-        "be deleted and redeclared by hand, with its messages moved first)",
+        f"{difference}; migrate keeps its 0 messages",
+        f"error: nothing was changed; `rabbit-retry migrate {file}` rebuilds these queues and "
+        "keeps their messages",
     ]
     assert definitions(management, fresh_vhost) == before
 
     plan = run_cli("plan", file, settings=fresh_vhost)
     assert plan.code == 3
-    assert f"conflict  queue    {name}  ({difference})" in plan.out.splitlines()
-    assert plan.err == f"error: 1 object(s) conflict with {file}; apply would refuse\n"
+    assert (
+        f"migrate   queue    {name}  ({difference}; migrate keeps its 0 messages)"
+        in plan.out.splitlines()
+    )
+    assert plan.err == (
+        f"error: 1 queue must be rebuilt to match {file} (the broker cannot change them in "
+        f"place); apply would refuse; `rabbit-retry migrate {file}` does it and keeps their "
+        "messages\n"
+    )
     assert definitions(management, fresh_vhost) == before
 
 

@@ -205,7 +205,7 @@ def test_parking_queue_full_with_reject_publish_holds_the_message_until_fixed(
            f"'{PARKING}'" in log
     plan = cli(fresh_vhost, "plan", str(topology))
     assert plan.code == 3, plan.out + plan.err
-    assert re.search(rf"^conflict\s+queue\s+{re.escape(PARKING)}\b", plan.out, re.M), plan.out
+    assert re.search(rf"^migrate\s+queue\s+{re.escape(PARKING)}\b", plan.out, re.M), plan.out
 
     # The fix: take out what it holds, delete it, apply again.
     first = drain_sync(fresh_vhost, PARKING)

@@ -126,8 +126,8 @@ def test_applied_plan_is_all_unchanged() -> None:
     assert len(changes) == len(plan.exchanges) + len(plan.queues) + len(plan.bindings)
     assert nothing_to_do(changes) and nothing_to_do(changes, prune=True)
     assert count(changes) == {
-        "create": 0, "unchanged": 17, "conflict": 0, "unbind": 0, "prune": 0, "keep": 0,
-        "grow": 0,
+        "create": 0, "unchanged": 17, "update": 0, "conflict": 0, "migrate": 0, "unbind": 0,
+        "prune": 0, "keep": 0, "grow": 0,
     }
 
 
@@ -139,27 +139,29 @@ def test_classic_queue_declared_without_type_argument_is_unchanged() -> None:
     assert by_name(changes, "orders.email").kind == "unchanged"
 
 
-def test_queue_of_the_wrong_type_is_a_conflict_naming_the_type() -> None:
+def test_queue_of_the_wrong_type_is_a_migration_naming_the_type() -> None:
     plan = plan_of()
     main = next(q for q in plan.queues if q.name == "orders.fraud-check")
     changes = diff(plan, live_of(plan, queues=[live_queue(main, type="classic")]))
     change = by_name(changes, "orders.fraud-check")
-    assert (change.kind, change.object) == ("conflict", "queue")
-    assert change.detail == "type: live classic, file quorum"
+    assert (change.kind, change.object) == ("migrate", "queue")
+    assert change.detail == "type: live classic, file quorum; migrate keeps its 0 messages"
     assert change.item == main
     assert not nothing_to_do(changes, prune=True)
 
 
-def test_different_ttl_on_a_tier_is_a_conflict_with_both_values() -> None:
+def test_different_ttl_on_a_tier_is_a_migration_with_both_values() -> None:
     plan = plan_of()
     tier = next(q for q in plan.queues if q.name == "orders.fraud-check.retry.5s")
     args = {**tier.arguments, "x-message-ttl": 3000}
     changes = diff(plan, live_of(plan, queues=[live_queue(tier, arguments=args)]))
-    assert by_name(changes, tier.name).detail == "x-message-ttl: live 3000, file 5000"
-    assert not_unchanged(changes) == [("conflict", "queue", tier.name)]
+    assert by_name(changes, tier.name).detail == (
+        "x-message-ttl: live 3000, file 5000; migrate keeps its 0 messages"
+    )
+    assert not_unchanged(changes) == [("migrate", "queue", tier.name)]
 
 
-def test_missing_extra_and_boolean_arguments_are_conflicts() -> None:
+def test_missing_extra_and_boolean_arguments_are_migrations() -> None:
     plan = plan_of()
     email = next(q for q in plan.queues if q.name == "orders.email")
     args = {
@@ -169,12 +171,12 @@ def test_missing_extra_and_boolean_arguments_are_conflicts() -> None:
     }
     live = live_queue(email, arguments=args, durable=False, auto_delete=True)
     change = by_name(diff(plan, live_of(plan, queues=[live])), "orders.email")
-    assert change.kind == "conflict"
+    assert change.kind == "migrate"
     assert change.detail == (
         "durable: live false, file true; auto_delete: live true, file false; "
         'x-dead-letter-routing-key: live "", file orders.email; '
         "x-max-length: live absent, file 100000; "
-        "x-single-active-consumer: live true, file absent"
+        "x-single-active-consumer: live true, file absent; migrate keeps its 0 messages"
     )
 
 
@@ -183,7 +185,7 @@ def test_boolean_is_not_equal_to_one() -> None:
     email = next(q for q in plan.queues if q.name == "orders.email")
     live = live_queue(email, arguments={**email.arguments, "x-max-length": True})
     change = by_name(diff(plan, live_of(plan, queues=[live])), "orders.email")
-    assert change.detail == "x-max-length: live true, file 1"
+    assert change.detail == "x-max-length: live true, file 1; migrate keeps its 0 messages"
 
 
 def test_exchange_conflicts_name_every_field() -> None:

@@ -104,18 +104,11 @@ def test_a_different_queue_is_drift_with_the_difference() -> None:
     (drift,) = status.drift
     assert drift.to_json() == {
         "kind": "different", "object": "queue", "name": "orders.parking", "owner": "orders",
-        "role": "parking", "detail": "type: live quorum, file classic; " + ADVICE,
-        "drops_messages": False,
+        "role": "parking", "detail": "type: live quorum, file classic; migrate keeps its 0 "
+        "messages", "drops_messages": False,
     }
     assert drift.line == ("different queue orders.parking (parking queue of orders): type: live "
-                          "quorum, file classic; " + ADVICE)
-
-
-# What to do about a parking queue of the other type (apply never replaces one).
-ADVICE = ("apply never replaces a parking queue: empty it (rabbit-retry parking replay or purge "
-          "orders), delete it while empty (rabbitmqctl delete_queue orders.parking --if-empty; "
-          "workers retry their parks meanwhile), then apply again; or keep parking: "
-          "{queue_type: quorum} for orders")
+                          "quorum, file classic; migrate keeps its 0 messages")
 
 
 def test_messages_a_quorum_queue_holds_for_dead_lettering_are_reported_per_queue() -> None:

@@ -153,15 +153,16 @@ def test_plan_more_replicas_than_asked_and_replicas_dropped_from_the_file() -> N
     assert (matching.kind, matching.detail) == ("unchanged", "")
 
 
-def test_plan_replicas_with_another_difference_stay_a_conflict_with_both() -> None:
+def test_plan_replicas_with_another_difference_is_a_migration() -> None:
+    # ``migrate`` rebuilds the queue as the file says, replicas included.
     live = live_of(topology(None))
     queue = live.queues["orders.retry.1s"]
     args = dict(queue.arguments, **{"x-message-ttl": 5000})
     live.queues["orders.retry.1s"] = dataclasses.replace(  # type: ignore[index]
         queue, arguments=args)
     tier = next(c for c in diff(topology(3), live) if c.name == "orders.retry.1s")
-    assert tier.kind == "conflict"
-    assert tier.detail.startswith("x-message-ttl: live 5000, file 1000; x-quorum-initial-group")
+    assert tier.kind == "migrate"
+    assert tier.detail.startswith("x-message-ttl: live 5000, file 1000")
 
 
 def render(status: Status) -> str:

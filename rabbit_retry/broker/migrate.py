@@ -1,0 +1,389 @@
+"""Carrying out migrations (broker/migrate_plan.py decides the steps) over AMQP, reading the
+live bindings and consumers through the management API.
+
+Moving a message: ``basic.get`` (unacked), publish a copy (mandatory, persistent) and wait for
+the broker's confirm, then ack the original. Killed in between, the original goes back to its
+queue and the next run recognises the copy already moved (migrate_plan.Copies) by looking at
+the destination first, where that is safe (the holding queue, which nobody else consumes; the
+new queue while nothing consumes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import aiormq
+import aiormq.exceptions
+from aio_pika.abc import AbstractConnection
+from pamqp import commands as spec
+
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
+from rabbit_retry.broker.inspect import parse_bindings
+from rabbit_retry.broker.management import Management, NotFound
+from rabbit_retry.broker.migrate_plan import (
+    MARKER_HEADER,
+    MARKER_VALUE,
+    Copies,
+    Migration,
+    Step,
+    hold_arguments,
+    hold_queue,
+    identity,
+    is_marker,
+    moved_headers,
+    schedule,
+)
+from rabbit_retry.contract import republish_properties
+from rabbit_retry.errors import BrokerError
+from rabbit_retry.settings import Settings, mask
+from rabbit_retry.topology.plan import Binding
+
+TIMEOUT = 60.0
+BATCH = 200  # messages taken (unacked) before their copies are confirmed and they are acked
+RELEASE_ATTEMPTS = 20  # rounds of "close consumers, drain, delete if empty and unused"
+RELEASE_WATCH = 2.0  # seconds to watch for the moment a closed consumer is gone
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Moved:
+    moved: int = 0
+    dropped: int = 0  # copies already at the destination, or routed there too
+
+
+@dataclass
+class Outcome:
+    name: str
+    steps: list[Step] = field(default_factory=list)
+    drained: Moved = field(default_factory=Moved)
+    refilled: Moved = field(default_factory=Moved)
+    closed: int = 0  # consumer connections closed
+
+
+class _Run:
+    def __init__(
+        self, connection: AbstractConnection, api: Management, settings: Settings, say: Say
+    ) -> None:
+        self.connection = connection
+        self.api = api
+        self.settings = settings
+        self.vhost = settings.vhost
+        self.say = say
+
+    async def channel(self, *, confirms: bool = False) -> aiormq.abc.AbstractChannel:
+        channel = await self.connection.channel(
+            publisher_confirms=confirms, on_return_raises=confirms
+        )
+        return await channel.get_underlay_channel()
+
+    def bindings_to(self, queue: str) -> list[Binding]:
+        path = f"/queues/{quote(self.vhost, safe='')}/{quote(queue, safe='')}/bindings"
+        try:
+            raw = self.api.get(path)
+        except NotFound:
+            return []
+        return list(parse_bindings(raw))
+
+    async def count(self, queue: str) -> tuple[int, int] | None:
+        """(ready, consumers) as the broker counts them now; None if ``queue`` is gone."""
+        channel = await self.channel()
+        try:
+            ok = await channel.queue_declare(queue, passive=True, timeout=TIMEOUT)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return None
+        await channel.close()
+        return int(ok.message_count or 0), int(ok.consumer_count or 0)
+
+    async def rebind(self, queue: str, bindings: Sequence[Binding], *, bind: bool) -> None:
+        channel = await self.channel()
+        for b in bindings:
+            method = channel.queue_bind if bind else channel.queue_unbind
+            await method(
+                queue, b.source, routing_key=b.routing_key, arguments=dict(b.arguments),
+                timeout=TIMEOUT,
+            )
+        await channel.close()
+
+    async def peek(self, queue: str) -> Copies:
+        """The identities of every message ready in ``queue``, which keeps them all: they are
+        taken unacked and given back with one ``nack(requeue)``, each to its place."""
+        state = await self.count(queue)
+        if not state or not state[0]:
+            return Copies()
+        channel = await self.channel()
+        seen = []
+        last = 0
+        for _ in range(state[0]):
+            got = await channel.basic_get(queue, no_ack=False, timeout=TIMEOUT)
+            if not isinstance(got.delivery, spec.Basic.GetOk):
+                break
+            last = int(got.delivery.delivery_tag or 0)
+            seen.append(identity(got.header.properties.message_id, got.body))
+        if last:
+            await channel.basic_nack(last, multiple=True, requeue=True)
+        await channel.close()
+        return Copies(seen)
+
+    async def exact(self, queue: str) -> int:
+        state = await self.count(queue)
+        if state is None:
+            raise BrokerError(f"{queue} disappeared while migrating; run migrate again")
+        return state[0]
+
+    async def move(self, source: str, target: str, copies: Copies, *, marker: bool) -> Moved:
+        """Every ready message of ``source`` into ``target``, each copy confirmed before its
+        original is acked; a message ``copies`` holds is dropped instead. With ``marker``, the
+        messages after the marker (routed to ``target`` as well) are dropped, and the marker is
+        acked last, so that a run killed meanwhile finds it again first."""
+        done = Moved()
+        channel = await self.channel(confirms=True)
+        held_marker: int | None = None
+        try:
+            while True:
+                batch: list[tuple[int, bytes, Any]] = []
+                drop: list[int] = []
+                while len(batch) + len(drop) < BATCH:
+                    got = await channel.basic_get(source, no_ack=False, timeout=TIMEOUT)
+                    if not isinstance(got.delivery, spec.Basic.GetOk):
+                        break
+                    tag = int(got.delivery.delivery_tag or 0)
+                    props = got.header.properties
+                    if marker and is_marker(props.headers):
+                        if held_marker is None:
+                            held_marker = tag
+                        else:  # a second marker (a run killed in route-back): one is enough
+                            drop.append(tag)
+                        continue
+                    if held_marker is not None or copies.take(identity(props.message_id, got.body)):
+                        drop.append(tag)
+                    else:
+                        batch.append((tag, got.body, props))
+                if not batch and not drop:
+                    break
+                await asyncio.gather(*(
+                    channel.basic_publish(
+                        body, exchange="", routing_key=target, mandatory=True, timeout=TIMEOUT,
+                        properties=republish_properties(
+                            props, moved_headers(props.headers), self.settings.user
+                        ),
+                    )
+                    for _, body, props in batch
+                ))
+                for tag in [t for t, _, _ in batch] + drop:
+                    await channel.basic_ack(tag)
+                done.moved += len(batch)
+                done.dropped += len(drop)
+            if held_marker is not None:
+                await channel.basic_ack(held_marker)
+        except aiormq.exceptions.PublishError as exc:
+            raise BrokerError(
+                f"moving {source} to {target}: the broker returned a copy ({mask(str(exc))}); "
+                "the original stays in place"
+            ) from None
+        except aiormq.exceptions.DeliveryError:
+            raise BrokerError(
+                f"moving {source} to {target}: the broker refused a copy (publisher nack; is "
+                f"{target!r} full?); the original stays in place"
+            ) from None
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return done
+
+    def consumer_connections(self, queue: str) -> list[str]:
+        """The connections with a consumer on ``queue``. The queue's own consumer details lack
+        the channel on some versions (3.10 gives an empty list), so the vhost's consumer list
+        is read too."""
+        where = quote(self.vhost, safe="")
+        try:
+            raw = self.api.get(f"/queues/{where}/{quote(queue, safe='')}")
+            listed = [*(raw.get("consumer_details") or []), *self.api.get(f"/consumers/{where}")]
+        except NotFound:
+            return []
+        names = set()
+        for consumer in listed:
+            on = consumer.get("queue")
+            if isinstance(on, dict) and on.get("name") != queue:
+                continue
+            channel = consumer.get("channel_details")
+            if isinstance(channel, dict) and channel.get("connection_name"):
+                names.add(str(channel["connection_name"]))
+        return sorted(names)
+
+
+async def _run_steps(
+    run: _Run, migration: Migration, steps: Sequence[Step], outcome: Outcome
+) -> None:
+    name, hold = migration.name, hold_queue(migration.name)
+    queue = migration.queue
+    for step in steps:
+        outcome.steps.append(step)
+        if step == "hold":
+            channel = await run.channel()
+            await channel.queue_declare(
+                hold, durable=True, arguments=hold_arguments(), timeout=TIMEOUT
+            )
+            await channel.close()
+        elif step == "route-to-hold":
+            bindings = run.bindings_to(name)
+            await run.rebind(hold, bindings, bind=True)
+            await run.rebind(name, bindings, bind=False)
+        elif step == "drain":
+            copies = await run.peek(hold)
+            before = await run.exact(hold)
+            outcome.drained = await run.move(name, hold, copies, marker=False)
+            # Nothing but us takes from the holding queue: every confirmed copy must be there.
+            if await run.exact(hold) < before + outcome.drained.moved:
+                raise BrokerError(
+                    f"{hold} holds fewer messages than were moved into it; the originals of "
+                    f"unconfirmed copies are still in {name}; run migrate again"
+                )
+            run.say(
+                f"{name}: moved {outcome.drained.moved} messages into {hold}"
+                + (f" ({outcome.drained.dropped} already there)" if outcome.drained.dropped else "")
+            )
+        elif step == "release":
+            await _release(run, name, hold, outcome)
+        elif step == "redeclare":
+            channel = await run.channel()
+            await channel.queue_declare(
+                name, durable=queue.durable, arguments=dict(queue.arguments), timeout=TIMEOUT
+            )
+            await channel.close()
+            run.say(f"{name}: declared again as a {queue.queue_type} queue")
+        elif step == "route-back":
+            held = run.bindings_to(hold)
+            wanted = {b.key: b for b in [*held, *migration.bindings]}
+            await run.rebind(name, list(wanted.values()), bind=True)
+            if held:
+                await _mark(run, hold)
+                await run.rebind(hold, held, bind=False)
+        elif step == "refill":
+            state = await run.count(name)
+            # What the new queue holds already: messages routed to it and to the holding queue
+            # in the instant before the marker, and copies a killed run moved but never acked.
+            # Not while workers consume it: then such a message may arrive twice
+            # (docs/migrations.md).
+            copies = await run.peek(name) if state is not None and state[1] == 0 else Copies()
+            holding = await run.exact(hold)
+            outcome.refilled = await run.move(hold, name, copies, marker=True)
+            # Unbound, the holding queue only loses messages, and only to us: each one it held
+            # was moved, or dropped as a copy, or was the marker.
+            left = await run.exact(hold)
+            if left or outcome.refilled.moved + outcome.refilled.dropped > holding:
+                raise BrokerError(
+                    f"{hold}: {holding} held, {outcome.refilled.moved} moved, "
+                    f"{outcome.refilled.dropped} dropped, {left} left: the counts disagree; "
+                    "nothing was acked unconfirmed; run migrate again"
+                )
+            await _delete_when_empty(run, hold)
+            run.say(
+                f"{name}: moved {outcome.refilled.moved} messages back from {hold}"
+                + (f", dropped {outcome.refilled.dropped} copies" if outcome.refilled.dropped
+                   else "")
+                + f"; {hold} deleted"
+            )
+
+
+async def _mark(run: _Run, hold: str) -> None:
+    channel = await run.channel(confirms=True)
+    await channel.basic_publish(
+        b"", exchange="", routing_key=hold, mandatory=True, timeout=TIMEOUT,
+        properties=spec.Basic.Properties(
+            headers={MARKER_HEADER: MARKER_VALUE}, delivery_mode=2, app_id="rabbit-retry"
+        ),
+    )
+    await channel.close()
+
+
+async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
+    """Delete ``name`` once nothing consumes it and it is empty, draining what consumers gave
+    back.
+
+    A worker whose connection is closed reconnects at once, in a few round trips (connect,
+    check its queues, consume); so right after closing, ``name`` is watched on one channel and
+    deleted in the first moment it has neither consumers nor messages, one round trip later. A
+    worker back before that only means another round.
+    """
+    classic = (run.api.queue(run.vhost, name) or {}).get("type", "classic") == "classic"
+    for _ in range(RELEASE_ATTEMPTS):
+        for connection in run.consumer_connections(name):
+            run.api.close_connection(connection, f"rabbit-retry migrate: {name} is being rebuilt")
+            run.say(f"{name}: closed consumer connection {connection!r}; it reconnects by itself")
+            outcome.closed += 1
+        more = await run.move(name, hold, Copies(), marker=False)
+        outcome.drained.moved += more.moved
+        channel = await run.channel()
+        watch_until = time.monotonic() + RELEASE_WATCH
+        try:
+            while True:
+                try:
+                    ok = await channel.queue_declare(name, passive=True, timeout=TIMEOUT)
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    return
+                if ok.message_count:
+                    break  # drain again
+                if not ok.consumer_count:
+                    # A classic queue checks both at once; a quorum queue cannot
+                    # (NOT_IMPLEMENTED), so it relies on the exact count just read.
+                    await channel.queue_delete(
+                        name, if_unused=classic, if_empty=classic, timeout=TIMEOUT
+                    )
+                    return
+                if time.monotonic() > watch_until:
+                    break
+                await asyncio.sleep(0.002)
+        except aiormq.exceptions.ChannelPreconditionFailed:
+            continue
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+    raise BrokerError(
+        f"{name} kept getting consumers or messages through {RELEASE_ATTEMPTS} attempts to "
+        f"delete it; its messages are safe in {hold}; stop its consumers and run migrate again"
+    )
+
+
+async def _delete_when_empty(run: _Run, queue: str) -> None:
+    channel = await run.channel()
+    try:
+        await channel.queue_delete(queue, if_unused=True, if_empty=True, timeout=TIMEOUT)
+    except aiormq.exceptions.ChannelPreconditionFailed:
+        raise BrokerError(
+            f"{queue} is not empty after moving its messages back; run migrate again"
+        ) from None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def migrate(
+    settings: Settings, migrations: Sequence[Migration], say: Say = lambda _: None
+) -> list[Outcome]:
+    """Run every migration's remaining steps, in ``schedule``'s order."""
+    outcomes: dict[str, Outcome] = {}
+    connection = await connect(settings, name="rabbit-retry migrate")
+    try:
+        with Management.for_settings(settings) as api:
+            run = _Run(connection, api, settings, say)
+            for migration, steps in schedule(migrations):
+                outcome = outcomes.setdefault(migration.name, Outcome(migration.name))
+                try:
+                    await _run_steps(run, migration, steps, outcome)
+                except CONNECTION_ERRORS as exc:
+                    if isinstance(exc, BrokerError):
+                        raise
+                    raise BrokerError(
+                        f"migrating {migration.name} stopped at {outcome.steps[-1]}: "
+                        f"{mask(str(exc)) or type(exc).__name__}; nothing is lost, run migrate "
+                        "again to finish"
+                    ) from exc
+    finally:
+        await connection.close()
+    return [outcomes[m.name] for m in migrations]

@@ -1,0 +1,119 @@
+"""Tunables as policies on a real broker: ``apply`` sets one exactly anchored policy per queue,
+changes it live (same queue, same messages, nothing redeclared), deletes it when the file drops
+it; ``plan`` names other policies and operator policies that match before anything changes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+from support.amqp import blocking, depth_sync, publish
+from support.poll import wait_for
+
+from rabbit_retry.broker.management import Management
+from rabbit_retry.settings import Settings
+
+Q = "pol.orders"
+
+
+def _file(policy: str = "") -> str:
+    return f"""\
+version: 1
+queues:
+  {Q}:
+    queue_type: classic
+    retry: {{delays: [1h]}}
+{policy}"""
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "pol.yml"
+    path.write_text(text)
+    return str(path)
+
+
+def _effective(management: Management, settings: Settings) -> tuple[Any, Any]:
+    info = management.queue(settings.vhost, Q) or {}
+    return info.get("policy"), info.get("effective_policy_definition")
+
+
+def _policies(management: Management, settings: Settings) -> dict[str, dict[str, Any]]:
+    raw = management.get(f"/policies/{quote(settings.vhost, safe='')}")
+    return {p["name"]: p for p in raw}
+
+
+@pytest.fixture
+def operator_policy(fresh_vhost: Settings, management: Management) -> Iterator[None]:
+    path = f"/operator-policies/{quote(fresh_vhost.vhost, safe='')}/cap"
+    body = {"pattern": "^pol\\.", "definition": {"max-length": 50}, "priority": 0,
+            "apply-to": "queues"}
+    response = management.request("PUT", path, json=body)
+    assert response.status_code < 300, response.text
+    yield
+    management.request("DELETE", path)
+
+
+def test_tunables_are_applied_live_as_one_policy_and_other_policies_are_named_first(
+    tmp_path: Path, fresh_vhost: Settings, management: Management,
+    run_cli: Callable[..., Any], operator_policy: None,
+) -> None:
+    file = _write(tmp_path, _file("    policy: {max_length: 1000, message_ttl: 1h}\n"))
+    result = run_cli("apply", file, settings=fresh_vhost)
+    assert result.code == 0, result.err
+    assert f"set policy rabbit-retry:{Q} for queue {Q}: {{max-length: 1000, message-ttl: " \
+           "3600000} priority 10" in result.out
+    policy = _policies(management, fresh_vhost)[f"rabbit-retry:{Q}"]
+    assert (policy["pattern"], policy["apply-to"], policy["priority"]) == (
+        "^pol\\.orders$", "queues", 10
+    )
+    wait_for(lambda: _effective(management, fresh_vhost)[0] == f"rabbit-retry:{Q}",
+             "the policy applied to the queue")
+
+    # Another user's policy with a higher priority, and an operator policy: named before
+    # anything changes.
+    path = f"/policies/{quote(fresh_vhost.vhost, safe='')}/greedy"
+    management.request("PUT", path, json={"pattern": "orders$", "definition": {"max-length": 1},
+                                          "priority": 50, "apply-to": "queues"})
+    changed = _write(tmp_path, _file("    policy: {max_length: 2000}\n"))
+    plan = run_cli("plan", changed, settings=fresh_vhost)
+    assert plan.code == 0, plan.err
+    assert (
+        f"update    policy   rabbit-retry:{Q}  (live {{max-length: 1000, message-ttl: 3600000}} "
+        "priority 10, file {max-length: 2000} priority 10)" in plan.out.splitlines()
+    )
+    assert plan.err.splitlines() == [
+        f"note: policy greedy (priority 50, max-length) wins over rabbit-retry:{Q} (priority 10) "
+        f"on queue {Q}: the file's tunables do not apply; raise policy.priority or change that "
+        "policy",
+        f"note: operator policy cap (max-length) also applies to queue {Q}: where both set a "
+        "limit, the lower one wins",
+    ]
+    assert _policies(management, fresh_vhost)[f"rabbit-retry:{Q}"]["definition"] == {
+        "max-length": 1000, "message-ttl": 3_600_000
+    }
+    management.request("DELETE", path)
+    wait_for(lambda: _effective(management, fresh_vhost)[0] == f"rabbit-retry:{Q}",
+             "our policy applied again once the greedy one is gone")
+    blocking(publish(fresh_vhost, b"{}", routing_key=Q, count=3))
+
+    before = management.queue(fresh_vhost.vhost, Q) or {}
+    result = run_cli("apply", changed, settings=fresh_vhost)
+    assert result.code == 0, result.err
+    assert _policies(management, fresh_vhost)[f"rabbit-retry:{Q}"]["definition"] == {
+        "max-length": 2000
+    }
+    wait_for(lambda: (_effective(management, fresh_vhost)[1] or {}).get("max-length") == 50,
+             "the operator policy's lower limit merged in")
+    after = management.queue(fresh_vhost.vhost, Q) or {}
+    assert after["arguments"] == before["arguments"]
+    assert depth_sync(fresh_vhost, Q) == 3  # same queue, same messages: nothing redeclared
+    assert "nothing to do" in run_cli("apply", changed, settings=fresh_vhost).out
+
+    dropped = _write(tmp_path, _file())
+    result = run_cli("apply", dropped, settings=fresh_vhost)
+    assert result.code == 0, result.err
+    assert f"deleted policy rabbit-retry:{Q}" in result.out
+    assert f"rabbit-retry:{Q}" not in _policies(management, fresh_vhost)
