@@ -321,7 +321,12 @@ async def test_permanent_failures_park_at_once(fresh_vhost: Settings, how: str) 
             fresh_vhost, b"{}", exchange="orders", routing_key="order.created", message_id="p-1"
         )
         await eventually(lambda: depth(fresh_vhost, PARKING), what="parked")
-        parked_metric = runner.metrics.parked.labels(Q, "permanent")._value.get()
+        # The copy is in the parking queue once the broker confirmed it; the worker counts it
+        # and acks the original right after: wait for both rather than race them.
+        parked = runner.metrics.parked.labels(Q, "permanent")
+        await eventually(lambda: parked._value.get() == 1, what="the park counted")
+        await eventually(lambda: all_empty(fresh_vhost, Q), what="the original acked")
+        parked_metric = parked._value.get()
     assert len(consumer.calls) == 1
     [message] = await drain(fresh_vhost, PARKING)
     headers = message.headers
