@@ -74,6 +74,13 @@ STRIPPED_ON_REPLAY = BROKER_HEADERS | {
     HANDLE_AGAIN,
 }
 
+
+
+def kept_on_replay(name: str) -> bool:
+    """Whether a header survives a replay from parking (see ``STRIPPED_ON_REPLAY``)."""
+    return name not in STRIPPED_ON_REPLAY and not name.startswith(STRIPPED_PREFIXES)
+
+
 # Larger counts are not counts but garbage; capping also keeps every count we write back a
 # valid AMQP signed 32-bit integer.
 MAX_COUNT = 2**31 - 1

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import datetime
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
 
 from aiormq import spec
+from pamqp import decode
 
 _LONG = struct.Struct(">I")
 
@@ -92,6 +93,47 @@ def encode_table(table: Mapping[str, Any]) -> bytes:
 
 def encoded_size(table: Mapping[str, Any]) -> int:
     return len(encode_table(table))
+
+
+# Payload size of each field type octet pamqp's decoder knows, by octet: a fixed size, or
+# _SIZED (a long length, then that many bytes), or _UNKNOWN.
+_SIZED, _UNKNOWN = -1, -2
+_FIXED_SIZES = [_UNKNOWN] * 256
+for _octets, _size in ((b"tbB", 1), (b"su", 2), (b"Iif", 4), (b"lLdT", 8), (b"D", 5),
+                       (b"V\x00", 0), (b"SAFx", _SIZED)):
+    for _octet in _octets:
+        _FIXED_SIZES[_octet] = _size
+
+
+def decode_table(raw: bytes, keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """A field table (long length first) as pamqp decodes it; with ``keep``, the values of
+    the names it refuses are stepped over without being decoded (a parked copy's stack trace
+    and ``x-death`` cost nothing to leave out)."""
+    (size,) = _LONG.unpack_from(raw, 0)
+    end = 4 + size
+    if end > len(raw):
+        raise ValueError("field table length exceeds the data")
+    fixed_sizes, long_at, embedded = _FIXED_SIZES, _LONG.unpack_from, decode.embedded_value
+    out: dict[str, Any] = {}
+    at = 4
+    while at < end:
+        if at + 1 + raw[at] >= end:
+            raise ValueError("a header name runs past the table")
+        name_end = at + 1 + raw[at]
+        name = raw[at + 1:name_end].decode()
+        kind = raw[name_end]
+        fixed = fixed_sizes[kind]
+        if fixed >= 0:
+            at = name_end + 1 + fixed
+        elif fixed == _SIZED:
+            at = name_end + 5 + long_at(raw, name_end + 1)[0]
+        else:
+            raise ValueError(f"header {name!r}: unknown field type {bytes((kind,))!r}")
+        if at > end:
+            raise ValueError(f"header {name!r}: value runs past the table")
+        if keep is None or keep(name):
+            out[name] = embedded(raw[name_end:at])[1]
+    return out
 
 
 class CopyProperties(spec.Basic.Properties):

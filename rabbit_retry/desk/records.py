@@ -16,13 +16,12 @@ message are different copies (their ``parked-at`` and ``x-death`` differ), so bo
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from pamqp import commands as spec
-from pamqp import decode
 
 from rabbit_retry import contract, wire
 from rabbit_retry.desk.groups import group_id, normalise
@@ -145,17 +144,18 @@ def stored_body(row: Mapping[str, Any]) -> bytes:
     return bytes(row.get("body") or b"")
 
 
-def stored_headers(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The headers exactly as delivered (the inverse of ``wire.encode_table``)."""
-    raw = bytes(row["headers_raw"])
-    _, table = decode.field_table(raw)
-    return dict(table)
+def stored_headers(row: Mapping[str, Any],
+                   keep: Callable[[str], bool] | None = None) -> dict[str, Any]:
+    """The headers exactly as delivered (the inverse of ``wire.encode_table``); with ``keep``,
+    only the names it accepts."""
+    return wire.decode_table(bytes(row["headers_raw"]), keep)
 
 
-def stored_properties(row: Mapping[str, Any]) -> spec.Basic.Properties:
-    """The delivered properties (headers included) of a stored row."""
+def stored_properties(row: Mapping[str, Any],
+                      keep: Callable[[str], bool] | None = None) -> spec.Basic.Properties:
+    """The delivered properties (headers included, or those ``keep`` accepts) of a stored row."""
     values = dict(row.get("properties") or {})
     stamp = values.get("timestamp")
     if isinstance(stamp, str):
         values["timestamp"] = datetime.fromisoformat(stamp)
-    return spec.Basic.Properties(headers=stored_headers(row), **values)
+    return spec.Basic.Properties(headers=stored_headers(row, keep), **values)

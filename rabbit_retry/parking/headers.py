@@ -11,10 +11,9 @@ from rabbit_retry.contract import (
     HANDLE_AGAIN,
     PARKED_AT,
     REPLAY_COUNT,
-    STRIPPED_ON_REPLAY,
-    STRIPPED_PREFIXES,
     as_count,
     header_text,
+    kept_on_replay,
 )
 
 
@@ -43,11 +42,7 @@ def replay_headers(
     ``replay-count`` one more than before (a garbled one counts as 0); with ``handle_again``,
     ``handle-again: true`` (an idempotent consumer runs it even if its key is done)."""
     source = dict(headers or {})
-    out = {
-        key: value
-        for key, value in source.items()
-        if key not in STRIPPED_ON_REPLAY and not key.startswith(STRIPPED_PREFIXES)
-    }
+    out = {key: value for key, value in source.items() if kept_on_replay(key)}
     out[REPLAY_COUNT] = (as_count(source.get(REPLAY_COUNT)) or 0) + 1
     if handle_again:
         out[HANDLE_AGAIN] = True

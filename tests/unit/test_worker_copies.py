@@ -11,10 +11,11 @@ import pytest
 from aiormq import spec
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pamqp import decode as pamqp_decode
 from pamqp import header as pamqp_header
 
 from rabbit_retry.contract import copy_properties
-from rabbit_retry.wire import encode_table, encoded_size
+from rabbit_retry.wire import decode_table, encode_table, encoded_size
 from rabbit_retry.worker import copies
 from rabbit_retry.worker.consumer import Permanent
 
@@ -314,3 +315,65 @@ def test_encode_table_rejects_what_amqp_cannot_carry() -> None:
         encode_table({"x": object()})
     with pytest.raises(TypeError):
         encode_table({"x": 2**64})
+
+
+def _field(name: str, kind: bytes, payload: bytes) -> bytes:
+    return bytes((len(name),)) + name.encode() + kind + payload
+
+
+# One value of every field type pamqp decodes, as other clients may send them.
+EVERY_TYPE = b"".join((
+    _field("t", b"t", b"\x01"), _field("b", b"b", b"\xff"), _field("B", b"B", b"\xff"),
+    _field("s", b"s", b"\xff\xfe"), _field("u", b"u", b"\xff\xfe"),
+    _field("I", b"I", b"\xff\xff\xff\xfe"), _field("i", b"i", b"\xff\xff\xff\xfe"),
+    _field("l", b"l", b"\x00" * 7 + b"\x05"), _field("L", b"L", b"\x00" * 7 + b"\x06"),
+    _field("f", b"f", b"\x3f\x80\x00\x00"),
+    _field("d", b"d", b"\x3f\xb9\x99\x99\x99\x99\x99\x9a"),
+    _field("D", b"D", b"\x02\x00\x00\x01\x00"),
+    _field("T", b"T", b"\x00\x00\x00\x00\x65\x92\x00\x00"),
+    _field("V", b"V", b""), _field("S", b"S", b"\x00\x00\x00\x02\xff\xfe"),
+    _field("x", b"x", b"\x00\x00\x00\x01\x07"),
+    _field("A", b"A", b"\x00\x00\x00\x05S\x00\x00\x00\x00"),
+    _field("F", b"F", b"\x00\x00\x00\x03\x01kV"),
+))
+
+
+def _raw(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+def test_decode_table_decodes_as_pamqp_does() -> None:
+    for raw in (_raw(EVERY_TYPE), encode_table(HEADERS)):
+        assert decode_table(raw) == dict(pamqp_decode.field_table(raw)[1])
+
+
+def test_decode_table_leaves_out_what_keep_refuses() -> None:
+    raw = _raw(EVERY_TYPE)
+    whole = decode_table(raw)
+    kept = decode_table(raw, lambda name: name in {"b", "S", "F"})
+    assert kept == {name: whole[name] for name in ("b", "S", "F")}
+    assert decode_table(raw, lambda name: False) == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(headers=st.dictionaries(st.text(max_size=30), json_like, max_size=6))
+def test_fuzzed_headers_decode_as_pamqp_does(headers: dict[str, Any]) -> None:
+    raw = encode_table(headers)
+    assert decode_table(raw) == dict(pamqp_decode.field_table(raw)[1]) == headers
+    first = sorted(headers)[:1]
+    assert decode_table(raw, lambda name: name in first) == {k: headers[k] for k in first}
+
+
+@pytest.mark.parametrize("raw", [
+    _raw(EVERY_TYPE)[:-1],  # the last value cut short
+    _raw(_field("q", b"Q", b"")),  # no such type
+    b"\x00\x00\x00\x09" + _field("S", b"S", b"\x00\x00\x00\xff"),  # a length past the end
+])
+def test_decode_table_refuses_a_broken_table(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_table(raw)
+
+
+def test_decode_table_refuses_a_name_past_the_end() -> None:
+    with pytest.raises(ValueError, match="name runs past"):
+        decode_table(b"\x00\x00\x00\x03\x09ab")
