@@ -9,9 +9,11 @@ transaction each, commit, ack the batch. Both write to the same kind of store (a
 or a new PostgreSQL database); the goal is ours >= 0.5x.
 
 Replay. N rows of one group in the store; ours is ``desk.actions.Actions.replay`` of the group
-(claim, publish with ``mandatory`` and confirms, mark replayed); the baseline publishes the same
-bodies and headers to the same queue, ``WINDOW`` confirms in flight, and does nothing else. Goal
->= 0.8x.
+(take the rows with the audit entry, claim and read them a page at a time, build each copy's
+replay headers, publish with ``mandatory`` and confirms, mark replayed); the baseline publishes
+the same bodies and headers, built before its clock starts, to the same queue, ``WINDOW``
+confirms in flight, and does nothing else. Both have their connection open before the clock
+starts (a desk keeps its own across replays). Goal >= 0.8x.
 
 Pages. ``rows`` rows (a million in a full run) in an SQLite store, 40 groups over 2 queues:
 the time the API takes for what the page asks (median of 5 requests each).
@@ -156,6 +158,7 @@ async def _ours_replay(settings: Settings, url: str, n: int) -> float:
     store, group = await asyncio.to_thread(_filled_store, url, n)
     actions = Actions(store, settings, {QUEUE})
     try:
+        await actions.connect()  # a desk keeps its connection; the baseline's opens off the clock
         start = time.perf_counter()
         task = await actions.replay(Selection(group=group), "bench")
         result = await task

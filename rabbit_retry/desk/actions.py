@@ -1,14 +1,15 @@
 """An operator's actions on stored messages: replay (publish back, confirmed) and discard.
 
-A replay first claims its rows and writes its audit entry in one transaction (rows go
-``parked -> replaying``), then publishes each row's copy with ``mandatory`` and publisher
-confirms, many in flight at once, and marks rows ``replayed`` only once the broker confirmed
-them. A copy the broker returns (no such queue) or refuses (``nack``: the queue is full) puts its
-row back to ``parked``, and the audit entry says why. The replay holds a lease in the store that
-it renews while it runs; when its desk dies, another desk (or the same one restarted) takes the
-lease once it has run out and publishes what was not yet marked replayed. Nothing is lost; a copy
-confirmed just before the kill and not yet marked is published once more (each copy carries the
-replay's id in ``replay-id`` and its original ``message_id``, so a consumer can tell).
+A replay first takes its rows and writes its audit entry in one transaction (from then on no
+other action takes them), then claims them a page at a time (``parked -> replaying``) while it
+publishes the page before, each row's copy with ``mandatory`` and publisher confirms, many in
+flight at once, and marks rows ``replayed`` only once the broker confirmed them. A copy the
+broker returns (no such queue) or refuses (``nack``: the queue is full) puts its row back to
+``parked``, and the audit entry says why. The replay holds a lease in the store that it renews
+while it runs; when its desk dies, another desk (or the same one restarted) takes the lease once
+it has run out and publishes what was not yet marked replayed. Nothing is lost; a copy confirmed
+just before the kill and not yet marked is published once more (each copy carries the replay's
+id in ``replay-id`` and its original ``message_id``, so a consumer can tell).
 
 Replayed copies get the CLI's replay headers (``parking.headers.replay_headers``): parking and
 death headers stripped, ``retry-count`` reset, ``replay-count`` + 1.
@@ -27,8 +28,9 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+import aiormq
 import aiormq.exceptions
-from aiormq.abc import AbstractChannel, AbstractConnection
+from aiormq.abc import AbstractConnection
 from pamqp import commands as spec
 
 from rabbit_retry import contract
@@ -43,7 +45,8 @@ log = logging.getLogger("rabbit_retry.desk")
 
 REPLAY_ID = "replay-id"  # header on every replayed copy: the audit entry's replay id
 WINDOW = 512  # copies awaiting their confirm at once
-PAGE = 2000  # rows read from the store at a time
+PAGE = 2000  # rows claimed and read from the store at a time
+FIRST_PAGE = WINDOW  # the first page is claimed before anything is published: a small one
 LEASE_S = 30.0
 CONFIRM_TIMEOUT_S = 60.0
 
@@ -126,14 +129,21 @@ class Actions:
                 await self._connection.close()
             self._connection = self._amqp = None
 
-    async def _channel(self) -> AbstractChannel:
+    async def connect(self) -> None:
+        """Open the broker connection now instead of at the first replay (it is kept)."""
+        channel = await self._channel()
+        await channel.close()
+
+    async def _channel(self) -> aiormq.Channel:
         async with self._lock:
             if self._amqp is None or self._amqp.is_closed:
                 self._connection = await connect(self.settings, name="rabbit-retry desk replay")
                 transport = self._connection.transport
                 assert transport is not None
                 self._amqp = transport.connection
-            return await self._amqp.channel(publisher_confirms=True)
+            channel = await self._amqp.channel(publisher_confirms=True)
+            assert isinstance(channel, aiormq.Channel)  # its publish takes ``wait``
+            return channel
 
     async def _publish_all(self, claimed: Claimed, count: int) -> ReplayResult:
         result = ReplayResult(claimed.id, count)
@@ -161,30 +171,33 @@ class Actions:
             if not await asyncio.to_thread(self.store.renew, replay_id, self.owner, self.lease):
                 raise RuntimeError(f"replay {replay_id}: lease lost to another desk")
 
-    async def _publish_rows(self, channel: AbstractChannel, claimed: Claimed,
+    async def _publish_rows(self, channel: aiormq.Channel, claimed: Claimed,
                             result: ReplayResult, renew: asyncio.Task[None]) -> str | None:
         """Publish every row still claimed by the replay: the next page is read (and its copies
         built) while this one is published, and confirmed rows are marked in the background,
         so the broker always has ``WINDOW`` copies to confirm."""
         user = self.settings.user
         window = asyncio.Semaphore(WINDOW)
-        in_flight: dict[str, asyncio.Future[Any]] = {}  # message id -> its publish
+        # aiormq matches a basic.return to its publish by message id: never two copies with one
+        # id in flight on the channel. Message id -> its publish; these are all in flight.
+        in_flight: dict[str, asyncio.Task[None]] = {}
         confirmed: list[int] = []
         refused: dict[int, str] = {}
-        pending: set[asyncio.Task[None]] = set()
         marking: asyncio.Task[None] | None = None
-        started = time.monotonic()
+        started = last_confirm = time.monotonic()
         sent = 0
 
-        def page(after: int) -> list[Copy]:
+        def page(after: int, size: int = PAGE) -> list[Copy]:
             return [_copy(row, claimed, user) for row in
-                    self.store.replay_rows(claimed.id, after, PAGE)]
+                    self.store.replay_rows(claimed.id, after, size)]
 
         async def one(copy: Copy) -> None:
+            nonlocal last_confirm
             try:
+                # No wait for the socket's drain: the window bounds what is queued.
                 await channel.basic_publish(
                     copy.body, exchange="", routing_key=copy.target, properties=copy.properties,
-                    mandatory=True, timeout=CONFIRM_TIMEOUT_S,
+                    mandatory=True, wait=False,
                 )
                 confirmed.append(copy.row_id)
             except aiormq.exceptions.PublishError:
@@ -193,7 +206,23 @@ class Actions:
             except aiormq.exceptions.DeliveryError:
                 refused[copy.row_id] = f"queue {copy.target!r} refused it (full?)"
             finally:
+                last_confirm = time.monotonic()
                 window.release()
+                if in_flight.get(copy.message_id) is asyncio.current_task():
+                    del in_flight[copy.message_id]
+
+        async def watch() -> None:
+            """One deadline for every copy instead of a timer each: no confirm (or return) for
+            ``CONFIRM_TIMEOUT_S`` while copies are in flight closes the channel, which fails
+            them; the replay stops and resumes when its lease runs out."""
+            while True:
+                await asyncio.sleep(CONFIRM_TIMEOUT_S / 6)
+                if in_flight and time.monotonic() - last_confirm > CONFIRM_TIMEOUT_S:
+                    log.error("desk: replay %s: no publisher confirm for %gs; stopping it",
+                              claimed.id, CONFIRM_TIMEOUT_S)
+                    await channel.close(TimeoutError(
+                        f"no publisher confirm within {CONFIRM_TIMEOUT_S:g}s"))
+                    return
 
         async def mark(before: asyncio.Task[None] | None, ids: list[int]) -> None:
             if before is not None:
@@ -207,36 +236,35 @@ class Actions:
                 ids, confirmed[:] = list(confirmed), []
                 marking = asyncio.create_task(mark(marking, ids))
 
-        copies = await asyncio.to_thread(page, 0)
-        while copies:
-            following = asyncio.create_task(asyncio.to_thread(page, copies[-1].row_id))
-            try:
-                for copy in copies:
-                    if renew.done():
-                        renew.result()  # the lease was lost: stop here, the new owner goes on
-                    if claimed.rate:
-                        ahead = started + sent / claimed.rate - time.monotonic()
-                        if ahead > 0:
-                            await asyncio.sleep(ahead)
-                    await window.acquire()
-                    # aiormq matches a basic.return to its publish by message id: never two
-                    # copies with one id in flight on the channel.
-                    earlier = in_flight.get(copy.message_id)
-                    if earlier is not None:
-                        await asyncio.gather(earlier, return_exceptions=True)
-                    task = asyncio.create_task(one(copy))
-                    in_flight[copy.message_id] = task
-                    task.add_done_callback(_forget(in_flight, copy.message_id))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                    sent += 1
-                    if len(confirmed) >= PAGE:
-                        flush()
-            except BaseException:
-                following.cancel()
-                raise
-            copies = await following
-        await _wait_all(pending)
+        watchdog = asyncio.create_task(watch())
+        try:
+            copies = await asyncio.to_thread(page, 0, FIRST_PAGE)
+            while copies:
+                following = asyncio.create_task(asyncio.to_thread(page, copies[-1].row_id))
+                try:
+                    for copy in copies:
+                        if renew.done():
+                            renew.result()  # the lease was lost: stop, the new owner goes on
+                        if claimed.rate:
+                            ahead = started + sent / claimed.rate - time.monotonic()
+                            if ahead > 0:
+                                await asyncio.sleep(ahead)
+                        await window.acquire()
+                        earlier = in_flight.get(copy.message_id)
+                        if earlier is not None:
+                            await asyncio.gather(earlier, return_exceptions=True)
+                        in_flight[copy.message_id] = asyncio.create_task(one(copy))
+                        sent += 1
+                        if len(confirmed) >= PAGE:
+                            flush()
+                except BaseException:
+                    following.cancel()
+                    raise
+                copies = await following
+            if in_flight:
+                await asyncio.gather(*in_flight.values())
+        finally:
+            watchdog.cancel()
         flush()
         if marking is not None:
             await marking
@@ -260,23 +288,9 @@ class Copy:
 
 
 def _copy(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
-    source = stored_properties(row)
+    source = stored_properties(row, contract.kept_on_replay)  # the rest would be stripped
     headers = replay_headers(source.headers)
     headers[REPLAY_ID] = claimed.id
     properties = contract.republish_properties(source, headers, user)
     return Copy(row["id"], str(properties.message_id or f"row-{row['id']}"),
                 claimed.to_queue or row["queue"], stored_body(row), properties)
-
-
-def _forget(in_flight: dict[str, Any], mid: str) -> Callable[[asyncio.Task[None]], None]:
-    def done(task: asyncio.Task[None]) -> None:
-        if in_flight.get(mid) is task:
-            del in_flight[mid]
-
-    return done
-
-
-async def _wait_all(tasks: set[asyncio.Task[None]]) -> None:
-    if tasks:
-        await asyncio.gather(*list(tasks))
-

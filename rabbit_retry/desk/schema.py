@@ -14,6 +14,9 @@ what the code queries, and tests/unit/test_desk_store.py checks that the two agr
   transaction as what they count.
 - ``replays``: a replay in progress and the lease of the desk carrying it out, so that another
   desk (or the same one, restarted) finishes a replay whose desk died.
+- ``replay_items``: the rows a replay in progress took when it started (a row belongs to one
+  replay at a time; no other action takes it); the replay sets them ``replaying`` a page at a
+  time as it publishes them. Deleted when the replay finishes.
 """
 
 from __future__ import annotations
@@ -129,6 +132,14 @@ replays = sa.Table(
     sa.Column("rate", sa.Float),
     sa.Column("owner", sa.Text, nullable=False),
     sa.Column("lease_until", UtcDateTime, nullable=False),
+)
+
+replay_items = sa.Table(
+    "replay_items",
+    metadata,
+    sa.Column("message_id", Id, primary_key=True),
+    sa.Column("replay_id", sa.String(32), nullable=False),
+    sa.Index("ix_replay_items_replay", "replay_id", "message_id"),
 )
 
 totals = sa.Table(

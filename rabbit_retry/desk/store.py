@@ -3,10 +3,12 @@ SQLAlchemy (synchronous; the desk calls it from worker threads).
 
 Every write that must hold together is one transaction: a batch of parked copies with their
 groups (committed before the broker hears an ack), a replay's claim of its rows with its audit
-entry, a discard with its audit entry. Several desks may share one PostgreSQL database: rows are
-claimed with ``UPDATE ... WHERE status = 'parked'``, so two desks never replay or discard the
-same row, and copies are inserted with ``ON CONFLICT (digest) DO NOTHING``, so a copy consumed
-twice (a desk killed between commit and ack, or two desks) is stored once.
+entry, a discard with its audit entry. Several desks may share one PostgreSQL database: a replay
+claims its rows by inserting their ids into ``replay_items`` (primary key: the row's id,
+``ON CONFLICT DO NOTHING``), a discard takes only parked rows no replay holds (``UPDATE ...
+WHERE status = 'parked' AND NOT EXISTS``), so two desks never replay or discard the same row;
+copies are inserted with ``ON CONFLICT (digest) DO NOTHING``, so a copy consumed twice (a desk
+killed between commit and ack, or two desks) is stored once.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from rabbit_retry.desk import schema
 from rabbit_retry.desk.records import Parked
-from rabbit_retry.desk.schema import audit, groups, messages, replays, totals
+from rabbit_retry.desk.schema import audit, groups, messages, replay_items, replays, totals
 from rabbit_retry.errors import InputError
 from rabbit_retry.settings import mask
 
@@ -66,6 +68,11 @@ class Selection:
         if self.group is not None:
             return messages.c.group_id == self.group
         return messages.c.id.in_(self.ids)
+
+    def takeable(self) -> sa.ColumnElement[bool]:
+        """The selection's rows an action may take: parked, and held by no replay."""
+        held = sa.exists().where(replay_items.c.message_id == messages.c.id)
+        return sa.and_(self.where(), messages.c.status == "parked", ~held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +337,7 @@ class Store:
                                       state="done")
             per_queue = Counter(tx.execute(
                 messages.update()
-                .where(selection.where(), messages.c.status == "parked")
+                .where(selection.takeable())
                 .values(status="discarded", changed_at=now(), discard_reason=reason)
                 .returning(messages.c.queue)
             ).scalars())
@@ -342,18 +349,21 @@ class Store:
 
     def start_replay(self, selection: Selection, actor: str, owner: str, *,
                      to_queue: str | None, rate: float | None, lease: float) -> tuple[str, int]:
-        """Claim the selection's parked rows for a new replay (status ``replaying``) and write
-        its audit entry and lease, in one transaction. Returns (replay id, rows claimed)."""
+        """Take the selection's parked rows for a new replay (``replay_items``: from now on no
+        other action takes them) and write its audit entry and lease, in one transaction.
+        The rows stay ``parked`` until ``replay_rows`` claims their page. Returns (replay id,
+        rows taken)."""
         replay_id = uuid.uuid4().hex
         with self._tx() as tx:
             entry = self._count_audit(tx, "replay", actor, selection, replay_id=replay_id,
                                       to_queue=to_queue, state="pending")
-            claimed = tx.execute(
-                messages.update()
-                .where(selection.where(), messages.c.status == "parked")
-                .values(status="replaying", replay_id=replay_id, replayed_to=to_queue,
-                        changed_at=now())
-            ).rowcount
+            taken = sa.select(messages.c.id, sa.literal(replay_id, sa.String(32))).where(
+                selection.takeable())
+            tx.execute(self._insert_ignore(replay_items, ["message_id"])
+                       .from_select(["message_id", "replay_id"], taken))
+            claimed = tx.execute(  # (an INSERT ... SELECT's rowcount is -1 on psycopg)
+                sa.select(sa.func.count()).where(replay_items.c.replay_id == replay_id)
+            ).scalar_one()
             tx.execute(audit.update().where(audit.c.id == entry).values(count=claimed))
             tx.execute(replays.insert().values(id=replay_id, to_queue=to_queue, rate=rate,
                                                owner=owner,
@@ -361,15 +371,38 @@ class Store:
             return replay_id, int(claimed)
 
     def replay_rows(self, replay_id: str, after: int, limit: int) -> list[dict[str, Any]]:
-        """The next ``limit`` rows of a replay still to publish, by id after ``after``."""
-        m = messages.c
-        query = (
-            sa.select(m.id, m.queue, m.headers_raw, m.properties, m.body_text, m.body)
-            .where(m.replay_id == replay_id, m.status == "replaying", m.id > after)
-            .order_by(m.id).limit(limit)
-        )
-        with self.engine.connect() as c:
-            return [dict(row._mapping) for row in c.execute(query)]
+        """Claim the replay's next ``limit`` rows still to publish (by id after ``after``) and
+        return them: its parked rows become ``replaying``; rows it already claimed (a replay
+        taken over from a desk that died) come back as they are; replayed rows are skipped."""
+        m, item = messages.c, replay_items.c
+        with self._tx() as tx:
+            last = tx.execute(
+                sa.select(sa.func.max(
+                    sa.select(item.message_id).join(messages, m.id == item.message_id)
+                    .where(item.replay_id == replay_id, item.message_id > after,
+                           m.status.in_(("parked", "replaying")))
+                    .order_by(item.message_id).limit(limit).subquery().c.message_id))
+            ).scalar_one_or_none()
+            if last is None:
+                return []
+            # The page by id range (no list of thousands of ids to send twice); rows of the range
+            # that are not this replay's are left alone. ``_no_index`` keeps the planners from
+            # reading every row in a status through a status index instead of the range.
+            page = sa.and_(m.id > after, m.id <= last)
+            to_queue = tx.execute(
+                sa.select(replays.c.to_queue).where(replays.c.id == replay_id)
+            ).scalar_one_or_none()
+            ours = sa.exists().where(item.message_id == m.id, item.replay_id == replay_id,
+                                     item.message_id > after, item.message_id <= last)
+            tx.execute(messages.update().where(page, _no_index(m.status) == "parked", ours)
+                       .values(status="replaying", replay_id=replay_id, replayed_to=to_queue,
+                               changed_at=now()))
+            query = (
+                sa.select(m.id, m.queue, m.headers_raw, m.properties, m.body_text, m.body)
+                .where(page, m.replay_id == replay_id, _no_index(m.status) == "replaying")
+                .order_by(m.id)
+            )
+            return [dict(row._mapping) for row in tx.execute(query)]
 
     def settle_replayed(self, replay_id: str, ids: Sequence[int]) -> None:
         """Rows whose copies the broker confirmed."""
@@ -413,6 +446,7 @@ class Store:
                         outcome=outcome)
             )
             tx.execute(replays.delete().where(replays.c.id == replay_id))
+            tx.execute(replay_items.delete().where(replay_items.c.replay_id == replay_id))
             return done
 
     def renew(self, replay_id: str, owner: str, lease: float) -> bool:
@@ -447,6 +481,11 @@ class Store:
                 messages.delete().where(m.status.in_(("replayed", "discarded")),
                                         m.changed_at < now() - keep)
             ).rowcount)
+
+
+def _no_index(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    """``column`` as an expression no index matches (SQLite and PostgreSQL alike)."""
+    return sa.func.coalesce(column, "")
 
 
 def _utc(value: datetime | None) -> datetime | None:

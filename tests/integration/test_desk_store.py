@@ -140,6 +140,60 @@ def test_a_replay_claims_settles_and_gives_back_refused_rows(store: Store) -> No
     assert ("orders", "replayed", 4) in store.totals()
 
 
+def test_a_replay_claims_its_rows_a_page_at_a_time(store: Store) -> None:
+    store.insert([copy(i) for i in range(6)])
+    replay_id, taken = store.start_replay(Selection(group=copy(0).group), "ana", "desk-a",
+                                          to_queue="orders.v2", rate=None, lease=30)
+    assert taken == 6
+    assert store.status_counts() == {"parked": 6}  # taken, not yet claimed
+    assert store.discard(Selection(group=copy(0).group), "bo", "x") == 0  # but held
+    assert [r["id"] for r in store.replay_rows(replay_id, 0, 2)] == [1, 2]
+    assert store.status_counts() == {"parked": 4, "replaying": 2}
+    # A desk that died after claiming a page: the next one gets its rows again, as they are.
+    assert [r["id"] for r in store.replay_rows(replay_id, 0, 2)] == [1, 2]
+    store.settle_replayed(replay_id, [1, 2])
+    # ... and once they are replayed, it goes on past them (not: an empty page, done).
+    assert [r["id"] for r in store.replay_rows(replay_id, 0, 2)] == [3, 4]
+    assert [r["id"] for r in store.replay_rows(replay_id, 4, 10)] == [5, 6]
+    assert store.replay_rows(replay_id, 6, 10) == []
+    store.settle_replayed(replay_id, [3, 4, 5, 6])
+    assert store.finish_replay(replay_id, None) == 6
+    assert store.status_counts() == {"replayed": 6}
+    assert {r["replayed_to"] for r in store.messages(Query(status="replayed"))[1]} == {
+        "orders.v2"}
+    with store.engine.connect() as c:  # the replay let go of its rows
+        assert c.execute(sa.select(sa.func.count()).select_from(schema.replay_items)
+                         ).scalar_one() == 0
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_replay_running_at_the_upgrade_to_replay_items_keeps_its_rows(
+        kind: str, tmp_path: Path) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    from rabbit_retry.desk.store import engine_url
+
+    with store_url(kind, tmp_path) as url:
+        engine = sa.create_engine(engine_url(url))
+        config = Config()
+        config.set_main_option("script_location",
+                               str(Path(schema.__file__).parent / "migrations"))
+        with engine.begin() as connection:
+            config.attributes["connection"] = connection
+            command.upgrade(config, "0001")
+        engine.dispose()
+        old = Store(url)
+        old.insert([copy(i) for i in range(3)])
+        with old.engine.begin() as tx:  # what a replay's claim left under 0001
+            tx.execute(schema.messages.update().values(status="replaying", replay_id="r1"))
+            tx.execute(schema.replays.insert().values(id="r1", owner="gone", lease_until=T0))
+        old.migrate()
+        assert [r["id"] for r in old.replay_rows("r1", 0, 10)] == [1, 2, 3]
+        assert old.discard(Selection(ids=(1,)), "bo", "x") == 0
+        old.close()
+
+
 def test_an_unfinished_replay_is_finished_only_once_its_lease_ran_out(store: Store) -> None:
     store.insert([copy(i) for i in range(3)])
     replay_id, _ = store.start_replay(Selection(ids=(1, 2, 3)), "ana", "desk-a", to_queue=None,
