@@ -274,6 +274,7 @@ def _page_times(store: Store, rows: int) -> list[list[str]]:
 
 def run(settings: Settings, *, n: int = 100_000, replay_n: int = 10_000, rows: int = 1_000_000,
         runs: int = 3, kinds: tuple[str, ...] = ("sqlite", "postgresql"),
+        parts: tuple[str, ...] = ("ingest", "replay", "pages"),
         log: Callable[[str], None] = common.say) -> dict[str, Any]:
     topology = common.queue_topology(QUEUE, delays=["1m"], max_attempts=2, queue_type="quorum")
     parking = naming.parking_queue(QUEUE)
@@ -312,31 +313,47 @@ def run(settings: Settings, *, n: int = 100_000, replay_n: int = 10_000, rows: i
         plots.append(common.bars(f"Desk {label}, {kind}", "msg/s", samples))
 
     for kind in kinds:
-        compare("ingest", n, 0.5, OURS_INGEST, BARE_INGEST, ingest, kind)
-        compare("replay", replay_n, 0.8, OURS_REPLAY, BARE_REPLAY, replay, kind)
-
-    log(f"desk pages over {rows:,} rows (SQLite)")
-    with _store_url("sqlite") as url:
-        started = time.perf_counter()
-        store = _million(url, rows)
-        filled = time.perf_counter() - started
-        try:
-            pages = _page_times(store, rows)
-        finally:
-            store.close()
+        if "ingest" in parts:
+            compare("ingest", n, 0.5, OURS_INGEST, BARE_INGEST, ingest, kind)
+        if "replay" in parts:
+            compare("replay", replay_n, 0.8, OURS_REPLAY, BARE_REPLAY, replay, kind)
     notes = [
         f"Ingest: {n:,} parked messages (JSON body, parking headers with a stack trace) per "
         f"run; replay: {replay_n:,} rows of one group to a quorum queue. Median of {runs} "
         "alternating runs each; every run ends with the queues counted (nothing left behind).",
-        f"API over {rows:,} rows in SQLite (written in {filled:.0f} s), median of 5 requests, "
-        "in-process (no network): " + "; ".join(f"{label} {ms} ms" for label, ms in pages),
     ]
+    if "pages" in parts:
+        log(f"desk pages over {rows:,} rows (SQLite)")
+        with _store_url("sqlite") as url:
+            started = time.perf_counter()
+            store = _million(url, rows)
+            filled = time.perf_counter() - started
+            try:
+                pages = _page_times(store, rows)
+            finally:
+                store.close()
+        notes.append(f"API over {rows:,} rows in SQLite (written in {filled:.0f} s), median of "
+                     "5 requests, in-process (no network): "
+                     + "; ".join(f"{label} {ms} ms" for label, ms in pages))
     return common.result(
         "Failure desk: ingest, group replay, pages over a million rows",
         ["what", "system", "median msg/s", "each run"],
         rows_out,
         headline=headline,
         notes=notes,
-        params={"n": n, "replay_n": replay_n, "rows": rows, "runs": runs, "kinds": list(kinds)},
+        params={"n": n, "replay_n": replay_n, "rows": rows, "runs": runs, "kinds": list(kinds),
+                "parts": list(parts)},
         plots=plots,
     )
+
+
+if __name__ == "__main__":
+    # One part on its own, e.g. the replay after a change to it:
+    #   python -m bench.bench_desk replay 5   (part, runs); prints the result as JSON
+    import sys
+
+    part = sys.argv[1] if len(sys.argv) > 1 else "replay"
+    count = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    outcome = run(Settings(), parts=(part,), runs=count)
+    print(json.dumps({k: outcome[k] for k in ("headline", "rows", "notes") if k in outcome},
+                     indent=2, default=str))
