@@ -45,6 +45,7 @@ from starlette.responses import Response
 from rabbit_retry.desk.actions import Actions
 from rabbit_retry.desk.metrics import DeskCollector
 from rabbit_retry.desk.records import body_text, stored_body
+from rabbit_retry.desk.schema import STATUSES
 from rabbit_retry.desk.store import Query, Selection, Store
 from rabbit_retry.errors import InputError
 from rabbit_retry.topology import naming
@@ -151,8 +152,9 @@ def _when(request: Request, name: str) -> datetime | None:
 def _status(raw: str | None) -> str | None:
     if raw in (None, ""):
         return None
-    if raw not in ("parked", "replaying", "replayed", "discarded"):
-        raise Error(400, f"status: {raw[:40]!r} is not parked, replaying, replayed or discarded")
+    if raw not in STATUSES:
+        raise Error(400, f"status: {raw[:40]!r} is not {', '.join(STATUSES[:-1])} or "
+                         f"{STATUSES[-1]}")
     return raw
 
 

@@ -4,8 +4,9 @@ The migrations in ``desk/migrations/versions`` create and change the real tables
 what the code queries, and tests/unit/test_desk_store.py checks that the two agree.
 
 - ``messages``: one row per parked copy (``records.Parked``); ``status`` is ``parked``,
-  ``replaying`` (claimed by a replay whose publishes are not all confirmed yet), ``replayed`` or
-  ``discarded``.
+  ``replayed`` (written when a replay claims the row) or ``discarded``. The desk shows a
+  ``replayed`` row as ``replaying`` while its replay still holds it (``replay_items``: the
+  broker has not confirmed its copy yet).
 - ``groups``: what a group id stands for (queue, reason, exception type, normalised message) and
   a sample message; its counts come from ``messages``.
 - ``audit``: who did what, when, to how many, with which selection and reason. Never deleted.
@@ -14,9 +15,9 @@ what the code queries, and tests/unit/test_desk_store.py checks that the two agr
   transaction as what they count.
 - ``replays``: a replay in progress and the lease of the desk carrying it out, so that another
   desk (or the same one, restarted) finishes a replay whose desk died.
-- ``replay_items``: the rows a replay in progress took when it started (a row belongs to one
-  replay at a time; no other action takes it); the replay sets them ``replaying`` a page at a
-  time as it publishes them. Deleted when the replay finishes.
+- ``replay_items``: the rows a replay in progress holds: every row it took when it started
+  (a row belongs to one replay at a time; no other action takes it) until the broker confirmed
+  its copy. Rows are written ``replayed`` a page at a time as the replay publishes them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 from sqlalchemy.types import TypeDecorator
 
+# The statuses the desk shows and filters by (``replaying`` is derived, see above).
 STATUSES = ("parked", "replaying", "replayed", "discarded")
 
 

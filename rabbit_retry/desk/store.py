@@ -205,7 +205,7 @@ class Store:
             sa.select(m.group_id, sa.func.count().label("count"),
                       sa.func.min(m.parked_at).label("first"),
                       sa.func.max(m.parked_at).label("last"))
-            .where(m.status == status)
+            .where(_status_is(status))
             .group_by(m.group_id)
         )
         if queue is not None:
@@ -235,7 +235,7 @@ class Store:
         if q.group:
             where.append(m.group_id == q.group)
         if q.status:
-            where.append(m.status == q.status)
+            where.append(_status_is(q.status))
         if q.since:
             where.append(m.parked_at >= q.since)
         if q.until:
@@ -281,12 +281,12 @@ class Store:
         )
         with self.engine.connect() as c:
             total = int(c.execute(count).scalar_one())
-            return total, [dict(row._mapping) for row in c.execute(page)]
+            return total, _shown(c, [dict(row._mapping) for row in c.execute(page)])
 
     def message(self, message_id: int) -> dict[str, Any] | None:
         with self.engine.connect() as c:
             row = c.execute(sa.select(messages).where(messages.c.id == message_id)).first()
-            return None if row is None else dict(row._mapping)
+            return None if row is None else _shown(c, [dict(row._mapping)])[0]
 
     def audit(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
         query = sa.select(audit).order_by(audit.c.id.desc()).limit(limit).offset(offset)
@@ -312,8 +312,18 @@ class Store:
     def status_counts(self) -> dict[str, int]:
         m = messages.c
         query = sa.select(m.status, sa.func.count()).group_by(m.status)
+        flying = (sa.select(sa.func.count()).select_from(replay_items)
+                  .join(messages, m.id == replay_items.c.message_id)
+                  .where(m.status == "replayed"))
         with self.engine.connect() as c:
-            return {str(r[0]): int(r[1]) for r in c.execute(query)}
+            counts = {str(r[0]): int(r[1]) for r in c.execute(query)}
+            replaying = int(c.execute(flying).scalar_one())
+        if replaying:
+            counts["replaying"] = replaying
+            counts["replayed"] -= replaying
+            if not counts["replayed"]:
+                del counts["replayed"]
+        return counts
 
     # --- actions ---------------------------------------------------------------------------
 
@@ -371,69 +381,86 @@ class Store:
             return replay_id, int(claimed)
 
     def replay_rows(self, replay_id: str, after: int, limit: int) -> list[dict[str, Any]]:
-        """Claim the replay's next ``limit`` rows still to publish (by id after ``after``) and
-        return them: its parked rows become ``replaying``; rows it already claimed (a replay
-        taken over from a desk that died) come back as they are; replayed rows are skipped."""
+        """Claim the replay's next rows (up to ``limit`` of its rows, by id after ``after``)
+        and return the ones to publish: its parked rows are written ``replayed`` now (their
+        one write; they count as ``replaying`` while their ``replay_items`` entry lasts, that
+        is until ``settle_replayed``); rows it claimed before (a replay taken over from a desk
+        that died) come back as they are. Empty when no row of the replay is left."""
         m, item = messages.c, replay_items.c
-        with self._tx() as tx:
-            last = tx.execute(
-                sa.select(sa.func.max(
-                    sa.select(item.message_id).join(messages, m.id == item.message_id)
-                    .where(item.replay_id == replay_id, item.message_id > after,
-                           m.status.in_(("parked", "replaying")))
-                    .order_by(item.message_id).limit(limit).subquery().c.message_id))
-            ).scalar_one_or_none()
-            if last is None:
-                return []
-            # The page by id range (no list of thousands of ids to send twice); rows of the range
-            # that are not this replay's are left alone. ``_no_index`` keeps the planners from
-            # reading every row in a status through a status index instead of the range.
-            page = sa.and_(m.id > after, m.id <= last)
-            to_queue = tx.execute(
-                sa.select(replays.c.to_queue).where(replays.c.id == replay_id)
-            ).scalar_one_or_none()
-            ours = sa.exists().where(item.message_id == m.id, item.replay_id == replay_id,
-                                     item.message_id > after, item.message_id <= last)
-            tx.execute(messages.update().where(page, _no_index(m.status) == "parked", ours)
-                       .values(status="replaying", replay_id=replay_id, replayed_to=to_queue,
-                               changed_at=now()))
-            query = (
-                sa.select(m.id, m.queue, m.headers_raw, m.properties, m.body_text, m.body)
-                .where(page, m.replay_id == replay_id, _no_index(m.status) == "replaying")
-                .order_by(m.id)
-            )
-            return [dict(row._mapping) for row in tx.execute(query)]
+        while True:
+            with self._tx() as tx:
+                last = tx.execute(
+                    sa.select(sa.func.max(
+                        sa.select(item.message_id)
+                        .where(item.replay_id == replay_id, item.message_id > after)
+                        .order_by(item.message_id).limit(limit).subquery().c.message_id))
+                ).scalar_one_or_none()
+                if last is None:
+                    return []
+                # The page by id range (no list of thousands of ids to send twice); rows of the
+                # range that are not this replay's are left alone. ``_no_index`` keeps the
+                # planners from reading every row in a status through a status index instead.
+                page = sa.and_(m.id > after, m.id <= last)
+                mine = sa.exists().where(item.message_id == m.id, item.replay_id == replay_id,
+                                         item.message_id > after, item.message_id <= last)
+                to_queue = tx.execute(
+                    sa.select(replays.c.to_queue).where(replays.c.id == replay_id)
+                ).scalar_one_or_none()
+                tx.execute(messages.update().where(page, _no_index(m.status) == "parked", mine)
+                           .values(status="replayed", replay_id=replay_id,
+                                   replayed_to=to_queue, changed_at=now()))
+                query = (
+                    sa.select(m.id, m.queue, m.headers_raw, m.properties, m.body_text, m.body)
+                    .where(page, m.replay_id == replay_id, _no_index(m.status) == "replayed",
+                           mine)
+                    .order_by(m.id)
+                )
+                rows = [dict(row._mapping) for row in tx.execute(query)]
+            if rows:
+                return rows
+            after = last  # a page of rows another desk discarded first: go on
 
     def settle_replayed(self, replay_id: str, ids: Sequence[int]) -> None:
-        """Rows whose copies the broker confirmed."""
+        """Rows whose copies the broker confirmed: the replay lets go of them."""
         if ids:
             with self._tx() as tx:
-                per_queue = Counter(tx.execute(
-                    messages.update()
-                    .where(messages.c.id.in_(ids), messages.c.replay_id == replay_id,
-                           messages.c.status == "replaying")
-                    .values(status="replayed", changed_at=now())
-                    .returning(messages.c.queue)
+                settled = list(tx.execute(
+                    replay_items.delete()
+                    .where(replay_items.c.replay_id == replay_id,
+                           replay_items.c.message_id.in_(ids))
+                    .returning(replay_items.c.message_id)
                 ).scalars())
-                self._add(tx, "replayed", per_queue)
+                if settled:
+                    per_queue = Counter({str(q): int(n) for q, n in tx.execute(
+                        sa.select(messages.c.queue, sa.func.count())
+                        .where(messages.c.id.in_(settled)).group_by(messages.c.queue))})
+                    self._add(tx, "replayed", per_queue)
 
     def unclaim(self, replay_id: str, ids: Sequence[int]) -> None:
         """Rows whose copies the broker refused: parked again, untouched."""
         if ids:
             with self._tx() as tx:
-                tx.execute(messages.update()
-                           .where(messages.c.id.in_(ids), messages.c.replay_id == replay_id,
-                                  messages.c.status == "replaying")
-                           .values(status="parked", replay_id=None, replayed_to=None,
-                                   changed_at=None))
+                refused = list(tx.execute(
+                    replay_items.delete()
+                    .where(replay_items.c.replay_id == replay_id,
+                           replay_items.c.message_id.in_(ids))
+                    .returning(replay_items.c.message_id)
+                ).scalars())
+                if refused:
+                    tx.execute(messages.update()
+                               .where(messages.c.id.in_(refused),
+                                      messages.c.replay_id == replay_id)
+                               .values(status="parked", replay_id=None, replayed_to=None,
+                                       changed_at=None))
 
     def finish_replay(self, replay_id: str, outcome: str | None) -> int:
         """Close a replay: its audit entry says how many were replayed; the lease goes."""
         m = messages.c
         with self._tx() as tx:
             left = tx.execute(
-                sa.select(sa.func.count()).where(m.replay_id == replay_id,
-                                                 m.status == "replaying")
+                sa.select(sa.func.count()).select_from(replay_items)
+                .join(messages, m.id == replay_items.c.message_id)
+                .where(replay_items.c.replay_id == replay_id, m.status == "replayed")
             ).scalar_one()
             if left:
                 raise RuntimeError(f"replay {replay_id}: {left} rows still unconfirmed")
@@ -479,8 +506,36 @@ class Store:
         with self._tx() as tx:
             return int(tx.execute(
                 messages.delete().where(m.status.in_(("replayed", "discarded")),
-                                        m.changed_at < now() - keep)
+                                        m.changed_at < now() - keep, ~_in_flight())
             ).rowcount)
+
+
+def _in_flight() -> sa.ColumnElement[bool]:
+    """A row a replay holds (taken, or published and not yet confirmed)."""
+    return sa.exists().where(replay_items.c.message_id == messages.c.id)
+
+
+def _status_is(status: str) -> sa.ColumnElement[bool]:
+    """Rows in ``status`` as the desk shows it: ``replaying`` is a row written ``replayed``
+    whose copy the broker has not confirmed yet (its replay still holds it)."""
+    m = messages.c
+    if status == "replaying":
+        return sa.and_(m.status == "replayed", _in_flight())
+    if status == "replayed":
+        return sa.and_(m.status == "replayed", ~_in_flight())
+    return m.status == status
+
+
+def _shown(c: Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with the status the desk shows (``replaying`` while a replay holds them)."""
+    written = [row["id"] for row in rows if row["status"] == "replayed"]
+    if written:
+        held = set(c.execute(sa.select(replay_items.c.message_id)
+                             .where(replay_items.c.message_id.in_(written))).scalars())
+        for row in rows:
+            if row["id"] in held:
+                row["status"] = "replaying"
+    return rows
 
 
 def _no_index(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:

@@ -134,15 +134,24 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         desk.kill()
         caller.join(timeout=30)
         sent = depth_sync(fresh_vhost, "orders") or 0
-        _, _, statuses = _rows(url)
-        # Positive control: killed midway, with rows still claimed by the replay.
+        store = Store(url)
+        statuses = store.status_counts()  # as the desk shows them
+        store.close()
+        # Positive control: killed midway, with rows still held by the replay.
         assert sent < REPLAYED and statuses.get("replaying", 0) > 0, (sent, statuses)
         print(f"[reliability] desk killed after {sent} replayed copies; store: {statuses}")
 
         desk.start()  # finishes the replay once the dead desk's lease has run out
         started = time.monotonic()
-        wait_for(lambda: _rows(url)[2] == {"replayed": REPLAYED}, "the replay finished",
-                 within=300, interval=1.0)
+        def finished() -> bool:
+            entries = httpx.get(f"{desk.url}/api/audit", timeout=30).json()
+            return bool(entries) and entries[0]["state"] != "pending"
+
+        wait_for(finished, "the replay finished", within=300, interval=1.0)
+        assert _rows(url)[2] == {"replayed": REPLAYED}
+        checked = Store(url)
+        assert checked.status_counts() == {"replayed": REPLAYED}  # none still held
+        checked.close()
         audit = httpx.get(f"{desk.url}/api/audit", timeout=30).json()
         assert [(a["actor"], a["action"], a["count"], a["state"], a["done_count"])
                 for a in audit] == [("ana", "replay", REPLAYED, "done", REPLAYED)]

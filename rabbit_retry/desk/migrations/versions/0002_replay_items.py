@@ -1,9 +1,11 @@
-"""replay_items: the rows a replay took, claimed page by page as it publishes.
+"""replay_items: the rows a replay holds, claimed page by page as it publishes.
 
-A replay used to set every row of its selection to ``replaying`` in the transaction that
-started it (10,000 full-row rewrites before its first publish); now that transaction records
-only which rows the replay took, and each page is claimed while the previous one is published.
-Replays in progress at the upgrade keep their rows.
+A replay used to write every row of its selection ``replaying`` in the transaction that started
+it (10,000 full-row writes before its first publish) and ``replayed`` again once confirmed. Now
+that transaction records only which rows the replay took; each page is written ``replayed``
+(its one write) while the page before is published, and a row's ``replay_items`` entry, deleted
+once the broker confirmed its copy, is what makes it ``replaying``. Replays in progress at the
+upgrade keep their rows.
 
 Revision ID: 0002
 Revises: 0001
@@ -32,7 +34,10 @@ def upgrade() -> None:
     op.create_index("ix_replay_items_replay", "replay_items", ["replay_id", "message_id"])
     op.execute("INSERT INTO replay_items (message_id, replay_id) SELECT id, replay_id "
                "FROM messages WHERE status = 'replaying' AND replay_id IS NOT NULL")
+    op.execute("UPDATE messages SET status = 'replayed' WHERE status = 'replaying'")
 
 
 def downgrade() -> None:
+    op.execute("UPDATE messages SET status = 'replaying' WHERE id IN "
+               "(SELECT message_id FROM replay_items) AND status = 'replayed'")
     op.drop_table("replay_items")
