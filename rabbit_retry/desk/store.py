@@ -389,36 +389,34 @@ class Store:
         m, item = messages.c, replay_items.c
         while True:
             with self._tx() as tx:
-                last = tx.execute(
-                    sa.select(sa.func.max(
-                        sa.select(item.message_id)
-                        .where(item.replay_id == replay_id, item.message_id > after)
-                        .order_by(item.message_id).limit(limit).subquery().c.message_id))
-                ).scalar_one_or_none()
-                if last is None:
+                ids = list(tx.execute(
+                    sa.select(item.message_id)
+                    .where(item.replay_id == replay_id, item.message_id > after)
+                    .order_by(item.message_id).limit(limit)
+                ).scalars())
+                if not ids:
                     return []
-                # The page by id range (no list of thousands of ids to send twice); rows of the
-                # range that are not this replay's are left alone. ``_no_index`` keeps the
-                # planners from reading every row in a status through a status index instead.
-                page = sa.and_(m.id > after, m.id <= last)
-                mine = sa.exists().where(item.message_id == m.id, item.replay_id == replay_id,
-                                         item.message_id > after, item.message_id <= last)
+                # By the list of ids, never a join: with a new table's missing statistics a
+                # planner may join the two tables row by row over again. ``_no_index`` keeps
+                # it from reading every row in a status through a status index instead.
                 to_queue = tx.execute(
                     sa.select(replays.c.to_queue).where(replays.c.id == replay_id)
                 ).scalar_one_or_none()
-                tx.execute(messages.update().where(page, _no_index(m.status) == "parked", mine)
+                tx.execute(messages.update()
+                           .where(m.id.in_(ids), _no_index(m.status) == "parked")
                            .values(status="replayed", replay_id=replay_id,
                                    replayed_to=to_queue, changed_at=now()))
                 query = (
                     sa.select(m.id, m.queue, m.headers_raw, m.properties, m.body_text, m.body)
-                    .where(page, m.replay_id == replay_id, _no_index(m.status) == "replayed",
-                           mine)
+                    .where(m.id.in_(ids), m.replay_id == replay_id,
+                           _no_index(m.status) == "replayed")
                     .order_by(m.id)
                 )
                 rows = [dict(row._mapping) for row in tx.execute(query)]
+            after = ids[-1]
             if rows:
                 return rows
-            after = last  # a page of rows another desk discarded first: go on
+            # (a page of rows another desk discarded first: go on)
 
     def settle_replayed(self, replay_id: str, ids: Sequence[int]) -> None:
         """Rows whose copies the broker confirmed: the replay lets go of them."""
