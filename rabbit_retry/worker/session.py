@@ -18,7 +18,6 @@ as a return by 3.x and 4.0-4.2 quorum queues, and marks the message redelivered)
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -27,17 +26,15 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import aiormq.exceptions
-from aio_pika.abc import AbstractConnection as AioPikaConnection
 from aiormq import spec
 from aiormq.abc import AbstractConnection, DeliveredMessage
-from pydantic import TypeAdapter, ValidationError
 
 from rabbit_retry.contract import republish_properties
 from rabbit_retry.settings import mask
-from rabbit_retry.topology.model import QueueConfig
+from rabbit_retry.topology.resolved import QueueConfig
 from rabbit_retry.worker import copies
 from rabbit_retry.worker.attempts import failures_so_far, original_source
 from rabbit_retry.worker.consumer import (
@@ -73,6 +70,9 @@ from rabbit_retry.worker.redelivery import (
     with_policy_limit,
 )
 
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter
+
 log = logging.getLogger("rabbit_retry.worker")
 
 CANCEL_TIMEOUT = 5.0
@@ -82,6 +82,8 @@ _NO_HEADERS: MappingProxyType[str, Any] = MappingProxyType({})
 
 def _digest(body: bytes) -> str:
     """Tells messages without a message_id apart, for a Pause's count."""
+    import hashlib  # only a Pause's failures need it
+
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
@@ -114,12 +116,9 @@ class Session:
     """Everything that lives and dies with one connection."""
 
     def __init__(
-        self, connection: AioPikaConnection, subscriptions: Sequence[Subscription], user: str
+        self, connection: AbstractConnection, subscriptions: Sequence[Subscription], user: str
     ) -> None:
-        self.connection = connection
-        transport = connection.transport
-        assert transport is not None, "connected"
-        self.amqp: AbstractConnection = transport.connection
+        self.amqp = connection
         self.subscriptions = subscriptions
         self.user = user
         self.frame_max = int(self.amqp.connection_tune.frame_max or 131072)
@@ -250,6 +249,8 @@ class Session:
 
         payload: Any = NOT_DECODED
         if sub.adapter is not None:
+            from pydantic import ValidationError  # loaded already: the adapter is pydantic's
+
             try:
                 payload = sub.adapter.validate_json(message.body)
             except ValidationError as exc:
@@ -665,4 +666,5 @@ class Session:
             log.info("dropped %d in-flight delivery(ies); the broker redelivers them", len(stale))
         await self.publisher.close()
         with suppress(Exception):
-            await self.connection.close()
+            # As aio-pika closes it, so that a closing connection reads as closed on purpose.
+            await self.amqp.close(aiormq.exceptions.ConnectionClosed)
