@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
@@ -45,6 +45,7 @@ from rabbit_retry.worker.consumer import (
     payload_error,
 )
 from rabbit_retry.worker.copies import Failure
+from rabbit_retry.worker.deadlines import Deadlines
 from rabbit_retry.worker.decide import (
     Ack,
     Action,
@@ -87,11 +88,6 @@ def _digest(body: bytes) -> str:
     return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
-def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
-    expired.append(True)
-    task.cancel()
-
-
 @dataclass(frozen=True)
 class Subscription:
     """A consumer with its queue's configuration, model adapter, metrics and copy targets."""
@@ -106,6 +102,7 @@ class Subscription:
     threads: ThreadPoolExecutor | None = None
     breaker: Breaker | None = None  # the consumer's Pause; lives as long as the runner
     deduper: Deduper | None = None  # the consumer's Idempotency, once its store is open
+    deadlines: Deadlines = field(default_factory=Deadlines)  # its handlers' timeouts
 
     @property
     def queue(self) -> str:
@@ -443,30 +440,28 @@ class Session:
     async def _call_within(cls, sub: Subscription, delivery: Delivery[Any], seconds: float) -> None:
         """``_call``, cancelled after ``seconds`` (``HandlerTimeout``).
 
-        A timer handle rather than ``asyncio.timeout``: half the cost on the success path. The
-        timer can only fire while the handler is suspended, and is cancelled before anything
-        else of ours awaits, so a late cancellation can never hit our own ack.
+        The consumer's ``Deadlines`` (one timer for all its deliveries) rather than
+        ``asyncio.timeout`` or a timer per delivery: a fraction of the cost on the success
+        path. The cancellation can only land while the handler is suspended, and the deadline
+        is dropped before anything else of ours awaits, so it can never hit our own ack.
         """
         task = asyncio.current_task()
         assert task is not None
-        loop = asyncio.get_running_loop()
-        expired: list[bool] = []
-        timer = loop.call_at(loop.time() + seconds, _expire, task, expired)
+        deadlines = sub.deadlines
+        deadlines.start(task, seconds)
         try:
             await cls._call(sub, delivery)
         except asyncio.CancelledError as exc:
-            if expired and task.uncancel() == 0:  # ours alone, not a shutdown as well
+            if deadlines.finish(task) and task.uncancel() == 0:  # ours alone, not a shutdown
                 raise HandlerTimeout(
                     f"the handler did not finish within {seconds:g}s"
                 ).with_traceback(exc.__traceback__) from None
             raise
         except BaseException:
-            if expired:
+            if deadlines.finish(task):
                 task.uncancel()
             raise
-        finally:
-            timer.cancel()
-        if expired:  # it swallowed the cancellation and finished: its result stands
+        if deadlines.finish(task):  # it swallowed the cancellation and finished: result stands
             task.uncancel()
 
     async def _carry_out(
