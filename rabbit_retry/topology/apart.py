@@ -2,7 +2,7 @@
 reader and the pydantic schema that check the file.
 
 A worker holds its topology for as long as it runs, and an idle worker's memory is mostly what
-it imported: reading the file with ruamel.yaml and validating it with pydantic (about 14 MB of
+it imported: reading the file with ruamel.yaml and validating it with pydantic (about 11 MB of
 a worker's resident memory, docs/worker-benchmark.md) is done in a fork that sends back the
 resolved ``Topology`` (plain dataclasses, ``resolved``) or the file's problems, and exits.
 
