@@ -14,14 +14,14 @@ memory differs.
 
 from __future__ import annotations
 
+import marshal
 import os
-import pickle
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from rabbit_retry.topology.resolved import Topology
+from rabbit_retry.topology.resolved import Topology, from_values, to_values
 
 
 def load_topology_apart(path: str | Path) -> Topology:
@@ -31,14 +31,14 @@ def load_topology_apart(path: str | Path) -> Topology:
     answer = _in_child(path)
     if answer is not None:
         kind, value = answer
-        if kind == "topology" and isinstance(value, Topology):
-            return value
+        if kind == "topology":
+            return from_values(value)
         if kind == "problems" and isinstance(value, list):
             from rabbit_retry.topology.load import TopologyError
 
             raise TopologyError([str(line) for line in value])
-    # The child failed otherwise (a bug, a signal): raise whatever that is here, with its
-    # traceback, or succeed if it was the child's alone.
+    # The child failed otherwise (a bug, a signal, a value marshal cannot carry): raise
+    # whatever that is here, with its traceback, or succeed if it was the child's alone.
     return _load_here(path)
 
 
@@ -57,8 +57,11 @@ def _load_here(path: str | Path) -> Topology:
 
 
 def _in_child(path: str | Path) -> tuple[str, Any] | None:
-    """("topology", Topology) or ("problems", [line, ...]) from a forked child; None when the
-    child said nothing usable."""
+    """("topology", ``to_values(Topology)``) or ("problems", [line, ...]) from a forked child;
+    None when the child said nothing usable. ``marshal`` carries them: it is built into the
+    interpreter, so the parent imports nothing to read them. A value it cannot carry (a YAML
+    date in a queue's arguments, say) makes the child say nothing: the parent loads the file
+    itself."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -69,11 +72,12 @@ def _in_child(path: str | Path) -> tuple[str, Any] | None:
             from rabbit_retry.topology.load import TopologyError, load_topology
 
             try:
-                answer = ("topology", load_topology(path))
+                answer = ("topology", to_values(load_topology(path)))
             except TopologyError as exc:
                 answer = ("problems", exc.lines)
+            data = marshal.dumps(answer)
             with os.fdopen(write_end, "wb") as out:
-                out.write(pickle.dumps(answer))
+                out.write(data)
             code = 0
         finally:
             # No atexit handlers, no flushing of the parent's buffered output twice.
@@ -83,7 +87,7 @@ def _in_child(path: str | Path) -> tuple[str, Any] | None:
         data = pipe.read()
     os.waitpid(pid, 0)
     try:
-        answer = pickle.loads(data)  # our own child's bytes
-    except Exception:
+        answer = marshal.loads(data)
+    except Exception:  # the child wrote nothing (it failed) or was cut short
         return None
     return answer if isinstance(answer, tuple) and len(answer) == 2 else None

@@ -100,3 +100,55 @@ class Topology:
     @property
     def queue_names(self) -> tuple[str, ...]:
         return tuple(q.name for q in self.queues)
+
+
+# --- as plain values: what crosses from the child process that checked the file (``apart``) ---
+
+
+def to_values(topology: Topology) -> tuple[Any, ...]:
+    """``topology`` as tuples, dicts and scalars only (what ``marshal`` can send)."""
+    return (
+        tuple(
+            (e.name, e.type, e.durable, e.auto_delete, e.internal, dict(e.arguments))
+            for e in topology.exchanges
+        ),
+        tuple(
+            (
+                q.name,
+                q.queue_type,
+                tuple((b.exchange, b.routing_key, dict(b.arguments)) for b in q.bindings),
+                (q.retry.delays_ms, q.retry.max_attempts),
+                dict(q.arguments),
+                q.parking_type,
+                q.replicas,
+                dict(q.policy),
+                q.policy_priority,
+            )
+            for q in topology.queues
+        ),
+        topology.source,
+    )
+
+
+def from_values(values: tuple[Any, ...]) -> Topology:
+    """The ``Topology`` that ``to_values`` gave ``values`` for."""
+    exchanges, queues, source = values
+    return Topology(
+        exchanges=tuple(ExchangeConfig(*e) for e in exchanges),
+        queues=tuple(
+            QueueConfig(
+                name,
+                queue_type,
+                tuple(BindingConfig(*b) for b in bindings),
+                RetryPolicy(*retry),
+                arguments,
+                parking_type,
+                replicas,
+                policy,
+                priority,
+            )
+            for (name, queue_type, bindings, retry, arguments, parking_type, replicas, policy,
+                 priority) in queues
+        ),
+        source=source,
+    )
