@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.common import compile_like_an_install
+
 TOPOLOGY = Path(__file__).resolve().parent.parent / "topologies" / "orders.yml"
 
 # Each layer adds to the ones before it, in the order the worker loads them.
@@ -54,6 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
+    compile_like_an_install()
     code = ""
     previous = 0.0
     print(f"{'after importing':<{WIDTH}} {'RSS MB':>7} {'added':>7}")
