@@ -48,6 +48,7 @@ def run(
     timeout: float = 240.0,
     log: Callable[[str], None] = common.say,
 ) -> dict[str, Any]:
+    common.compile_like_an_install()  # memory is compared with an installed Dramatiq
     delay_ms = parse_duration(delay)
     tier = naming.tier_queue(QUEUE, delay_ms)
     topology = common.queue_topology(QUEUE, delays=[delay], max_attempts=2, queue_type=queue_type)

@@ -3,16 +3,24 @@ each way it can fail turned into one clear line."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import aio_pika
+import aiormq
+import aiormq.abc
 import aiormq.exceptions
-from aio_pika.abc import AbstractConnection
+from yarl import URL
 
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.tls import cause_of, describe_tls_error, tls_cause
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractConnection
+
+_C = TypeVar("_C")
 
 # What a broker that is unreachable, refuses us, or goes away while we work raises: our own
 # BrokerError (connect() below wraps its failures in it), the client's AMQP errors, socket
@@ -100,7 +108,7 @@ async def connect(
     name: str = "rabbit-retry",
     **kwargs: Any,
 ) -> AbstractConnection:
-    """A plain (not robust) connection; the caller owns reconnect policy.
+    """A plain (not robust) aio-pika connection; the caller owns reconnect policy.
 
     The nodes of ``settings.urls`` are tried in order; the first that takes the connection is
     used. A refusal every node would repeat (credentials, the vhost) stops at once; otherwise
@@ -109,10 +117,60 @@ async def connect(
     For ``amqps://`` with TLS files in ``settings`` the connection uses their context (an
     unreadable file is an ``InputError`` before anything is sent).
     """
+    import aio_pika  # the worker connects with aiormq alone (connect_amqp)
+
+    async def open_node(node: Settings) -> AbstractConnection:
+        options = dict(kwargs)
+        tls = node.amqp_tls()
+        if tls is not None:
+            options["ssl_context"] = tls
+        connection: AbstractConnection = await aio_pika.connect(
+            node.url,
+            timeout=connect_timeout,
+            client_properties={"connection_name": name},
+            **options,
+        )
+        return connection
+
+    return await _first_node(settings, open_node)
+
+
+async def connect_amqp(
+    settings: Settings, *, connect_timeout: float = 10.0, name: str = "rabbit-retry"
+) -> aiormq.abc.AbstractConnection:
+    """``connect``, as the bare aiormq connection that aio-pika would wrap: what the worker
+    uses, without importing aio-pika. Opened the way ``aio_pika.connect`` opens it."""
+
+    async def open_node(node: Settings) -> aiormq.abc.AbstractConnection:
+        tls = node.amqp_tls()
+        # The two socket options aio-pika takes from the URL's query; aiormq reads the rest.
+        query = URL(node.url).query
+        socket: dict[str, Any] = {}
+        if query.get("interleave"):
+            socket["interleave"] = int(query["interleave"])
+        if query.get("happy_eyeballs_delay"):
+            socket["happy_eyeballs_delay"] = float(query["happy_eyeballs_delay"])
+
+        async def opened() -> aiormq.abc.AbstractConnection:
+            connection: aiormq.abc.AbstractConnection = await aiormq.connect(
+                node.url, client_properties={"connection_name": name}, context=tls, **socket
+            )
+            await connection.ready()
+            return connection
+
+        return await asyncio.wait_for(opened(), connect_timeout)
+
+    return await _first_node(settings, open_node)
+
+
+async def _first_node(settings: Settings, open_node: Callable[[Settings], Awaitable[_C]]) -> _C:
     failures: list[str] = []
     for node in settings.nodes():
         try:
-            return await _connect_node(node, connect_timeout, name, dict(kwargs))
+            try:
+                return await open_node(node)
+            except CONNECTION_ERRORS as exc:
+                raise BrokerError(describe_connect_error(exc, node)) from exc
         except BrokerError as exc:
             if len(settings.urls) == 1:
                 raise
@@ -121,21 +179,3 @@ async def connect(
                 raise BrokerError(describe_connect_error(exc.__cause__ or exc, settings)) from exc
             failures.append(str(exc))
     raise BrokerError(f"no node of the cluster took the connection: {'; '.join(failures)}")
-
-
-async def _connect_node(
-    settings: Settings, connect_timeout: float, name: str, kwargs: dict[str, Any]
-) -> AbstractConnection:
-    tls = settings.amqp_tls()
-    if tls is not None:
-        kwargs["ssl_context"] = tls
-    try:
-        connection: AbstractConnection = await aio_pika.connect(
-            settings.url,
-            timeout=connect_timeout,
-            client_properties={"connection_name": name},
-            **kwargs,
-        )
-    except CONNECTION_ERRORS as exc:
-        raise BrokerError(describe_connect_error(exc, settings)) from exc
-    return connection

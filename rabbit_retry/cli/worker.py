@@ -93,7 +93,7 @@ def worker(
     """Run one or more RetryConsumer classes against the queues of FILE."""
     import asyncio
 
-    from rabbit_retry.topology import load_topology
+    from rabbit_retry.topology.apart import load_topology_apart
     from rabbit_retry.worker.runner import run_consumers
 
     settings = settings_of(ctx)
@@ -107,7 +107,7 @@ def worker(
         # the worker says each outage once, in one line.
         for name in ("aiormq", "aio_pika"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-    topology = load_topology(topology_file)
+    topology = load_topology_apart(topology_file)
     instances = [load_consumer(spec) for spec in consumers]
     asyncio.run(
         run_consumers(

@@ -14,7 +14,8 @@ from typing import Any
 
 from rabbit_retry.text import clip, shorten
 from rabbit_retry.topology import naming
-from rabbit_retry.topology.model import QueueConfig, TopologySpec, resolve
+from rabbit_retry.topology.model import TopologySpec, resolve
+from rabbit_retry.topology.resolved import QueueConfig
 
 Path = tuple[str | int, ...]
 

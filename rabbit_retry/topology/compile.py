@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from rabbit_retry.topology import naming
-from rabbit_retry.topology.model import QueueConfig, Topology
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue
+from rabbit_retry.topology.resolved import QueueConfig, Topology
 
 # Returns before a quorum parking queue drops a message: 2**31 - 1, accepted as a limit by 3.10,
 # 4.0 and 4.3 (each checked to keep 100 messages requeued 25 times).

@@ -27,7 +27,8 @@ from rabbit_retry.errors import InputError
 from rabbit_retry.text import clip, shorten
 from rabbit_retry.topology.check import Path as KeyPath
 from rabbit_retry.topology.check import check
-from rabbit_retry.topology.model import SUPPORTED_VERSION, Topology, TopologySpec, resolve
+from rabbit_retry.topology.model import SUPPORTED_VERSION, TopologySpec, resolve
+from rabbit_retry.topology.resolved import Topology
 
 # A file this large is a mistake (or an alias bomb), never a topology.
 MAX_VALUES = 100_000

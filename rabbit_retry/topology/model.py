@@ -1,8 +1,9 @@
 """The topology schema (README, "Topology reference") as pydantic models.
 
 Two layers: ``*Spec`` models mirror the file exactly (every key optional where the file may omit
-it, unknown keys rejected); ``Topology`` is the resolved form, with ``defaults`` merged into every
-queue, that the compiler and the worker read.
+it, unknown keys rejected); ``resolve`` merges ``defaults`` into every queue and builds the
+resolved ``Topology`` that the compiler and the worker read (plain dataclasses in ``resolved``,
+re-exported here).
 
 In the file, a key written with no value (YAML null) means the same as leaving it out, and a
 queue written with no body takes every default.
@@ -10,24 +11,29 @@ queue written with no body takes every default.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from rabbit_retry.topology.durations import parse_duration
+from rabbit_retry.topology.resolved import (
+    DEFAULT_PARKING_TYPE,
+    DEFAULT_POLICY_PRIORITY,
+    BindingConfig,
+    ExchangeConfig,
+    ExchangeType,
+    QueueConfig,
+    QueueType,
+    RetryPolicy,
+    Topology,
+)
 
-QueueType = Literal["quorum", "classic"]
-ExchangeType = Literal["direct", "topic", "fanout", "headers"]
 DurationMs = Annotated[int, BeforeValidator(parse_duration)]
 
 # Built-in policy for a queue whose file says nothing about retries.
 DEFAULT_DELAYS_MS = (5_000, 30_000, 300_000)
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_QUEUE_TYPE: QueueType = "quorum"
-# Parking stays classic unless the file asks: an existing classic parking queue is never turned
-# into a conflict by an upgrade, and on one node a classic queue keeps a peeked message's place.
-DEFAULT_PARKING_TYPE: QueueType = "classic"
 SUPPORTED_VERSION = 1
 
 
@@ -77,7 +83,6 @@ POLICY_KEYS = {
     "delivery_limit": "delivery-limit",
     "message_ttl": "message-ttl",
 }
-DEFAULT_POLICY_PRIORITY = 10
 
 
 class PolicySpec(_Spec):
@@ -137,72 +142,6 @@ class TopologySpec(_Spec):
         return queues
 
 
-class RetryPolicy(BaseModel):
-    """How often and how late a queue's handler is tried again."""
-
-    model_config = ConfigDict(frozen=True)
-
-    delays_ms: tuple[Annotated[int, Field(gt=0)], ...] = Field(min_length=1)
-    max_attempts: int = Field(ge=1)
-
-    @property
-    def tiers_ms(self) -> tuple[int, ...]:
-        """Distinct delays in the order they first appear: one tier queue each."""
-        return tuple(dict.fromkeys(self.delays_ms))
-
-    def delay_for(self, failures: int) -> int:
-        """The delay before the next attempt, after ``failures`` failed ones (>= 1)."""
-        return self.delays_ms[min(max(failures, 1), len(self.delays_ms)) - 1]
-
-
-class QueueConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    queue_type: QueueType
-    bindings: tuple[BindingSpec, ...]
-    retry: RetryPolicy
-    arguments: Mapping[str, Any]
-    parking_type: QueueType = DEFAULT_PARKING_TYPE
-    replicas: int | None = None  # x-quorum-initial-group-size of its quorum queues; None: broker's
-    policy: Mapping[str, Any] = Field(default_factory=dict)  # broker policy definition keys
-    policy_priority: int = DEFAULT_POLICY_PRIORITY
-
-    @property
-    def quorum_queues(self) -> bool:
-        """Whether any queue of ``Q`` (main, tiers, parking) is a quorum queue."""
-        return "quorum" in (self.queue_type, self.parking_type)
-
-
-class ExchangeConfig(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    type: ExchangeType
-    durable: bool
-    auto_delete: bool
-    internal: bool
-    arguments: Mapping[str, Any]
-
-
-class Topology(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    exchanges: tuple[ExchangeConfig, ...]
-    queues: tuple[QueueConfig, ...]
-    source: str = "<topology>"
-
-    def queue(self, name: str) -> QueueConfig:
-        for queue in self.queues:
-            if queue.name == name:
-                return queue
-        raise KeyError(name)
-
-    @property
-    def queue_names(self) -> tuple[str, ...]:
-        return tuple(q.name for q in self.queues)
-
-
 def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
     """Merge ``defaults`` (and the built-in defaults under them) into every queue."""
     default_retry = spec.defaults.retry or RetrySpec()
@@ -216,7 +155,10 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
             QueueConfig(
                 name=name,
                 queue_type=queue.queue_type or spec.defaults.queue_type or DEFAULT_QUEUE_TYPE,
-                bindings=tuple(queue.bindings),
+                bindings=tuple(
+                    BindingConfig(b.exchange, b.routing_key, dict(b.arguments))
+                    for b in queue.bindings
+                ),
                 retry=RetryPolicy(delays_ms=tuple(delays), max_attempts=max_attempts),
                 arguments=dict(queue.arguments),
                 parking_type=(queue.parking or ParkingSpec()).queue_type

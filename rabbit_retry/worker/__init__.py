@@ -5,8 +5,9 @@ returns), ``decide`` (the decision table), ``copies`` (headers of retry and park
 ``pause`` (when a failing downstream pauses a queue), ``checks`` (what a consumer may declare).
 Edges: ``consumer`` (what users write),
 ``session`` (one connection's consuming), ``lane`` (prefetch, and returned deliveries one at a
-time), ``publisher`` (confirmed copies), ``idempotency`` and ``stores`` (each key handled once),
-``runner`` (startup check, reconnects, shutdown), ``metrics``.
+time), ``deadlines`` (handler timeouts on one timer), ``publisher`` (confirmed copies),
+``idempotency`` and ``stores`` (each key handled once), ``runner`` (startup check, reconnects,
+shutdown), ``metrics``.
 """
 
 from rabbit_retry.worker.consumer import (

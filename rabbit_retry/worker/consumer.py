@@ -18,17 +18,24 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Awaitable, Mapping
-from typing import Any, Final, Generic, cast
-
-from pydantic import TypeAdapter
-from typing_extensions import TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 
 from rabbit_retry.errors import InputError
 from rabbit_retry.worker.checks import require_exception_types
 from rabbit_retry.worker.idempotency import Idempotency
 from rabbit_retry.worker.pause import Pause
 
-PayloadT = TypeVar("PayloadT", default=Any)
+if TYPE_CHECKING:
+    from pydantic import TypeAdapter
+
+if TYPE_CHECKING:
+    # A default (``Any`` for a consumer without a model) matters to type checkers only, and
+    # Python's own TypeVar takes one from 3.13: typing_extensions is not imported at run time.
+    from typing_extensions import TypeVar as TypeVarWithDefault
+
+    PayloadT = TypeVarWithDefault("PayloadT", default=Any)
+else:
+    PayloadT = TypeVar("PayloadT")
 
 
 class _NotDecoded:
@@ -198,6 +205,8 @@ def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
         value.check(name)
     if consumer.model is None:
         return None
+    from pydantic import TypeAdapter  # only a consumer with a model needs pydantic
+
     try:
         return TypeAdapter(consumer.model)
     except Exception as exc:

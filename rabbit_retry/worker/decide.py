@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass
 
 from rabbit_retry.topology import naming
-from rabbit_retry.topology.model import QueueType, RetryPolicy
+from rabbit_retry.topology.resolved import QueueType, RetryPolicy
 from rabbit_retry.worker.consumer import HandlerTimeout, Permanent
 
 

@@ -93,6 +93,7 @@ class Lane:
         self._shared = 0  # non-suspects running
         self._alone = False  # a suspect running
         self._changed = asyncio.Event()
+        self._waiting = 0  # deliveries and movers in ``_until``: a poke with none wakes no one
 
     async def start(self, paused: bool = False) -> None:
         """Consume (on probation), or stay paused: a pause outlives a reconnect."""
@@ -149,12 +150,17 @@ class Lane:
         self.tag = ok.consumer_tag
 
     def _poke(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        if self._waiting:
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
 
     async def _until(self, ready: Callable[[], bool]) -> None:
         while not ready():
-            await self._changed.wait()
+            self._waiting += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self._waiting -= 1
 
     def _want(self, mode: Mode) -> None:
         self._target = mode

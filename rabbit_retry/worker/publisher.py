@@ -20,7 +20,6 @@ import aiormq
 import aiormq.exceptions
 from aiormq import spec
 from aiormq.abc import AbstractChannel, AbstractConnection
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_never, wait_exponential_jitter
 
 from rabbit_retry.broker.connect import CONNECTION_ERRORS
 
@@ -127,6 +126,14 @@ class Publisher:
         context: dict[str, Any],
     ) -> None:
         """Publish until confirmed, backing off; ``DeliveryGone`` once the delivery is gone."""
+        # Imported here: a worker whose messages all succeed or retry natively never needs it.
+        from tenacity import (
+            AsyncRetrying,
+            retry_if_exception_type,
+            stop_never,
+            wait_exponential_jitter,
+        )
+
         destination = (exchange, routing_key)
         retrying = AsyncRetrying(
             wait=wait_exponential_jitter(

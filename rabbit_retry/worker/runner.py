@@ -29,14 +29,14 @@ from typing import Any
 
 import aiormq.exceptions
 from aiormq.abc import AbstractConnection
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_never, wait_exponential_jitter
 
 from rabbit_retry.broker.absence import is_missing
-from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect_amqp
 from rabbit_retry.errors import BrokerError, InputError, NodeDownError
 from rabbit_retry.settings import Settings, mask
-from rabbit_retry.topology import load_topology, naming
-from rabbit_retry.topology.model import Topology
+from rabbit_retry.topology import naming
+from rabbit_retry.topology.apart import load_topology_apart
+from rabbit_retry.topology.resolved import Topology
 from rabbit_retry.worker.consumer import RetryConsumer, check_consumer, is_blocking
 from rabbit_retry.worker.idempotency import Deduper, close_stores, open_stores
 from rabbit_retry.worker.metrics import Metrics
@@ -136,7 +136,7 @@ class Runner:
     ) -> None:
         if isinstance(topology, str | Path):
             self.hint = str(topology)
-            topology = load_topology(topology)
+            topology = load_topology_apart(topology)
         else:
             self.hint = topology.source
         self.settings = settings or Settings.from_env()
@@ -157,7 +157,7 @@ class Runner:
         self._stop.set()
 
     async def _open(self) -> Session:
-        connection = await connect(self.settings, name="rabbit-retry worker")
+        connection = await connect_amqp(self.settings, name="rabbit-retry worker")
         try:
             session = Session(connection, self.subscriptions, self.user)
             await check_objects(session.amqp, self.subscriptions, self.hint)
@@ -199,6 +199,13 @@ class Runner:
             why,
             extra={"event": "connection_lost"},
         )
+        from tenacity import (
+            AsyncRetrying,
+            retry_if_exception_type,
+            stop_never,
+            wait_exponential_jitter,
+        )
+
         started = time.monotonic()
         last_error = ""
         attempts = 0
@@ -303,13 +310,15 @@ async def run_consumers(
     """Run ``consumers`` in this process until SIGTERM / SIGINT (or cancellation).
 
     ``topology`` is the file the provisioner applied (or its loaded ``Topology``); each
-    consumer's retry policy comes from its queue there.
+    consumer's retry policy comes from its queue there. Without ``metrics_port`` nothing can
+    read the runner's metrics, so they are kept without prometheus-client.
     """
     runner = Runner(
         consumers,
         topology=topology,
         settings=settings,
         grace=grace,
+        metrics=Metrics(exported=False) if metrics_port is None else None,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
     )

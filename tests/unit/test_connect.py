@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aio_pika
 import aiormq.exceptions
 import pytest
 
 from rabbit_retry.broker import connect as connect_module
-from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect, connect_amqp
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings
 
@@ -40,9 +41,23 @@ def test_connect_turns_each_into_one_broker_error(
     async def failing(*args: Any, **kwargs: Any) -> None:
         raise error
 
-    monkeypatch.setattr(connect_module.aio_pika, "connect", failing)
+    monkeypatch.setattr(aio_pika, "connect", failing)
     with pytest.raises(BrokerError) as excinfo:
         asyncio.run(connect(Settings(url="amqp://u:secret@h:5672/")))
+    assert "secret" not in str(excinfo.value)
+    assert excinfo.value.__cause__ is error
+
+
+@pytest.mark.parametrize("error", LOST[1:], ids=lambda e: type(e).__name__)
+def test_the_workers_aiormq_connect_turns_each_into_one_broker_error(
+    monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    async def failing(*args: Any, **kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(connect_module.aiormq, "connect", failing)
+    with pytest.raises(BrokerError) as excinfo:
+        asyncio.run(connect_amqp(Settings(url="amqp://u:secret@h:5672/")))
     assert "secret" not in str(excinfo.value)
     assert excinfo.value.__cause__ is error
 

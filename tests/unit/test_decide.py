@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rabbit_retry.topology.model import RetryPolicy
+from rabbit_retry.topology.resolved import RetryPolicy
 from rabbit_retry.worker.consumer import HandlerTimeout, Permanent
 from rabbit_retry.worker.decide import (
     ACK,

@@ -1,33 +1,96 @@
-"""`rabbit-retry worker` imports only its own verb: an idle worker's memory is its imports
-(docs/worker-benchmark.md), and the operators' verbs bring rich and httpx."""
+"""`rabbit-retry worker` imports only what its path uses: an idle worker's memory is its imports
+(docs/worker-benchmark.md, "Idle memory"). The operators' verbs bring rich and httpx; the file's
+parser and schema (ruamel.yaml, pydantic) run in a short-lived child; aio-pika is not needed
+next to aiormq; prometheus-client only when metrics are served; tenacity only on a reconnect
+or a retried publish."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from rabbit_retry import cli
 
 TOPOLOGY = Path(__file__).resolve().parents[2] / "topologies" / "demo.yml"
 
-# The worker verb's whole start path short of the broker: the verb's module, the runner and the
-# topology are imported and the file loaded, then the consumer fails to import (exit 2).
-START = f"""
-import atexit, sys
-atexit.register(lambda: print(sorted(
-    m for m in ("rich", "httpx", "psycopg", "redis", "rabbit_retry.cli.operate",
-                "rabbit_retry.cli.provision", "rabbit_retry.worker.runner") if m in sys.modules)))
-from rabbit_retry.cli import main
-main(["--url", "amqp://localhost:1/", "worker", "no_such_module:X", "-t", {str(TOPOLOGY)!r}])
+# Never loaded by a worker started without --metrics-port whose consumers have no model.
+HEAVY = (
+    "aio_pika",
+    "httpx",
+    "prometheus_client",
+    "psycopg",
+    "pydantic",
+    "pydantic_core",
+    "redis",
+    "rich",
+    "ruamel",
+    "tenacity",
+    "typing_extensions",
+    "rabbit_retry.cli.operate",
+    "rabbit_retry.cli.provision",
+    "rabbit_retry.topology.load",
+    "rabbit_retry.topology.model",
+)
+
+CONSUMER = """
+from rabbit_retry import Delivery, RetryConsumer
+
+
+class Orders(RetryConsumer):
+    queue = "demo.orders"
+
+    async def handle(self, delivery: Delivery) -> None:
+        pass
 """
 
 
-def test_the_worker_verb_does_not_import_the_other_verbs() -> None:
-    done = subprocess.run([sys.executable, "-c", START], capture_output=True, text=True)
-    assert "no module named 'no_such_module'" in done.stderr, done.stderr
-    # The runner was imported (the path ran that far), nothing of the other verbs was.
-    assert done.stdout.strip() == "['rabbit_retry.worker.runner']", done.stdout
+def _start(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The worker verb's whole start path short of the broker (nothing listens on port 1):
+    the topology loaded, the consumer imported and checked, the runner built and connecting.
+    Prints the modules of HEAVY (and the runner) that the process imported."""
+    (tmp_path / "lean_consumer.py").write_text(CONSUMER)
+    watched = (*HEAVY, "rabbit_retry.worker.runner", "rabbit_retry.worker.session")
+    code = textwrap.dedent(f"""
+        import atexit, sys
+        atexit.register(lambda: print(sorted(
+            m for m in {watched!r} if m in sys.modules)))
+        from rabbit_retry.cli import main
+        main(["--url", "amqp://guest:guest@127.0.0.1:1/", "worker", *{list(args)!r},
+              "-t", {str(TOPOLOGY)!r}])
+    """)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+
+
+def test_the_worker_path_imports_nothing_it_does_not_use(tmp_path: Path) -> None:
+    done = _start(tmp_path, "lean_consumer:Orders")
+    # It got as far as the broker: the whole start path ran.
+    assert "unreachable: connection refused" in done.stderr, done.stderr
+    assert done.stdout.strip() == "['rabbit_retry.worker.runner', 'rabbit_retry.worker.session']"
+
+
+def test_metrics_port_brings_prometheus_client(tmp_path: Path) -> None:
+    # The positive control of the test above: the watch sees a module the path does import.
+    done = _start(tmp_path, "lean_consumer:Orders", "--metrics-port", "0")
+    assert "unreachable: connection refused" in done.stderr, done.stderr
+    assert "prometheus_client" in done.stdout, done.stdout
+
+
+def test_a_topology_problem_still_reads_as_before(tmp_path: Path) -> None:
+    # The file is checked in a child process: its problems come back as the same lines.
+    bad = tmp_path / "bad.yml"
+    bad.write_text("version: 1\nqueues:\n  q:\n    retry: {max_attempts: 0}\n")
+    code = (
+        "from rabbit_retry.cli import main\n"
+        f"main(['worker', 'x:Y', '-t', {str(bad)!r}])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error: {bad}:4: queues.q.retry.max_attempts:"), done.stderr
 
 
 def test_every_verb_is_listed_with_its_module() -> None:
