@@ -43,6 +43,7 @@ from rabbit_retry.broker.migrate_plan import (
     moved_headers,
     schedule,
 )
+from rabbit_retry.broker.requeue import REQUEUE_POLL_S, REQUEUE_WAIT_S, requeue_batches
 from rabbit_retry.contract import republish_properties
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
@@ -119,22 +120,27 @@ class _Run:
         await channel.close()
 
     async def peek(self, queue: str) -> Copies:
-        """The identities of every message ready in ``queue``, which keeps them all: they are
-        taken unacked and given back with one ``nack(requeue)``, each to its place."""
+        """The identities of every message ready in ``queue``, which keeps them all, in their
+        order: they are taken unacked and given back, a classic queue's with one
+        ``nack(requeue)`` (each returns to its place), a quorum queue's in order in small
+        batches (broker/requeue.py)."""
         state = await self.count(queue)
         if not state or not state[0]:
             return Copies()
+        quorum = (self.api.queue(self.vhost, queue) or {}).get("type") == "quorum"
         channel = await self.channel()
         seen = []
-        last = 0
+        tags = []
         for _ in range(state[0]):
             got = await channel.basic_get(queue, no_ack=False, timeout=TIMEOUT)
             if not isinstance(got.delivery, spec.Basic.GetOk):
                 break
-            last = int(got.delivery.delivery_tag or 0)
+            tags.append(int(got.delivery.delivery_tag or 0))
             seen.append(identity(got.header.properties.message_id, got.body))
-        if last:
-            await channel.basic_nack(last, multiple=True, requeue=True)
+        if tags and not quorum:
+            await channel.basic_nack(tags[-1], multiple=True, requeue=True)
+        elif tags:
+            await _give_back_in_order(channel, queue, tags)
         await channel.close()
         return Copies(seen)
 
@@ -454,6 +460,29 @@ async def _run_steps(
                    else "")
                 + f"; {hold} deleted"
             )
+
+
+async def _give_back_in_order(
+    channel: aiormq.abc.AbstractChannel, queue: str, tags: Sequence[int]
+) -> None:
+    """Requeue ``tags`` to quorum ``queue`` a batch at a time, each once the queue shows the
+    previous one back; if one never shows (a consumer took them), the rest go back when the
+    channel closes, in the broker's order."""
+    ok = await channel.queue_declare(queue, passive=True, timeout=TIMEOUT)
+    base, returned = int(ok.message_count or 0), 0
+    loop = asyncio.get_running_loop()
+    for batch in requeue_batches(tags):
+        for tag in batch:
+            await channel.basic_nack(tag, requeue=True)
+        returned += len(batch)
+        deadline = loop.time() + REQUEUE_WAIT_S
+        while True:
+            ok = await channel.queue_declare(queue, passive=True, timeout=TIMEOUT)
+            if int(ok.message_count or 0) >= base + returned:
+                break
+            if loop.time() > deadline:
+                return
+            await asyncio.sleep(REQUEUE_POLL_S)
 
 
 async def _mark(run: _Run, hold: str) -> None:

@@ -168,3 +168,17 @@ def test_a_copy_the_broker_refuses_loses_no_message(fresh_vhost: Settings) -> No
     # in both: confirmed, never acked once a copy was refused).
     assert set(source) | set(target) == set(every)
     assert max(source.values()) == 1 and max(target.values()) == 1
+
+
+def test_taking_stock_of_a_quorum_queue_keeps_its_order(fresh_vhost: Settings) -> None:
+    blocking(_declare(fresh_vhost, TARGET, {"x-queue-type": "quorum",
+                                            "x-delivery-limit": 2**31 - 1}))
+    ids = [f"t-{i}" for i in range(200)]
+    blocking(publish_raw(fresh_vhost, [_message(m) for m in ids], routing_key=TARGET))
+
+    async def peek() -> int:
+        async with _run(fresh_vhost) as run:
+            return len(await run.peek(TARGET))
+
+    assert blocking(peek()) == 200  # each one seen, none taken
+    assert [str(m.message_id) for m in drain_sync(fresh_vhost, TARGET)] == ids
