@@ -51,6 +51,8 @@ from rabbit_retry.topology.plan import Binding
 
 TIMEOUT = 60.0
 WINDOW = 1000  # messages taken (unacked) whose copies are not confirmed and acked yet
+FIRST_WINDOW = 100  # the window until the size of the messages is known
+BYTES_IN_FLIGHT = 64 * 1024 * 1024  # bodies held at once, about: large messages, fewer of them
 ACK_EVERY = 100  # originals acked at once (one multiple ack) while more copies are in flight
 PUBLISH_BATCH = 100  # copies written at once
 STALL = 1.0  # seconds without a delivery before the source is counted again
@@ -157,11 +159,12 @@ class _Run:
         acked last, so that a run killed meanwhile finds it again first.
 
         Rounds of: count what ``source`` holds ready, consume that many with a window of
-        ``WINDOW`` unacked, publish their copies without waiting (the confirms come back in a
-        pipeline), ack the originals whose copies are confirmed with one multiple ack per
-        stretch. A round ends when it has taken what it counted; ``move`` ends when a round
-        counts nothing. A source whose messages are not handed to us (another consumer wins
-        them: a single active consumer, a higher priority) is taken with ``basic.get``."""
+        unacked messages (``FIRST_WINDOW`` in the first round, then ``window_for`` their size),
+        publish their copies without waiting (the confirms come back in a pipeline), ack the
+        originals whose copies are confirmed with one multiple ack per stretch. A round ends
+        when it has taken what it counted; ``move`` ends when a round counts nothing. A source
+        whose messages are not handed to us (another consumer wins them: a single active
+        consumer, a higher priority) is taken with ``basic.get``."""
         mover = _Mover(self, await self.channel(confirms=True), source, target, copies, marker)
         try:
             await mover.run_rounds()
@@ -199,6 +202,12 @@ class _Run:
             if isinstance(channel, dict) and channel.get("connection_name"):
                 names.add(str(channel["connection_name"]))
         return sorted(names)
+
+
+def window_for(average_body: float) -> int:
+    """How many messages of this average size to hold unacked at once: ``WINDOW``, fewer when
+    that many would hold more than ``BYTES_IN_FLIGHT`` of bodies, never fewer than one."""
+    return max(1, min(WINDOW, int(BYTES_IN_FLIGHT // max(average_body, 1.0))))
 
 
 @dataclass
@@ -243,17 +252,26 @@ class _Mover:
         self.settled = asyncio.Event()  # something at the head may be ackable
         self.idle = asyncio.Event()  # nothing in flight
         self.idle.set()
+        self.bodies, self.body_bytes = 0, 0  # taken so far
 
     async def ready(self) -> int:
         ok = await self.channel.queue_declare(self.source, passive=True, timeout=TIMEOUT)
         return int(ok.message_count or 0)
 
     async def run_rounds(self) -> None:
-        await self.channel.basic_qos(prefetch_count=WINDOW, timeout=TIMEOUT)
+        # A first round of a few messages tells their size, and so the window for the rest.
+        await self.channel.basic_qos(prefetch_count=FIRST_WINDOW, timeout=TIMEOUT)
         acker = asyncio.ensure_future(self.ack_settled())
+        first = True
         try:
             while ready := await self.ready():
-                await self.round(ready)
+                if first:
+                    await self.round(min(ready, FIRST_WINDOW))
+                    window = window_for(self.body_bytes / max(self.bodies, 1))
+                    await self.channel.basic_qos(prefetch_count=window, timeout=TIMEOUT)
+                    first = False
+                else:
+                    await self.round(ready)
             if self.held_marker is not None:
                 await self.channel.basic_ack(self.held_marker)
         finally:
@@ -311,6 +329,8 @@ class _Mover:
             return  # left unacked: it goes back to the source with the channel
         tag = int(message.delivery_tag or 0)
         props = message.header.properties
+        self.bodies += 1
+        self.body_bytes += len(message.body)
         if self.marker and is_marker(props.headers):
             if self.held_marker is None:
                 self.held_marker = tag  # acked last: outside the multiple acks

@@ -1,7 +1,8 @@
 """How ``rabbit-retry migrate`` moves messages from one queue to another on a real broker
 (rabbit_retry/broker/migrate.py, ``_Run.move``): many more than its window, copies already at
 the destination, the marker of a refill, a source whose messages another consumer is handed,
-and a copy the broker returns."""
+a copy the broker returns or refuses, the order of a quorum queue it looks at, and a window
+narrowed for large messages."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pamqp import commands as spec
 from support.amqp import blocking, counts, drain_sync, publish_raw
 from support.poll import eventually
 
+from rabbit_retry.broker import migrate
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.migrate import WINDOW, Moved, _Run
@@ -181,4 +183,27 @@ def test_taking_stock_of_a_quorum_queue_keeps_its_order(fresh_vhost: Settings) -
             return len(await run.peek(TARGET))
 
     assert blocking(peek()) == 200  # each one seen, none taken
+    assert [str(m.message_id) for m in drain_sync(fresh_vhost, TARGET)] == ids
+
+
+def test_larger_messages_move_with_a_smaller_window_each_once_and_in_order(
+    fresh_vhost: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 64 KiB in flight: a window of 64 for these 1 KiB bodies, after a first round of 100.
+    monkeypatch.setattr(migrate, "BYTES_IN_FLIGHT", 64 * 1024)
+    assert migrate.window_for(1024) == 64
+    blocking(_declare(fresh_vhost, SOURCE, {}))
+    blocking(_declare(fresh_vhost, TARGET, {"x-queue-type": "quorum"}))
+    ids = [f"m-{i}" for i in range(400)]
+    body = b"x" * 1024
+    blocking(publish_raw(
+        fresh_vhost,
+        [(body, spec.Basic.Properties(message_id=m, delivery_mode=2)) for m in ids],
+        routing_key=SOURCE,
+    ))
+
+    moved = _move(fresh_vhost, marker=False, peek=True)
+
+    assert (moved.moved, moved.dropped) == (400, 0)
+    assert _ready(fresh_vhost, SOURCE) == 0
     assert [str(m.message_id) for m in drain_sync(fresh_vhost, TARGET)] == ids
