@@ -130,7 +130,8 @@ def run(
             f"{n:,} persistent JSON messages in a classic `{QUEUE}` with its tier and parking "
             "queue; ours rebuilds it (and its tier) as quorum with `rabbit-retry migrate`: "
             "every message moved twice (into `" + QUEUE + ".migrating` and back), each move "
-            "consuming with a window of 1,000 unacked and publishing the copies in batches, "
+            "consuming with a window of 1,000 unacked (after a first round of 100 that tells "
+            "the message size) and publishing the copies in batches, "
             "each original acked once its copy is confirmed, bindings switched, the old queue "
             "deleted once empty; median of alternating runs; afterwards the harness counts the "
             "messages in the new queue.",
