@@ -3,8 +3,9 @@ bare shovel-style move on the same broker.
 
 Ours is ``rabbit_retry.broker.migrate.migrate`` (what ``rabbit-retry migrate FILE --yes`` runs
 after reading the plan), called in the harness process: it moves every message twice (into the
-holding queue, then into the new queue), each copy confirmed before its original is acked, and
-looks at each destination first. The baseline moves the messages once, as a shovel in
+holding queue, then into the new queue), consuming with a window of unacked messages and
+publishing the copies in batches, each original acked once its copy is confirmed, and looks at
+each destination first. The baseline moves the messages once, as a shovel in
 ``on-confirm`` mode does: consume with a prefetch window, publish each copy to a new quorum
 queue, ack the original when the copy is confirmed. Both figures are messages of the original
 queue per second of the whole operation.
@@ -128,9 +129,11 @@ def run(
         notes=[
             f"{n:,} persistent JSON messages in a classic `{QUEUE}` with its tier and parking "
             "queue; ours rebuilds it (and its tier) as quorum with `rabbit-retry migrate`: "
-            "every message moved twice (into `" + QUEUE + ".migrating` and back), each copy "
-            "confirmed before its original is acked, bindings switched, the old queue deleted "
-            "once empty; median of alternating runs; afterwards the harness counts the "
+            "every message moved twice (into `" + QUEUE + ".migrating` and back), each move "
+            "consuming with a window of 1,000 unacked (after a first round of 100 that tells "
+            "the message size) and publishing the copies in batches, "
+            "each original acked once its copy is confirmed, bindings switched, the old queue "
+            "deleted once empty; median of alternating runs; afterwards the harness counts the "
             "messages in the new queue.",
             f"Baseline: one move into a new quorum queue, consuming with prefetch {prefetch} "
             "and acking each message after its copy's confirm (a shovel's `on-confirm`), "

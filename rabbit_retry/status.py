@@ -17,7 +17,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 
 from rabbit_retry.broker.counts import ready_and_consumers
-from rabbit_retry.broker.diff import Change, diff, replication_of
+from rabbit_retry.broker.diff import AppliedPolicy, Change, applied_policies, diff, replication_of
 from rabbit_retry.broker.inspect import LiveState, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.replicas import Replication
@@ -59,6 +59,8 @@ class QueueStatus:
     held: tuple[tuple[str, int], ...] = ()
     # Each live quorum queue of Q (main, tiers, parking): its leader and replicas.
     replicas: tuple[Replication, ...] = ()
+    # The policy (and operator policy) that applies to Q: the file's own, another that wins.
+    policy: AppliedPolicy | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +73,7 @@ class QueueStatus:
             "tiers": dict(self.tiers),
             "held_for_dead_lettering": dict(self.held),
             "replicas": [r.to_json() for r in self.replicas],
+            "policy": self.policy.to_json() if self.policy else None,
         }
 
 
@@ -128,11 +131,23 @@ class Status:
         return not self.drift
 
     @property
-    def warnings(self) -> tuple[str, ...]:
+    def replica_warnings(self) -> tuple[str, ...]:
         """One line per quorum queue with a replica offline, or fewer than the file asks for."""
         return tuple(
             r.warning for row in self.queues for r in row.replicas if r.warning is not None
         )
+
+    @property
+    def policy_warnings(self) -> tuple[str, ...]:
+        """One line per queue whose policy from the file loses to another, or ties with one."""
+        return tuple(
+            row.policy.warning for row in self.queues
+            if row.policy is not None and row.policy.warning is not None
+        )
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.replica_warnings + self.policy_warnings
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -207,6 +222,7 @@ def build_status(
 ) -> Status:
     """The status of every main queue of ``plan`` on ``live``; pure."""
     rows = []
+    policies = applied_policies(plan, live)
     for main in plan.main_queues:
         live_main = live.queues.get(main.name)
         live_parking = live.queues.get(naming.parking_queue(main.name))
@@ -226,6 +242,7 @@ def build_status(
                     if name in live.queues and live.queues[name].messages_dlx
                 ),
                 replicas=_replicas_of(plan, main.name, live),
+                policy=policies.get(main.name),
             )
         )
     return Status(vhost, source, tuple(rows), drift_of(changes, plan))
@@ -258,7 +275,48 @@ def _replicas_view(status: Status) -> list[RenderableType]:
             cell(", ".join(m if m in r.online else f"{m} (down)" for m in r.members)),
         )
     parts: list[RenderableType] = [table]
-    for warning in status.warnings:
+    for warning in status.replica_warnings:
+        parts.append(Text(f"WARNING: {warning}", style="bold yellow"))
+    return parts
+
+
+def _policy_cell(applied: AppliedPolicy) -> str:
+    if applied.policy is None and not applied.top:
+        return "-"
+    if applied.policy is None:
+        names = ", ".join(p.name for p in applied.top)
+        return f"one of {names} (priority {applied.top[0].priority}; the broker picks)"
+    keys = ", ".join(f"{k}: {v}" for k, v in sorted(applied.policy.definition.items()))
+    return f"{applied.policy.name} (priority {applied.policy.priority}; {keys or 'no keys'})"
+
+
+def _policies_view(status: Status) -> list[RenderableType]:
+    """The policy that applies to each queue, when any queue has one (or the file gives one);
+    the warnings below, one line each."""
+    rows = [row for row in status.queues if row.policy is not None]
+    if not any(r.policy.top or r.policy.operator or r.policy.ours for r in rows if r.policy):
+        return []
+    table = new_table(title="policies")
+    for column in ("queue", "policy that applies", "operator policy", "file's policy"):
+        table.add_column(column)
+    for row in rows:
+        applied = row.policy
+        assert applied is not None
+        operator = applied.operator
+        if applied.ours is None:
+            ours = "-"
+        elif applied.ours_live is None:
+            ours = f"{applied.ours}: not on the broker"
+        else:
+            ours = f"{applied.ours}: " + ("applies" if applied.ours_applies else "does not apply")
+        table.add_row(
+            cell(row.queue),
+            cell(_policy_cell(applied)),
+            cell(f"{operator.name} (merged: lower limits win)" if operator else "-"),
+            Text(ours, style="bold yellow") if applied.warning else cell(ours),
+        )
+    parts: list[RenderableType] = [table]
+    for warning in status.policy_warnings:
         parts.append(Text(f"WARNING: {warning}", style="bold yellow"))
     return parts
 
@@ -296,6 +354,7 @@ def status_view(status: Status) -> RenderableType:
     parts.append(table)
     parts.append(Text(SAMPLED_NOTE, style="dim"))
     parts.extend(_replicas_view(status))
+    parts.extend(_policies_view(status))
     for row in status.queues:
         for name, count in row.held:
             parts.append(Text(

@@ -379,6 +379,83 @@ def policy_notes(plan: Plan, live: LiveState) -> list[str]:
     return notes
 
 
+@dataclass(frozen=True)
+class AppliedPolicy:
+    """The policies that apply to one queue of the file, as RabbitMQ picks them (and ``plan``
+    reasons about them): among the live policies whose pattern and ``apply-to`` match the queue,
+    the one of highest priority; several of that priority, the broker picks one. The operator
+    policy of highest priority is merged in: where both set a limit, the lower one wins."""
+
+    queue: str
+    top: tuple[LivePolicy, ...]  # the matching policies of the highest priority
+    operator: LivePolicy | None
+    ours: str | None  # rabbit-retry:<queue>, when the file gives the queue a policy block
+    ours_live: LivePolicy | None  # ... as the broker has it, when it has it
+
+    @property
+    def policy(self) -> LivePolicy | None:
+        """The one policy that applies; None when none matches, or several tie."""
+        return self.top[0] if len(self.top) == 1 else None
+
+    @property
+    def ours_applies(self) -> bool:
+        return self.ours_live is not None and self.policy == self.ours_live
+
+    @property
+    def warning(self) -> str | None:
+        """Why the file's tunables do not (or may not) apply to the queue; None when they do,
+        or when the file has none for it. A policy of ours the broker lacks is drift, and is
+        reported as such."""
+        if self.ours_live is None or self.ours_applies:
+            return None
+        others = ", ".join(p.name for p in self.top if p.name != self.ours)
+        priority = self.top[0].priority
+        if self.ours_live in self.top:
+            return (
+                f"{self.queue}: policy {others} has the same priority ({priority}) as "
+                f"{self.ours}: the broker applies one of them"
+            )
+        return (
+            f"{self.queue}: policy {others} (priority {priority}) wins over {self.ours} "
+            f"(priority {self.ours_live.priority}): the file's tunables do not apply"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        policy, operator = self.policy, self.operator
+        return {
+            "name": policy.name if policy else None,
+            "priority": policy.priority if policy else None,
+            "definition": dict(policy.definition) if policy else {},
+            "tied": [p.name for p in self.top] if len(self.top) > 1 else [],
+            "operator_policy": operator.name if operator else None,
+            "operator_definition": dict(operator.definition) if operator else {},
+            "ours": self.ours,
+            "ours_applies": self.ours_applies,
+        }
+
+
+def applied_policies(plan: Plan, live: LiveState) -> dict[str, AppliedPolicy]:
+    """main queue of ``plan`` -> the policies that apply to it on ``live``; pure."""
+    ours = {p.queue: p.name for p in plan.policies}
+    out = {}
+    for queue in plan.main_queues:
+        matching = [p for p in live.policies if _matches(p, queue)]
+        policies = sorted((p for p in matching if not p.operator),
+                          key=lambda p: (-p.priority, p.name))
+        operators = sorted((p for p in matching if p.operator),
+                           key=lambda p: (-p.priority, p.name))
+        top = tuple(p for p in policies if p.priority == policies[0].priority)
+        mine = ours.get(queue.name)
+        out[queue.name] = AppliedPolicy(
+            queue=queue.name,
+            top=top,
+            operator=operators[0] if operators else None,
+            ours=mine,
+            ours_live=next((p for p in policies if p.name == mine), None),
+        )
+    return out
+
+
 def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:
     """How many changes of each kind, every kind present (zero when none)."""
     totals: dict[ChangeKind, int] = dict.fromkeys(KINDS, 0)

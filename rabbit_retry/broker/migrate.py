@@ -1,27 +1,32 @@
 """Carrying out migrations (broker/migrate_plan.py decides the steps) over AMQP, reading the
 live bindings and consumers through the management API.
 
-Moving a message: ``basic.get`` (unacked), publish a copy (mandatory, persistent) and wait for
-the broker's confirm, then ack the original. Killed in between, the original goes back to its
-queue and the next run recognises the copy already moved (migrate_plan.Copies) by looking at
-the destination first, where that is safe (the holding queue, which nobody else consumes; the
-new queue while nothing consumes it).
+Moving messages: consume the source with a window of unacked messages, publish the copies
+(mandatory, persistent) in batches without waiting, and ack each original only once its copy
+is confirmed, a settled stretch at a time with one multiple ack. Killed in between, the
+unacked originals go back to their queue and the next run recognises the copies already moved
+(migrate_plan.Copies) by looking at the destination first, where that is safe (the holding
+queue, which nobody else consumes; the new queue while nothing consumes it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import cast
 from urllib.parse import quote
 
 import aiormq
 import aiormq.exceptions
 from aio_pika.abc import AbstractConnection
+from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
 
+from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.broker.inspect import parse_bindings
 from rabbit_retry.broker.management import Management, NotFound
@@ -38,13 +43,19 @@ from rabbit_retry.broker.migrate_plan import (
     moved_headers,
     schedule,
 )
+from rabbit_retry.broker.requeue import REQUEUE_POLL_S, REQUEUE_WAIT_S, requeue_batches
 from rabbit_retry.contract import republish_properties
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology.plan import Binding
 
 TIMEOUT = 60.0
-BATCH = 200  # messages taken (unacked) before their copies are confirmed and they are acked
+WINDOW = 1000  # messages taken (unacked) whose copies are not confirmed and acked yet
+FIRST_WINDOW = 100  # the window until the size of the messages is known
+BYTES_IN_FLIGHT = 64 * 1024 * 1024  # bodies held at once, about: large messages, fewer of them
+ACK_EVERY = 100  # originals acked at once (one multiple ack) while more copies are in flight
+PUBLISH_BATCH = 100  # copies written at once
+STALL = 1.0  # seconds without a delivery before the source is counted again
 RELEASE_ATTEMPTS = 20  # rounds of "close consumers, drain, delete if empty and unused"
 RELEASE_WATCH = 2.0  # seconds to watch for the moment a closed consumer is gone
 
@@ -111,22 +122,27 @@ class _Run:
         await channel.close()
 
     async def peek(self, queue: str) -> Copies:
-        """The identities of every message ready in ``queue``, which keeps them all: they are
-        taken unacked and given back with one ``nack(requeue)``, each to its place."""
+        """The identities of every message ready in ``queue``, which keeps them all, in their
+        order: they are taken unacked and given back, a classic queue's with one
+        ``nack(requeue)`` (each returns to its place), a quorum queue's in order in small
+        batches (broker/requeue.py)."""
         state = await self.count(queue)
         if not state or not state[0]:
             return Copies()
+        quorum = (self.api.queue(self.vhost, queue) or {}).get("type") == "quorum"
         channel = await self.channel()
         seen = []
-        last = 0
+        tags = []
         for _ in range(state[0]):
             got = await channel.basic_get(queue, no_ack=False, timeout=TIMEOUT)
             if not isinstance(got.delivery, spec.Basic.GetOk):
                 break
-            last = int(got.delivery.delivery_tag or 0)
+            tags.append(int(got.delivery.delivery_tag or 0))
             seen.append(identity(got.header.properties.message_id, got.body))
-        if last:
-            await channel.basic_nack(last, multiple=True, requeue=True)
+        if tags and not quorum:
+            await channel.basic_nack(tags[-1], multiple=True, requeue=True)
+        elif tags:
+            await _give_back_in_order(channel, queue, tags)
         await channel.close()
         return Copies(seen)
 
@@ -140,47 +156,18 @@ class _Run:
         """Every ready message of ``source`` into ``target``, each copy confirmed before its
         original is acked; a message ``copies`` holds is dropped instead. With ``marker``, the
         messages after the marker (routed to ``target`` as well) are dropped, and the marker is
-        acked last, so that a run killed meanwhile finds it again first."""
-        done = Moved()
-        channel = await self.channel(confirms=True)
-        held_marker: int | None = None
+        acked last, so that a run killed meanwhile finds it again first.
+
+        Rounds of: count what ``source`` holds ready, consume that many with a window of
+        unacked messages (``FIRST_WINDOW`` in the first round, then ``window_for`` their size),
+        publish their copies without waiting (the confirms come back in a pipeline), ack the
+        originals whose copies are confirmed with one multiple ack per stretch. A round ends
+        when it has taken what it counted; ``move`` ends when a round counts nothing. A source
+        whose messages are not handed to us (another consumer wins them: a single active
+        consumer, a higher priority) is taken with ``basic.get``."""
+        mover = _Mover(self, await self.channel(confirms=True), source, target, copies, marker)
         try:
-            while True:
-                batch: list[tuple[int, bytes, Any]] = []
-                drop: list[int] = []
-                while len(batch) + len(drop) < BATCH:
-                    got = await channel.basic_get(source, no_ack=False, timeout=TIMEOUT)
-                    if not isinstance(got.delivery, spec.Basic.GetOk):
-                        break
-                    tag = int(got.delivery.delivery_tag or 0)
-                    props = got.header.properties
-                    if marker and is_marker(props.headers):
-                        if held_marker is None:
-                            held_marker = tag
-                        else:  # a second marker (a run killed in route-back): one is enough
-                            drop.append(tag)
-                        continue
-                    if held_marker is not None or copies.take(identity(props.message_id, got.body)):
-                        drop.append(tag)
-                    else:
-                        batch.append((tag, got.body, props))
-                if not batch and not drop:
-                    break
-                await asyncio.gather(*(
-                    channel.basic_publish(
-                        body, exchange="", routing_key=target, mandatory=True, timeout=TIMEOUT,
-                        properties=republish_properties(
-                            props, moved_headers(props.headers), self.settings.user
-                        ),
-                    )
-                    for _, body, props in batch
-                ))
-                for tag in [t for t, _, _ in batch] + drop:
-                    await channel.basic_ack(tag)
-                done.moved += len(batch)
-                done.dropped += len(drop)
-            if held_marker is not None:
-                await channel.basic_ack(held_marker)
+            await mover.run_rounds()
         except aiormq.exceptions.PublishError as exc:
             raise BrokerError(
                 f"moving {source} to {target}: the broker returned a copy ({mask(str(exc))}); "
@@ -192,9 +179,9 @@ class _Run:
                 f"{target!r} full?); the original stays in place"
             ) from None
         finally:
-            if not channel.is_closed:
-                await channel.close()
-        return done
+            if not mover.channel.is_closed:
+                await mover.channel.close()
+        return mover.done
 
     def consumer_connections(self, queue: str) -> list[str]:
         """The connections with a consumer on ``queue``. The queue's own consumer details lack
@@ -215,6 +202,211 @@ class _Run:
             if isinstance(channel, dict) and channel.get("connection_name"):
                 names.add(str(channel["connection_name"]))
         return sorted(names)
+
+
+def window_for(average_body: float) -> int:
+    """How many messages of this average size to hold unacked at once: ``WINDOW``, fewer when
+    that many would hold more than ``BYTES_IN_FLIGHT`` of bodies, never fewer than one."""
+    return max(1, min(WINDOW, int(BYTES_IN_FLIGHT // max(average_body, 1.0))))
+
+
+@dataclass
+class _Taken:
+    """An original taken from the source and not acked yet."""
+
+    tag: int
+    settled: bool = False  # its copy is confirmed, or the destination holds one already
+
+
+class _Mover:
+    """One ``_Run.move``: the originals taken, in delivery order, until each may be acked.
+
+    The loop takes deliveries and publishes their copies in batches (one write each,
+    broker/batch.py); confirms mark originals settled as they come back, and one acking task
+    acks the settled stretch at the head with a single multiple ack. Once anything fails,
+    nothing more is acked: what is unacked goes back to the source when the channel closes."""
+
+    def __init__(
+        self,
+        run: _Run,
+        channel: aiormq.abc.AbstractChannel,
+        source: str,
+        target: str,
+        copies: Copies,
+        marker: bool,
+    ) -> None:
+        self.run = run
+        self.channel = cast(aiormq.Channel, channel)  # publish_batch needs the concrete one
+        self.source, self.target = source, target
+        self.copies, self.marker = copies, marker
+        self.done = Moved()
+        self.taken: deque[_Taken] = deque()
+        self.batch: list[tuple[_Taken, bytes, spec.Basic.Properties]] = []
+        self.in_flight = 0  # copies published, not confirmed yet
+        self.ack_to = 0  # the last settled tag, not acked yet
+        self.unacked = 0  # settled originals not acked yet
+        self.acking = asyncio.Lock()
+        self.held_marker: int | None = None
+        self.failure: BaseException | None = None
+        self.inbox: asyncio.Queue[DeliveredMessage | None] = asyncio.Queue()
+        self.settled = asyncio.Event()  # something at the head may be ackable
+        self.idle = asyncio.Event()  # nothing in flight
+        self.idle.set()
+        self.bodies, self.body_bytes = 0, 0  # taken so far
+
+    async def ready(self) -> int:
+        ok = await self.channel.queue_declare(self.source, passive=True, timeout=TIMEOUT)
+        return int(ok.message_count or 0)
+
+    async def run_rounds(self) -> None:
+        # A first round of a few messages tells their size, and so the window for the rest.
+        await self.channel.basic_qos(prefetch_count=FIRST_WINDOW, timeout=TIMEOUT)
+        acker = asyncio.ensure_future(self.ack_settled())
+        first = True
+        try:
+            while ready := await self.ready():
+                if first:
+                    await self.round(min(ready, FIRST_WINDOW))
+                    window = window_for(self.body_bytes / max(self.bodies, 1))
+                    await self.channel.basic_qos(prefetch_count=window, timeout=TIMEOUT)
+                    first = False
+                else:
+                    await self.round(ready)
+            if self.held_marker is not None:
+                await self.channel.basic_ack(self.held_marker)
+        finally:
+            acker.cancel()
+
+    async def round(self, expected: int) -> None:
+        """Take ``expected`` messages by consuming (fewer if the source runs dry first), and
+        wait until every one is acked."""
+        inbox = self.inbox = asyncio.Queue()
+
+        async def deliver(message: DeliveredMessage) -> None:
+            inbox.put_nowait(message)
+
+        ok = await self.channel.basic_consume(self.source, deliver, timeout=TIMEOUT)
+        taken, by_get = 0, False
+        try:
+            while taken < expected and self.failure is None:
+                if inbox.empty():
+                    await self.flush()
+                    try:
+                        message = await asyncio.wait_for(inbox.get(), STALL)
+                    except TimeoutError:
+                        if self.in_flight:
+                            continue  # the broker is slow to confirm, not the source to deliver
+                        # Ready messages not handed to us go to another consumer (a single
+                        # active one, one of higher priority): take them one by one instead.
+                        by_get = await self.ready() > 0
+                        break
+                else:
+                    message = inbox.get_nowait()
+                if message is not None:  # None: a copy failed
+                    await self.take(message)
+                    taken += 1
+        finally:
+            if not self.channel.is_closed:
+                await self.channel.basic_cancel(str(ok.consumer_tag), timeout=TIMEOUT)
+        while not inbox.empty():  # delivered before the broker had the cancel
+            message = inbox.get_nowait()
+            if message is not None:
+                await self.take(message)
+        while by_get and self.failure is None:
+            got = await self.channel.basic_get(self.source, no_ack=False, timeout=TIMEOUT)
+            if not isinstance(got.delivery, spec.Basic.GetOk):
+                break
+            await self.take(got)
+            await self.flush()
+        await self.flush()
+        await self.idle.wait()
+        if self.failure is not None:
+            raise self.failure
+        await self.ack_head(final=True)
+
+    async def take(self, message: DeliveredMessage) -> None:
+        if self.failure is not None:
+            return  # left unacked: it goes back to the source with the channel
+        tag = int(message.delivery_tag or 0)
+        props = message.header.properties
+        self.bodies += 1
+        self.body_bytes += len(message.body)
+        if self.marker and is_marker(props.headers):
+            if self.held_marker is None:
+                self.held_marker = tag  # acked last: outside the multiple acks
+            else:  # a second marker (a run killed in route-back): one is enough
+                await self.channel.basic_ack(tag)
+                self.done.dropped += 1
+            return
+        if self.held_marker is not None:
+            # Routed to the target as well. Acked alone: a multiple ack would take the marker.
+            await self.channel.basic_ack(tag)
+            self.done.dropped += 1
+            return
+        taken = _Taken(tag)
+        self.taken.append(taken)
+        # (Hashing a body only while the destination holds anything to recognise.)
+        if self.copies and self.copies.take(identity(props.message_id, message.body)):
+            taken.settled = True
+            self.done.dropped += 1
+            self.settled.set()
+            return
+        properties = republish_properties(
+            props, moved_headers(props.headers), self.run.settings.user
+        )
+        self.batch.append((taken, message.body, properties))
+        if len(self.batch) >= PUBLISH_BATCH:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Publish the copies taken so far, in one write."""
+        if not self.batch or self.failure is not None:
+            return
+        batch, self.batch = self.batch, []
+        futures = await publish_batch(
+            self.channel, self.target, [(body, props) for _, body, props in batch]
+        )
+        self.in_flight += len(batch)
+        self.idle.clear()
+        for (taken, _, _), future in zip(batch, futures, strict=True):
+            future.add_done_callback(partial(self.confirmed, taken))
+
+    def confirmed(self, taken: _Taken, future: asyncio.Future[object]) -> None:
+        self.in_flight -= 1
+        if future.cancelled():
+            self.failure = self.failure or BrokerError(
+                f"moving {self.source} to {self.target}: the channel closed before the broker "
+                "confirmed a copy; the original stays in place"
+            )
+        elif future.exception() is not None:
+            self.failure = self.failure or future.exception()
+        else:
+            taken.settled = True
+            self.done.moved += 1
+        if self.failure is not None:
+            self.inbox.put_nowait(None)  # wake the loop
+        self.settled.set()
+        if not self.in_flight:
+            self.idle.set()
+
+    async def ack_settled(self) -> None:
+        while True:
+            await self.settled.wait()
+            self.settled.clear()
+            await self.ack_head()
+
+    async def ack_head(self, *, final: bool = False) -> None:
+        """Ack, with one multiple ack, the originals up to the first one not settled yet:
+        every ``ACK_EVERY`` of them, or when nothing is in flight. Nothing after a failure."""
+        async with self.acking:  # multiple acks leave in tag order
+            while self.taken and self.taken[0].settled:
+                self.ack_to = self.taken.popleft().tag
+                self.unacked += 1
+            if self.failure is not None or not self.unacked:
+                return
+            if final or not self.in_flight or self.unacked >= ACK_EVERY:
+                await self.channel.basic_ack(self.ack_to, multiple=True)
+                self.unacked = 0
 
 
 async def _run_steps(
@@ -289,6 +481,29 @@ async def _run_steps(
                    else "")
                 + f"; {hold} deleted"
             )
+
+
+async def _give_back_in_order(
+    channel: aiormq.abc.AbstractChannel, queue: str, tags: Sequence[int]
+) -> None:
+    """Requeue ``tags`` to quorum ``queue`` a batch at a time, each once the queue shows the
+    previous one back; if one never shows (a consumer took them), the rest go back when the
+    channel closes, in the broker's order."""
+    ok = await channel.queue_declare(queue, passive=True, timeout=TIMEOUT)
+    base, returned = int(ok.message_count or 0), 0
+    loop = asyncio.get_running_loop()
+    for batch in requeue_batches(tags):
+        for tag in batch:
+            await channel.basic_nack(tag, requeue=True)
+        returned += len(batch)
+        deadline = loop.time() + REQUEUE_WAIT_S
+        while True:
+            ok = await channel.queue_declare(queue, passive=True, timeout=TIMEOUT)
+            if int(ok.message_count or 0) >= base + returned:
+                break
+            if loop.time() > deadline:
+                return
+            await asyncio.sleep(REQUEUE_POLL_S)
 
 
 async def _mark(run: _Run, hold: str) -> None:

@@ -246,15 +246,17 @@ class Copies:
 
     def __init__(self, held: Iterable[Identity | None] = ()) -> None:
         self._held: Counter[Identity] = Counter(i for i in held if i is not None)
+        self._left = sum(self._held.values())
 
     def __len__(self) -> int:
-        return sum(self._held.values())
+        return self._left
 
     def take(self, key: Identity | None) -> bool:
         """True (and forget one of them) when ``key`` is already held at the destination."""
         if key is None or self._held[key] <= 0:
             return False
         self._held[key] -= 1
+        self._left -= 1
         return True
 
 

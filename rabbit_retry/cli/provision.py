@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from rabbit_retry.broker.counts import ready_and_consumers
 from rabbit_retry.broker.declare import ApplyReport, apply_changes, unsendable, work_count
 from rabbit_retry.broker.declare import Progress as Advance
 from rabbit_retry.broker.diff import (
@@ -31,14 +32,14 @@ from rabbit_retry.broker.diff import (
     refusal,
 )
 from rabbit_retry.broker.identity import check_same_broker
-from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live
+from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.policies import apply_policies
 from rabbit_retry.cli import cli, settings_of
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
 from rabbit_retry.text import plural
-from rabbit_retry.topology import Plan, compile_topology, load_topology
+from rabbit_retry.topology import Plan, compile_topology, load_topology, naming
 from rabbit_retry.topology.export import to_definitions, to_mermaid
 from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 
@@ -63,7 +64,14 @@ def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
     with Management.for_settings(settings) as api:
         check_same_broker(settings, api)
         live = read_live(api, settings.vhost)
-    return diff(plan, live), live
+    changes = diff(plan, live)
+    # "migrate keeps its N messages": N read exactly, not from statistics seconds old.
+    moving = [c.name for c in changes if c.kind == "migrate"]
+    if moving:
+        names = [n for m in moving for n in (m, naming.migrating_queue(m)) if n in live.queues]
+        live = with_exact_counts(live, asyncio.run(ready_and_consumers(settings, names)))
+        changes = diff(plan, live)
+    return changes, live
 
 
 def _notes(plan: Plan, live: LiveState) -> list[str]:

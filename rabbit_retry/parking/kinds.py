@@ -8,12 +8,12 @@ quorum parking queue with the limit ``apply`` gives it (far beyond any number of
 Quorum queues also lose the order of a batch given back at once (seen on 3.10.8, 4.0.5 and
 4.3.6: 100 messages taken and requeued with one ``nack(multiple)``, or 33 and more requeued one
 by one without a pause, came back shuffled), so they are given back in small batches, in order,
-each once the queue has taken the previous one back. And they hand out what was given back
-before what never left: once every message has been looked at, giving back the first two puts
-them behind the other four (seen on all three); so a look that stops early takes the rest of
-what was there as well and gives everything back in order. Order on a quorum queue also yields
-to the ``priority`` property on 4.x (parked copies keep it): 4.0 hands out 5 and above first,
-4.3 ranks a message without priority as 4 and hands out 0-3 after it.
+each once the queue has taken the previous one back (broker/requeue.py). And they hand out
+what was given back before what never left: once every message has been looked at, giving back
+the first two puts them behind the other four (seen on all three); so a look that stops early
+takes the rest of what was there as well and gives everything back in order. Order on a quorum
+queue also yields to the ``priority`` property on 4.x (parked copies keep it): 4.0 hands out 5
+and above first, 4.3 ranks a message without priority as 4 and hands out 0-3 after it.
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from rabbit_retry.topology.compile import PARKING_DELIVERY_LIMIT
-
-# At most this many requeues on their way to a quorum queue at once (the broker's quorum queue
-# client batches, and reorders, beyond 32 commands not yet applied).
-REQUEUE_BATCH = 16
 
 
 def peek_refusal(name: str, queue_type: str, arguments: Mapping[str, Any]) -> str | None:
@@ -46,9 +42,3 @@ def peek_refusal(name: str, queue_type: str, arguments: Mapping[str, Any]) -> st
         f"{name!r} is a {queue_type} queue; rabbit-retry reads classic and quorum parking queues "
         "only"
     )
-
-
-def requeue_batches(tags: set[int], size: int = REQUEUE_BATCH) -> list[list[int]]:
-    """Held delivery tags in the order they were taken, in batches of ``size``."""
-    ordered = sorted(tags)
-    return [ordered[i : i + size] for i in range(0, len(ordered), size)]

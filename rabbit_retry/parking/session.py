@@ -30,17 +30,16 @@ from pamqp import commands as spec
 
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.broker.management import Management
+from rabbit_retry.broker.requeue import REQUEUE_POLL_S, REQUEUE_WAIT_S, requeue_batches
 from rabbit_retry.contract import PROPERTY_NAMES, RETURN_COUNTERS, republish_properties
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.parking.headers import replay_headers
-from rabbit_retry.parking.kinds import peek_refusal, requeue_batches
+from rabbit_retry.parking.kinds import peek_refusal
 from rabbit_retry.parking.message import ParkedMessage
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import naming
 
 PUBLISH_TIMEOUT_S = 60.0
-REQUEUE_WAIT_S = 5.0  # how long a quorum queue may take to show a batch given back
-REQUEUE_POLL_S = 0.005
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ it; ``plan`` names other policies and operator policies that match before anythi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,62 @@ def test_tunables_are_applied_live_as_one_policy_and_other_policies_are_named_fi
     assert result.code == 0, result.err
     assert f"deleted policy rabbit-retry:{Q}" in result.out
     assert f"rabbit-retry:{Q}" not in _policies(management, fresh_vhost)
+
+
+def test_status_shows_the_policy_that_applies_as_the_broker_does(
+    tmp_path: Path, fresh_vhost: Settings, management: Management,
+    run_cli: Callable[..., Any], operator_policy: None,
+) -> None:
+    file = _write(tmp_path, _file("    policy: {max_length: 1000}\n"))
+    assert run_cli("apply", file, settings=fresh_vhost).code == 0
+
+    def policy_of_status() -> tuple[dict[str, Any], list[str]]:
+        result = run_cli("status", file, "--json", settings=fresh_vhost)
+        assert result.code == 0, result.err
+        data = json.loads(result.out)
+        return data["queues"][0]["policy"], data["warnings"]
+
+    policy, warnings = policy_of_status()
+    assert policy == {
+        "name": f"rabbit-retry:{Q}", "priority": 10, "definition": {"max-length": 1000},
+        "tied": [], "operator_policy": "cap", "operator_definition": {"max-length": 50},
+        "ours": f"rabbit-retry:{Q}", "ours_applies": True,
+    }
+    assert warnings == []
+    # The broker says the same.
+    wait_for(lambda: _effective(management, fresh_vhost)[0] == f"rabbit-retry:{Q}",
+             "the broker applying our policy")
+
+    path = f"/policies/{quote(fresh_vhost.vhost, safe='')}/greedy"
+    management.request("PUT", path, json={"pattern": "orders$", "definition": {"max-length": 1},
+                                          "priority": 50, "apply-to": "queues"})
+    policy, warnings = policy_of_status()
+    assert (policy["name"], policy["priority"], policy["ours_applies"]) == ("greedy", 50, False)
+    warning = (f"{Q}: policy greedy (priority 50) wins over rabbit-retry:{Q} (priority 10): the "
+               "file's tunables do not apply")
+    assert warnings == [warning]
+    wait_for(lambda: _effective(management, fresh_vhost)[0] == "greedy",
+             "the broker applying the greedy policy")
+    shown = run_cli("status", file, settings=fresh_vhost)
+    assert shown.code == 0, shown.err  # a warning, not drift
+    assert f"WARNING: {warning}" in " ".join(shown.out.split())  # however rich wraps it
+
+
+def test_exported_definitions_carry_the_policy(
+    tmp_path: Path, vhost_factory: Callable[[], Settings], management: Management,
+    run_cli: Callable[..., Any],
+) -> None:
+    imported = vhost_factory()
+    try:
+        file = _write(tmp_path, _file("    policy: {max_length: 1000, priority: 20}\n"))
+        exported = run_cli("export", file, "--format", "definitions")
+        assert exported.code == 0, exported.err
+        management.import_definitions(imported.vhost, json.loads(exported.out))
+        policy = _policies(management, imported)[f"rabbit-retry:{Q}"]
+        assert (policy["pattern"], policy["apply-to"], policy["priority"], policy["definition"]) \
+            == ("^pol\\.orders$", "queues", 20, {"max-length": 1000})
+        # What apply would have made: nothing left to do.
+        again = run_cli("apply", file, settings=imported)
+        assert again.out == f"nothing to do: vhost {imported.vhost!r} already matches {file}\n"
+    finally:
+        management.delete_vhost(imported.vhost)

@@ -119,6 +119,7 @@ def test_status_counts_what_each_queue_holds(
         while True:
             code, data = status_json(run_cli, fresh_vhost, topology)
             replicas = [q.pop("replicas") for q in data["queues"]]
+            policies = [q.pop("policy") for q in data["queues"]]
             if data["queues"] == expected or time.monotonic() > deadline:
                 break
             time.sleep(1)
@@ -132,6 +133,8 @@ def test_status_counts_what_each_queue_holds(
         for r in replicas[0]:
             assert r["members"] == r["online"] == [r["leader"]] and r["warning"] is None
         assert data["warnings"] == []
+        assert [(p["name"], p["ours"], p["operator_policy"]) for p in policies] == [
+            (None, None, None), (None, None, None)]  # no policy on this vhost
 
         result = run_cli("status", str(topology), settings=fresh_vhost)
     assert result.code == 0, result.err

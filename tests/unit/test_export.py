@@ -34,7 +34,8 @@ def plan_of(text: str) -> Plan:
 def test_definitions_hold_every_object_in_the_broker_format() -> None:
     plan = plan_of(ORDERS)
     definitions = to_definitions(plan)
-    assert set(definitions) == {"exchanges", "queues", "bindings"}
+    assert set(definitions) == {"exchanges", "queues", "bindings", "policies"}
+    assert definitions["policies"] == []  # no policy: block in the file
     assert definitions["exchanges"][0] == {
         "name": "orders",
         "type": "topic",
@@ -97,11 +98,28 @@ def test_definitions_mirror_the_plan_one_to_one() -> None:
     )
 
 
+def test_definitions_carry_each_policy_block_as_apply_puts_it() -> None:
+    plan = plan_of(ORDERS.replace(
+        "    arguments: {x-max-length: 100000, x-custom: [a, b]}\n",
+        "    policy: {max_length: 5000, message_ttl: 1d, priority: 20}\n",
+    ))
+    (policy,) = plan.policies
+    assert to_definitions(plan)["policies"] == [{
+        "name": "rabbit-retry:orders.email",
+        "pattern": "^orders\\.email$",
+        "apply-to": "queues",
+        "definition": {"max-length": 5000, "message-ttl": 86_400_000},
+        "priority": 20,
+    }]
+    assert dict(policy.definition) == {"max-length": 5000, "message-ttl": 86_400_000}
+    assert "policy max-length 5000, message-ttl 86400000" in to_mermaid(plan)
+
+
 def test_definitions_name_no_vhost_and_are_plain_json() -> None:
     definitions = to_definitions(plan_of(ORDERS))
     text = json.dumps(definitions)
     assert json.loads(text) == definitions
-    for kind in ("exchanges", "queues", "bindings"):
+    for kind in ("exchanges", "queues", "bindings", "policies"):
         for item in definitions[kind]:
             assert "vhost" not in item
     email = next(q for q in definitions["queues"] if q["name"] == "orders.email")

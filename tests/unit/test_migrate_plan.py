@@ -218,3 +218,12 @@ def test_tiers_are_held_before_their_main_queue_is_rebuilt_and_refilled_after() 
     # Alone (its main queue needs nothing, or is done), a tier runs every step at once.
     (tier,) = [m for m in migrations if m.queue.role == "tier"]
     assert schedule([tier]) == [(tier, STEPS)]
+
+
+def test_the_window_of_a_move_shrinks_for_large_messages() -> None:
+    from rabbit_retry.broker.migrate import BYTES_IN_FLIGHT, WINDOW, window_for
+
+    assert window_for(0) == window_for(200) == WINDOW
+    assert window_for(1024 * 1024) == BYTES_IN_FLIGHT // (1024 * 1024) == 64
+    assert window_for(16 * 1024 * 1024) == 4
+    assert window_for(10 * BYTES_IN_FLIGHT) == 1

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rabbit_retry.parking.kinds import peek_refusal, requeue_batches
+from rabbit_retry.broker.requeue import requeue_batches
+from rabbit_retry.parking.kinds import peek_refusal
 from rabbit_retry.topology.compile import PARKING_DELIVERY_LIMIT
 
 

@@ -4,11 +4,12 @@ where it drops messages."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 from rich.console import Console, RenderableType
 
 from rabbit_retry.broker.diff import diff
-from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState
+from rabbit_retry.broker.inspect import LiveExchange, LivePolicy, LiveQueue, LiveState
 from rabbit_retry.status import build_status, status_view
 from rabbit_retry.tables import cell
 from rabbit_retry.topology import Plan, compile_topology, parse_topology
@@ -67,6 +68,9 @@ def test_counts_per_main_queue_with_old_tiers_still_draining() -> None:
         "parked": 5,
         "tiers": {"orders.retry.1m": 1, "orders.retry.1s": 3, "orders.retry.5m": 4},
         "held_for_dead_lettering": {}, "replicas": [],
+        "policy": {"name": None, "priority": None, "definition": {}, "tied": [],
+                   "operator_policy": None, "operator_definition": {}, "ours": None,
+                   "ours_applies": False},
     }
     assert (payments.queue, payments.ready, payments.retrying) == ("payments", 9, 0)
     assert status.ok and status.drift == ()  # an old tier draining is not drift
@@ -149,6 +153,47 @@ def test_the_status_view_says_no_drift() -> None:
     live = live_of(plan)
     lines = printed(status_view(build_status(plan, live, (), vhost="v", source="t.yml")))
     assert lines[-1] == "no drift: the broker has every object t.yml derives"
+
+
+def test_the_status_view_shows_the_policy_that_applies_and_warns_when_ours_loses() -> None:
+    plan = compile_topology(parse_topology(TOPOLOGY.replace(
+        "  payments:\n", "  payments:\n    policy: {max_length: 100}\n"), "t.yml"))
+    ours = LivePolicy("rabbit-retry:payments", "^payments$", "queues", {"max-length": 100}, 10)
+    greedy = LivePolicy("greedy", "^pay", "queues", {"max-length": 1}, 50)
+    cap = LivePolicy("cap", ".*", "queues", {"max-length": 10}, 0, operator=True)
+    base = live_of(plan)
+
+    live = replace(base, policies=(ours, cap))
+    status = build_status(plan, live, diff(plan, live), vhost="v", source="t.yml")
+    assert status.ok and status.warnings == ()
+    lines = printed(status_view(status))
+    rows = {line.split("│")[0].strip(): [c.strip() for c in line.split("│")[1:]]
+            for line in lines if "│" in line and line.split("│")[0].strip() in ("orders",
+                                                                                 "payments")
+            and len(line.split("│")) == 4}
+    assert rows == {
+        "orders": ["-", "cap (merged: lower limits win)", "-"],
+        "payments": ["rabbit-retry:payments (priority 10; max-length: 100)",
+                     "cap (merged: lower limits win)", "rabbit-retry:payments: applies"],
+    }
+    assert status.queues[1].to_json()["policy"]["ours_applies"] is True
+
+    live = replace(base, policies=(ours, greedy))
+    status = build_status(plan, live, diff(plan, live), vhost="v", source="t.yml")
+    warning = ("payments: policy greedy (priority 50) wins over rabbit-retry:payments (priority "
+               "10): the file's tunables do not apply")
+    assert status.warnings == (warning,)
+    assert status.to_json()["warnings"] == [warning]
+    lines = printed(status_view(status))
+    assert f"WARNING: {warning}" in lines
+    assert any("rabbit-retry:payments: does not apply" in line for line in lines)
+
+
+def test_without_any_policy_the_status_view_has_no_policy_table() -> None:
+    plan = plan_of()
+    live = live_of(plan)
+    lines = printed(status_view(build_status(plan, live, (), vhost="v", source="t.yml")))
+    assert not any("policies" in line for line in lines)
 
 
 def test_an_empty_cell_is_a_dash_and_never_markup() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rabbit_retry.broker.diff import diff, policy_notes
+from rabbit_retry.broker.diff import applied_policies, diff, policy_notes
 from rabbit_retry.broker.inspect import LivePolicy, LiveState
 from rabbit_retry.errors import InputError
 from rabbit_retry.topology import compile_topology, parse_topology
@@ -147,6 +147,49 @@ def test_notes_say_which_other_policy_wins_or_loses_and_name_operator_policies()
         "limit, the lower one wins",
     ]
     assert not any("queue plain" in n for n in notes)  # no tunables: nothing of ours to lose
+
+
+def test_the_policy_that_applies_to_each_queue_is_ours_or_the_one_that_wins() -> None:
+    plan = _plan()
+    email = _ours("orders.email", {"max-length": 1000})
+    payments = _ours("pay+ments", {"delivery-limit": 7}, 20)
+    payments = LivePolicy(payments.name, "^pay\\+ments$", "queues", payments.definition, 20)
+    ha_all = LivePolicy("ha-all", ".*", "all", {"max-length": 5}, 15)
+    same = LivePolicy("same", "ments$", "queues", {"expires": 1}, 20)
+    cap = LivePolicy("cap", ".*", "queues", {"max-length": 10}, 0, operator=True)
+    quorum_only = LivePolicy("q", ".*", "quorum_queues", {"x": 1}, 99)  # orders.email: classic
+    applied = applied_policies(plan, _live(email, payments, ha_all, same, cap, quorum_only))
+
+    loses = applied["orders.email"]
+    assert loses.policy == ha_all and not loses.ours_applies
+    assert loses.warning == (
+        "orders.email: policy ha-all (priority 15) wins over rabbit-retry:orders.email "
+        "(priority 10): the file's tunables do not apply"
+    )
+    assert loses.to_json() == {
+        "name": "ha-all", "priority": 15, "definition": {"max-length": 5}, "tied": [],
+        "operator_policy": "cap", "operator_definition": {"max-length": 10},
+        "ours": "rabbit-retry:orders.email", "ours_applies": False,
+    }
+    tie = applied["pay+ments"]  # quorum: "q" (99) matches it and wins
+    assert tie.policy == quorum_only and tie.warning is not None
+    assert tie.warning.startswith("pay+ments: policy q (priority 99) wins over ")
+
+    # Without the others, ours applies; a tie is the broker's pick; no block, no warning.
+    applied = applied_policies(plan, _live(email, payments, same, cap))
+    assert applied["orders.email"].ours_applies and applied["orders.email"].warning is None
+    tie = applied["pay+ments"]
+    assert tie.policy is None and [p.name for p in tie.top] == ["rabbit-retry:pay+ments", "same"]
+    assert tie.warning == (
+        "pay+ments: policy same has the same priority (20) as rabbit-retry:pay+ments: the "
+        "broker applies one of them"
+    )
+    assert tie.to_json()["tied"] == ["rabbit-retry:pay+ments", "same"]
+    plain = applied["plain"]
+    assert (plain.ours, plain.policy, plain.operator, plain.warning) == (None, None, cap, None)
+    # Ours not on the broker yet: drift (apply sets it), not a warning.
+    applied = applied_policies(plan, _live(ha_all))
+    assert applied["orders.email"].ours_live is None and applied["orders.email"].warning is None
 
 
 def test_the_worker_sees_the_files_policy_limit_the_lower_of_two_winning() -> None:
