@@ -34,6 +34,7 @@ from aiormq.abc import AbstractConnection
 from pamqp import commands as spec
 
 from rabbit_retry import contract
+from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.desk.records import stored_body, stored_properties
 from rabbit_retry.desk.store import Claimed, Selection, Store
@@ -174,13 +175,15 @@ class Actions:
     async def _publish_rows(self, channel: aiormq.Channel, claimed: Claimed,
                             result: ReplayResult, renew: asyncio.Task[None]) -> str | None:
         """Publish every row still claimed by the replay: the next page is read (and its copies
-        built) while this one is published, and confirmed rows are marked in the background,
-        so the broker always has ``WINDOW`` copies to confirm."""
+        built) while this one is published, copies go out in batches (one socket write each,
+        ``broker.batch``), and confirmed rows are marked in the background, so the broker
+        always has up to ``WINDOW`` copies to confirm."""
         user = self.settings.user
-        window = asyncio.Semaphore(WINDOW)
         # aiormq matches a basic.return to its publish by message id: never two copies with one
-        # id in flight on the channel. Message id -> its publish; these are all in flight.
-        in_flight: dict[str, asyncio.Task[None]] = {}
+        # id in flight on the channel. Message id -> its confirm; these are all in flight.
+        in_flight: dict[str, asyncio.Future[object]] = {}
+        settled = asyncio.Event()  # a confirm (or return, nack, failure) arrived
+        failure: list[BaseException] = []
         confirmed: list[int] = []
         refused: dict[int, str] = {}
         marking: asyncio.Task[None] | None = None
@@ -191,25 +194,52 @@ class Actions:
             return [_copy(row, claimed, user) for row in
                     self.store.replay_rows(claimed.id, after, size)]
 
-        async def one(copy: Copy) -> None:
-            nonlocal last_confirm
-            try:
-                # No wait for the socket's drain: the window bounds what is queued.
-                await channel.basic_publish(
-                    copy.body, exchange="", routing_key=copy.target, properties=copy.properties,
-                    mandatory=True, wait=False,
-                )
-                confirmed.append(copy.row_id)
-            except aiormq.exceptions.PublishError:
-                refused[copy.row_id] = (f"queue {copy.target!r} does not exist (the broker "
-                                        "returned it)")
-            except aiormq.exceptions.DeliveryError:
-                refused[copy.row_id] = f"queue {copy.target!r} refused it (full?)"
-            finally:
+        def done(copy: Copy) -> Callable[[asyncio.Future[object]], None]:
+            def settle(future: asyncio.Future[object]) -> None:
+                nonlocal last_confirm
                 last_confirm = time.monotonic()
-                window.release()
-                if in_flight.get(copy.message_id) is asyncio.current_task():
+                if in_flight.get(copy.message_id) is future:
                     del in_flight[copy.message_id]
+                settled.set()
+                error = None if future.cancelled() else future.exception()
+                if future.cancelled():
+                    failure.append(asyncio.CancelledError())
+                elif error is None:
+                    confirmed.append(copy.row_id)
+                elif isinstance(error, aiormq.exceptions.PublishError):
+                    refused[copy.row_id] = (f"queue {copy.target!r} does not exist (the "
+                                            "broker returned it)")
+                elif isinstance(error, aiormq.exceptions.DeliveryError):
+                    refused[copy.row_id] = f"queue {copy.target!r} refused it (full?)"
+                else:
+                    failure.append(error)  # the channel closed: the replay stops here
+
+            return settle
+
+        async def until_settled(ready: Callable[[], bool]) -> None:
+            while not ready():
+                if failure:
+                    raise failure[0]
+                settled.clear()
+                await settled.wait()
+            if failure:
+                raise failure[0]
+
+        def batch(copies: list[Copy], at: int) -> list[Copy]:
+            """The next copies to send at once: the window's room (and the rate's), one
+            target, no message id twice or already in flight (the first copy's was awaited)."""
+            room = WINDOW - len(in_flight)
+            if claimed.rate:
+                room = min(room, max(1, int((time.monotonic() - started) * claimed.rate) - sent))
+            taken: list[Copy] = []
+            ids: set[str] = set()
+            for copy in copies[at:at + room]:
+                if taken and (copy.message_id in ids or copy.message_id in in_flight
+                              or copy.target != taken[0].target):
+                    break
+                ids.add(copy.message_id)
+                taken.append(copy)
+            return taken
 
         async def watch() -> None:
             """One deadline for every copy instead of a timer each: no confirm (or return) for
@@ -242,27 +272,34 @@ class Actions:
             while copies:
                 following = asyncio.create_task(asyncio.to_thread(page, copies[-1].row_id))
                 try:
-                    for copy in copies:
+                    at = 0
+                    while at < len(copies):
                         if renew.done():
                             renew.result()  # the lease was lost: stop, the new owner goes on
                         if claimed.rate:
                             ahead = started + sent / claimed.rate - time.monotonic()
                             if ahead > 0:
                                 await asyncio.sleep(ahead)
-                        await window.acquire()
-                        earlier = in_flight.get(copy.message_id)
+                        await until_settled(lambda: len(in_flight) < WINDOW)
+                        earlier = in_flight.get(copies[at].message_id)
                         if earlier is not None:
-                            await asyncio.gather(earlier, return_exceptions=True)
-                        in_flight[copy.message_id] = asyncio.create_task(one(copy))
-                        sent += 1
+                            await until_settled(earlier.done)
+                        taken = batch(copies, at)
+                        futures = await publish_batch(
+                            channel, taken[0].target,
+                            [(copy.body, copy.properties) for copy in taken])
+                        for copy, future in zip(taken, futures, strict=True):
+                            in_flight[copy.message_id] = future
+                            future.add_done_callback(done(copy))
+                        at += len(taken)
+                        sent += len(taken)
                         if len(confirmed) >= PAGE:
                             flush()
                 except BaseException:
                     following.cancel()
                     raise
                 copies = await following
-            if in_flight:
-                await asyncio.gather(*in_flight.values())
+            await until_settled(lambda: not in_flight)
         finally:
             watchdog.cancel()
         flush()

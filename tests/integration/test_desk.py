@@ -195,6 +195,25 @@ async def test_replay_to_another_queue_and_what_the_broker_refuses(
         assert audit[0]["state"] == "failed" and "does not exist" in audit[0]["outcome"]
 
 
+async def test_copies_of_one_message_replayed_together_all_arrive(
+    fresh_vhost: Settings, tmp_path: Path
+) -> None:
+    # One message parked three times (each park a copy of its own) among others: copies that
+    # share a message id never share a batch or the channel at once, and all arrive.
+    topo = topology(TOPOLOGY)
+    await provision(fresh_vhost, topo)
+    await park(fresh_vhost, "orders", [
+        Parked(b'{"order": 1}', message_id=id_, parked_at=f"2026-11-0{day}T00:00:00+00:00")
+        for day, id_ in enumerate(["a", "same", "same", "b", "same", "c"], start=1)])
+    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
+        await eventually(lambda: _parked_now(client, 6), what="6 parked")
+        ids = [m["id"] for m in (await client.get("/api/messages")).json()["items"]]
+        done = await client.post("/api/replay", json={"ids": ids})
+        assert done.json()["replayed"] == 6, done.json()
+        copies = await drain(fresh_vhost, "orders")
+        assert sorted(c.message_id for c in copies) == ["a", "b", "c", "same", "same", "same"]
+
+
 @pytest.mark.parametrize(("method", "path", "payload", "says"), [
     ("get", "/api/messages?limit=0", None, "limit: must be between 1 and 500, not 0"),
     ("get", "/api/messages?status=gone", None, "status: 'gone' is not parked, replaying, "
