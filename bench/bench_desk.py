@@ -357,3 +357,8 @@ if __name__ == "__main__":
     outcome = run(Settings(), parts=(part,), runs=count)
     print(json.dumps({k: outcome[k] for k in ("headline", "rows", "notes") if k in outcome},
                      indent=2, default=str))
+    if part == "replay":  # the full run's plots 1 and 3 (0 and 2 are the ingest's)
+        from bench.run import _plot
+
+        for index, spec in zip((1, 3), outcome["plots"], strict=True):
+            _plot(spec, common.REPO / "docs" / f"benchmarks-desk-{index}.png")
