@@ -422,12 +422,7 @@ class Store:
         """Rows whose copies the broker confirmed: the replay lets go of them."""
         if ids:
             with self._tx() as tx:
-                settled = list(tx.execute(
-                    replay_items.delete()
-                    .where(replay_items.c.replay_id == replay_id,
-                           replay_items.c.message_id.in_(ids))
-                    .returning(replay_items.c.message_id)
-                ).scalars())
+                settled = _let_go(tx, replay_id, ids)
                 if settled:
                     per_queue = Counter({str(q): int(n) for q, n in tx.execute(
                         sa.select(messages.c.queue, sa.func.count())
@@ -438,12 +433,7 @@ class Store:
         """Rows whose copies the broker refused: parked again, untouched."""
         if ids:
             with self._tx() as tx:
-                refused = list(tx.execute(
-                    replay_items.delete()
-                    .where(replay_items.c.replay_id == replay_id,
-                           replay_items.c.message_id.in_(ids))
-                    .returning(replay_items.c.message_id)
-                ).scalars())
+                refused = _let_go(tx, replay_id, ids)
                 if refused:
                     tx.execute(messages.update()
                                .where(messages.c.id.in_(refused),
@@ -506,6 +496,16 @@ class Store:
                 messages.delete().where(m.status.in_(("replayed", "discarded")),
                                         m.changed_at < now() - keep, ~_in_flight())
             ).rowcount)
+
+
+def _let_go(tx: Connection, replay_id: str, ids: Sequence[int]) -> list[int]:
+    """The replay's rows among ``ids`` that it held, no longer held (ids it did not hold stay
+    out: another desk that took the replay over let go of them first)."""
+    return list(tx.execute(
+        replay_items.delete()
+        .where(replay_items.c.replay_id == replay_id, replay_items.c.message_id.in_(ids))
+        .returning(replay_items.c.message_id)
+    ).scalars())
 
 
 def _in_flight() -> sa.ColumnElement[bool]:
