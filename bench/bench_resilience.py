@@ -128,15 +128,15 @@ async def reaction(settings: Settings, prefetch: int,
         consumer = Flaky(prefetch, rule, up_for=backlog // 3)
         runner = Runner([consumer], topology=topo, settings=scoped, metrics=Metrics())
         task = asyncio.create_task(runner.run())
-        paused = runner.metrics.paused.labels(QUEUE)
-        await until(lambda: paused._value.get() == 1, "pause")
+        queue_metrics = runner.metrics.for_queue(QUEUE)
+        await until(lambda: queue_metrics.paused == 1, "pause")
         paused_after = time.perf_counter() - consumer.first_failure
         calls_to_pause = consumer.failed_calls
         await asyncio.sleep(1.0)
         failed_while_paused = consumer.failed_calls - calls_to_pause
         back = time.perf_counter()
         consumer.down = False
-        await until(lambda: paused._value.get() == 0, "resume")
+        await until(lambda: queue_metrics.paused == 0, "resume")
         resumed_after = time.perf_counter() - back
         runner.stop()
         await task
@@ -144,8 +144,7 @@ async def reaction(settings: Settings, prefetch: int,
                 "seconds from first failure to pause": paused_after,
                 "failed calls in the first second paused": failed_while_paused,
                 "seconds from recovery to resume": resumed_after,
-                "retried (charged attempts)": runner.metrics.messages.labels(
-                    QUEUE, "retried")._value.get()}
+                "retried (charged attempts)": queue_metrics.retried}
 
 
 async def bench(settings: Settings, messages: int, runs: int, prefetch: int,

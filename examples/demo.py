@@ -61,17 +61,16 @@ async def main(within: float = 60.0) -> int:
     worker = asyncio.create_task(runner.run())
     await runner.ready.wait()
     await publish(settings)
-    success = runner.metrics.messages.labels(QUEUE, "success")
-    parked = runner.metrics.messages.labels(QUEUE, "parked")
+    counts = runner.metrics.for_queue(QUEUE)  # what the metrics port would serve
     deadline = asyncio.get_running_loop().time() + within
-    while success._value.get() < 2 or parked._value.get() < 1:
+    while counts.success < 2 or counts.parked < 1:
         if asyncio.get_running_loop().time() > deadline or worker.done():
             break
         await asyncio.sleep(0.2)
-    settled = success._value.get() >= 2 and parked._value.get() >= 1
+    settled = counts.success >= 2 and counts.parked >= 1
     runner.stop()
     await worker
-    print(f"  {success._value.get():g} succeeded, {parked._value.get():g} parked", flush=True)
+    print(f"  {counts.success} succeeded, {counts.parked} parked", flush=True)
     return 0 if settled else 1
 
 

@@ -1,16 +1,18 @@
-"""Prometheus metrics (README, "The worker"), in a registry of the runner's own; the series'
-names, labels and help are ``rabbit_retry.metric_names``.
+"""Prometheus metrics (README, "The worker"); the series' names, labels and help are
+``rabbit_retry.metric_names``.
 
-A dedicated ``CollectorRegistry`` per runner (not the global one) lets several runners, or
-several tests, live in one process without colliding. Label children are bound once per queue
-so the per-message cost is a lock and an addition, and every series exists (at 0) from start.
+Each queue's series are plain numbers on one ``QueueMetrics``, bumped in place by the event
+loop: no lock, no call into prometheus-client per message. With a metrics port, one collector in
+a registry of the runner's own (not the global one: several runners, or tests, share a process)
+reads them when Prometheus scrapes; without one, prometheus-client is never imported.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from bisect import bisect_left
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from rabbit_retry import metric_names as names
 from rabbit_retry.worker.decide import ParkReason
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
 
 OUTCOMES = ("success", "retried", "parked")
 
@@ -26,59 +29,50 @@ OUTCOMES = ("success", "retried", "parked")
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
-class Count(Protocol):
-    def inc(self, amount: float = 1) -> None: ...
+class Durations:
+    """One queue's handler durations: a count per bucket (the last one past every bound) and
+    their sum."""
 
-
-class Level(Protocol):
-    def set(self, value: float) -> None: ...
-
-
-class Timing(Protocol):
-    def observe(self, amount: float) -> None: ...
-
-
-class _Kept:
-    """A series no one can read (``Metrics(exported=False)``): kept as a number, no more."""
-
-    __slots__ = ("value",)
+    __slots__ = ("counts", "sum")
 
     def __init__(self) -> None:
-        self.value = 0.0
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
 
-    def inc(self, amount: float = 1) -> None:
-        self.value += amount
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(BUCKETS, seconds)] += 1  # the first bound >= seconds: its `le`
+        self.sum += seconds
 
-    def set(self, value: float) -> None:
-        self.value = value
+    def cumulative(self) -> list[int]:
+        """Observations at or under each bound, ``+Inf`` last, as Prometheus exposes them."""
+        total, out = 0, []
+        for count in list(self.counts):
+            total += count
+            out.append(total)
+        return out
 
-    def observe(self, amount: float) -> None:
-        self.value += amount
 
-
-@dataclass(slots=True)
 class QueueMetrics:
-    """The metric children of one queue, bound once.
+    """The series of one queue, as numbers the session bumps (``success += 1``)."""
 
-    ``in_flight`` is a plain integer the runner bumps; the gauge reads it when scraped, which
-    keeps two locked updates per message off the success path.
-    """
+    __slots__ = ("duplicates", "handler_seconds", "in_flight", "parked", "parked_by_reason",
+                 "paused", "pauses", "retried", "success")
 
-    success: Count
-    retried: Count
-    parked: Count
-    parked_by_reason: dict[str, Count]
-    handler_seconds: Timing
-    paused: Level
-    pauses: Count
-    duplicates: Count
-    in_flight: int = 0
+    def __init__(self) -> None:
+        self.success = 0
+        self.retried = 0
+        self.parked = 0
+        self.parked_by_reason = dict.fromkeys((r.value for r in ParkReason), 0)
+        self.handler_seconds = Durations()
+        self.in_flight = 0
+        self.paused = 0  # 1 while a Pause holds the queue
+        self.pauses = 0
+        self.duplicates = 0
 
 
 class Metrics:
-    """The worker's Prometheus series, or with ``exported=False`` (nothing can scrape them:
-    ``run_consumers`` without a metrics port) the same counts as plain numbers, without
-    importing prometheus-client."""
+    """Every queue's ``QueueMetrics``; with ``exported`` (the default) also a registry that
+    serves them. ``run_consumers`` without a metrics port passes ``exported=False``."""
 
     def __init__(
         self, registry: CollectorRegistry | None = None, *, exported: bool = True
@@ -89,83 +83,51 @@ class Metrics:
         self._thread: threading.Thread | None = None
         if not exported:
             return
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry
 
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.messages = Counter(
-            names.MESSAGES.name,
-            names.MESSAGES.help,
-            names.MESSAGES.labels,
-            registry=self.registry,
-        )
-        self.parked = Counter(
-            names.PARKED.name,
-            names.PARKED.help,
-            names.PARKED.labels,
-            registry=self.registry,
-        )
-        self.handler_seconds = Histogram(
-            names.HANDLER_SECONDS.name,
-            names.HANDLER_SECONDS.help,
-            names.HANDLER_SECONDS.labels,
-            buckets=BUCKETS,
-            registry=self.registry,
-        )
-        self.in_flight = Gauge(
-            names.IN_FLIGHT.name,
-            names.IN_FLIGHT.help,
-            names.IN_FLIGHT.labels,
-            registry=self.registry,
-        )
-        self.paused = Gauge(
-            names.PAUSED.name,
-            names.PAUSED.help,
-            names.PAUSED.labels,
-            registry=self.registry,
-        )
-        self.pauses = Counter(
-            names.PAUSES.name,
-            names.PAUSES.help,
-            names.PAUSES.labels,
-            registry=self.registry,
-        )
-        self.duplicates = Counter(
-            names.DUPLICATES.name,
-            names.DUPLICATES.help,
-            names.DUPLICATES.labels,
-            registry=self.registry,
-        )
+        self.registry.register(self)  # a collector: ``collect`` below
 
     def for_queue(self, queue: str) -> QueueMetrics:
         """The one ``QueueMetrics`` of ``queue`` (consumers of the same queue share it)."""
         bound = self._queues.get(queue)
-        if bound is None and not self.exported:
-            bound = QueueMetrics(
-                success=_Kept(),
-                retried=_Kept(),
-                parked=_Kept(),
-                parked_by_reason={r.value: _Kept() for r in ParkReason},
-                handler_seconds=_Kept(),
-                paused=_Kept(),
-                pauses=_Kept(),
-                duplicates=_Kept(),
-            )
-            self._queues[queue] = bound
-        elif bound is None:
-            bound = QueueMetrics(
-                success=self.messages.labels(queue, "success"),
-                retried=self.messages.labels(queue, "retried"),
-                parked=self.messages.labels(queue, "parked"),
-                parked_by_reason={r.value: self.parked.labels(queue, r.value) for r in ParkReason},
-                handler_seconds=self.handler_seconds.labels(queue),
-                paused=self.paused.labels(queue),
-                pauses=self.pauses.labels(queue),
-                duplicates=self.duplicates.labels(queue),
-            )
-            metrics = bound
-            self.in_flight.labels(queue).set_function(lambda: metrics.in_flight)
-            self._queues[queue] = bound
+        if bound is None:
+            bound = self._queues[queue] = QueueMetrics()
         return bound
+
+    def collect(self) -> Iterator[Metric]:
+        """The series as Prometheus reads them (called in the scraping thread)."""
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+        from prometheus_client.utils import floatToGoString
+
+        out: dict[names.Series, CounterMetricFamily | GaugeMetricFamily] = {
+            series: (CounterMetricFamily if series.kind == "counter" else GaugeMetricFamily)(
+                series.name, series.help, labels=series.labels
+            )
+            for series in names.WORKER
+            if series is not names.HANDLER_SECONDS
+        }
+        seconds = names.HANDLER_SECONDS
+        durations = HistogramMetricFamily(seconds.name, seconds.help, labels=seconds.labels)
+        bounds = [*map(floatToGoString, BUCKETS), "+Inf"]
+        for queue, m in list(self._queues.items()):
+            for outcome in OUTCOMES:
+                out[names.MESSAGES].add_metric([queue, outcome], getattr(m, outcome))
+            for reason, count in list(m.parked_by_reason.items()):
+                out[names.PARKED].add_metric([queue, reason], count)
+            for series, value in ((names.IN_FLIGHT, m.in_flight), (names.PAUSED, m.paused),
+                                  (names.PAUSES, m.pauses), (names.DUPLICATES, m.duplicates)):
+                out[series].add_metric([queue], value)
+            taken = m.handler_seconds
+            durations.add_metric(
+                [queue], list(zip(bounds, taken.cumulative(), strict=True)), taken.sum
+            )
+        yield from out.values()
+        yield durations
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` over HTTP in a daemon thread; the bound port (``0`` picks one)."""

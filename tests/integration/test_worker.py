@@ -20,8 +20,9 @@ from pydantic import BaseModel
 from support.amqp import all_empty, depth, drain, persistent, publish, publish_raw, publish_stream
 from support.poll import eventually
 from support.provision import provision, topology
-from support.worker import running
+from support.worker import running, scraped
 
+from rabbit_retry import metric_names
 from rabbit_retry.broker.management import Management
 from rabbit_retry.contract import copy_properties
 from rabbit_retry.errors import BrokerError
@@ -116,7 +117,7 @@ async def test_success_at_first_attempt_acks_every_message(fresh_vhost: Settings
         )
         await eventually(lambda: len(consumer.calls) == 50, what="50 handler calls")
         await eventually(lambda: all_empty(fresh_vhost, Q), what="main queue drained")
-        success = runner.metrics.messages.labels(Q, "success")._value.get()
+        success = scraped(runner, metric_names.MESSAGES, Q, "success")
     assert sorted(d.message_id for _, d in consumer.calls) == sorted(f"m-{i}" for i in range(50))
     assert {d.attempt for _, d in consumer.calls} == {1}
     assert {d.max_attempts for _, d in consumer.calls} == {4}
@@ -323,10 +324,10 @@ async def test_permanent_failures_park_at_once(fresh_vhost: Settings, how: str) 
         await eventually(lambda: depth(fresh_vhost, PARKING), what="parked")
         # The copy is in the parking queue once the broker confirmed it; the worker counts it
         # and acks the original right after: wait for both rather than race them.
-        parked = runner.metrics.parked.labels(Q, "permanent")
-        await eventually(lambda: parked._value.get() == 1, what="the park counted")
+        await eventually(lambda: scraped(runner, metric_names.PARKED, Q, "permanent") == 1,
+                         what="the park counted")
         await eventually(lambda: all_empty(fresh_vhost, Q), what="the original acked")
-        parked_metric = parked._value.get()
+        parked_metric = scraped(runner, metric_names.PARKED, Q, "permanent")
     assert len(consumer.calls) == 1
     [message] = await drain(fresh_vhost, PARKING)
     headers = message.headers

@@ -10,8 +10,9 @@ import pytest
 from support.amqp import depth, drain, publish
 from support.poll import eventually
 from support.provision import provision
-from support.worker import running
+from support.worker import running, scraped
 
+from rabbit_retry.metric_names import MESSAGES
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import load_topology
 
@@ -47,11 +48,9 @@ async def test_example_consumers_handle_and_park_sample_orders(fresh_vhost: Sett
         )
 
         async def settled() -> bool:
-            inventory = runner.metrics.messages.labels("orders.inventory", "success")
-            fraud = runner.metrics.messages.labels("orders.fraud-check", "success")
             return (
-                inventory._value.get() == 3
-                and fraud._value.get() == 1
+                scraped(runner, MESSAGES, "orders.inventory", "success") == 3
+                and scraped(runner, MESSAGES, "orders.fraud-check", "success") == 1
                 and await depth(fresh_vhost, "orders.fraud-check.parking") == 2
             )
 

@@ -15,8 +15,9 @@ from support.amqp import all_empty, counts, depth, persistent, publish, publish_
 from support.poll import eventually
 from support.provision import provision, topology
 from support.stores import POSTGRES_URL, REDIS_URL
-from support.worker import running
+from support.worker import running, scraped
 
+from rabbit_retry import metric_names
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 from rabbit_retry.worker import Delivery, Idempotency, Pause, RetryConsumer
@@ -96,8 +97,9 @@ class Audit(RetryConsumer):
 
 
 def value(runner: Any, name: str, *labels: str) -> float:
-    metric = getattr(runner.metrics, name)
-    return float(metric.labels(*labels)._value.get())
+    series = {"messages": metric_names.MESSAGES, "paused": metric_names.PAUSED,
+              "pauses": metric_names.PAUSES, "duplicates": metric_names.DUPLICATES}[name]
+    return scraped(runner, series, *labels)
 
 
 async def outage(settings: Settings, consumer: Charge, gateway: Gateway, seconds: float,

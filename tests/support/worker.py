@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
+from rabbit_retry import metric_names
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import Topology
 from rabbit_retry.worker import RetryConsumer, Runner
@@ -43,3 +44,10 @@ async def running(
     finally:
         runner.stop()
         await asyncio.wait_for(task, timeout=60)
+
+
+def scraped(runner: Runner, series: metric_names.Series, *labels: str) -> float:
+    """One sample of ``series`` as Prometheus would scrape it from ``runner`` (0 if absent)."""
+    value = runner.metrics.registry.get_sample_value(series.name, dict(zip(series.labels, labels,
+                                                                            strict=True)))
+    return 0.0 if value is None else value
