@@ -1,5 +1,5 @@
 """The worker's own CPU per message, without a broker: the same fake deliveries fed to the
-worker's consuming path (``Lane`` -> ``Session._handle`` -> a no-op handler -> ack, metrics,
+worker's consuming path (``Session._deliver``: the lane's turn, a no-op handler, ack, metrics,
 the handler's timeout) and to a bare callback that only acks, as aiormq would call them (each
 delivery a task of its own, at most ``prefetch`` in flight), alternating, median of the rounds.
 

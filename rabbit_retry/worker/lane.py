@@ -22,18 +22,22 @@ credit and nothing can be in flight to it (a delivery in flight to a cancelled q
 returned, or on 3.10 stranded on the channel: docs/versions.md).
 
 A lane can also be *paused* (``pause``, a consumer's ``Pause``): its consumer is cancelled and
-every delivery that has not started yet is handed to ``hold`` (which sends it back to the queue
-unchanged) instead of the handler; ``resume`` consumes again at full prefetch.
+every delivery that has not started yet gets the turn ``"hold"`` (the session sends it back to
+the queue unchanged) instead of running; ``resume`` consumes again at full prefetch.
+
+The session asks for a delivery's turn (``enter``, or ``turn`` when it must wait), says when its
+handler has run (``ran``) and when the delivery is gone (``left``): the rules live here, the
+session's one coroutine per delivery carries them out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
-from contextvars import ContextVar
-from typing import Literal
+from functools import partial
+from typing import Any, Literal
 
 from aiormq.abc import AbstractChannel, DeliveredMessage
 
@@ -42,25 +46,17 @@ from rabbit_retry.worker.redelivery import is_suspect
 log = logging.getLogger("rabbit_retry.worker")
 
 Mode = Literal["probation", "full"]
+# What a delivery may do: run beside others, run alone, go back to the queue unstarted (the
+# lane is paused) or stay unstarted (the lane is stopping: the broker gets it back).
+Turn = Literal["shared", "alone", "hold", "stopped"]
 PROBATION_PREFETCH = 1
 
-# The running delivery's way to tell its lane that its handler has finished (``handler_done``).
-_release: ContextVar[Callable[[], None] | None] = ContextVar("rabbit_retry_lane_release",
-                                                               default=None)
-
-
-def handler_done() -> None:
-    """Called by the session once the handler of the current delivery returned or raised: what
-    remains (a confirmed copy, the ack) runs no user code. A copy can wait long for its confirm
-    (its parking queue or tier missing); "running alone" is about handlers, so a returned
-    delivery must not wait for such settling, or one returned message stalls the whole queue."""
-    release = _release.get()
-    if release is not None:
-        release()
+Task = asyncio.Task[Any]
 
 
 class Lane:
-    """Consumes ``queue`` on ``channel`` and calls ``handle`` per delivery under the rules above.
+    """Consumes ``queue`` on ``channel``, calling ``deliver(lane, message)`` per delivery (as
+    its own task), and gives each delivery its turn under the rules above.
 
     ``on_error`` hears of a failure to change consumers (the channel died): the session treats
     it as a lost connection.
@@ -72,26 +68,24 @@ class Lane:
         queue: str,
         queue_type: str,
         prefetch: int,
-        handle: Callable[[DeliveredMessage], Awaitable[None]],
+        deliver: Callable[[Lane, DeliveredMessage], Coroutine[Any, Any, None]],
         on_error: Callable[[str], None],
-        hold: Callable[[DeliveredMessage], Awaitable[None]] | None = None,
     ) -> None:
         self.channel = channel
         self.queue = queue
         self.queue_type = queue_type
         self.prefetch = prefetch
-        self._handle = handle
+        self._deliver = partial(deliver, self)
         self._on_error = on_error
-        self._hold = hold
         self.paused = False
         self.mode: Mode = "probation"
         self.tag: str | None = None
         self._target: Mode = "probation"
         self._mover: asyncio.Task[None] | None = None
         self._stopped = False
-        self._held = 0  # deliveries received and not finished
-        self._shared = 0  # non-suspects running
-        self._alone = False  # a suspect running
+        self._held = 0  # deliveries received and not gone
+        self._shared: set[Task] = set()  # the deliveries running side by side
+        self._alone: Task | None = None  # a suspect running
         self._changed = asyncio.Event()
         self._waiting = 0  # deliveries and movers in ``_until``: a poke with none wakes no one
 
@@ -103,7 +97,7 @@ class Lane:
         await self._consume(PROBATION_PREFETCH)
 
     async def pause(self) -> None:
-        """Cancel the consumer; what has not started goes to ``hold`` as it arrives or wakes."""
+        """Cancel the consumer; what has not started gets the turn "hold" as it arrives or wakes."""
         self.paused = True
         await self._stop_mover()
         tag, self.tag = self.tag, None
@@ -136,8 +130,10 @@ class Lane:
                 await self._mover
 
     async def stop(self, cancel_timeout: float) -> None:
-        """No more deliveries: cancel the consumer (what is held stays held)."""
+        """No more deliveries: cancel the consumer. What runs goes on; what waits for its turn
+        gets ``"stopped"`` (the broker gets it back when the channel closes)."""
         self._stopped = True
+        self._poke()
         await self._stop_mover()
         tag, self.tag = self.tag, None
         if tag is not None:
@@ -177,7 +173,7 @@ class Lane:
                 if target == "probation":
                     # Let every running handler finish before taking the next one alone
                     # (deliveries only settling, waiting for a copy's confirm, run no code).
-                    await self._until(lambda: self._shared == 0 and not self._alone)
+                    await self._until(lambda: not self._shared and self._alone is None)
                 if self._stopped or self.paused:
                     return
                 await self._consume(PROBATION_PREFETCH if target == "probation" else self.prefetch)
@@ -192,84 +188,82 @@ class Lane:
         finally:
             self._poke()  # a delivery waiting for the change goes on
 
-    async def _deliver(self, message: DeliveredMessage) -> None:
-        """The consumer callback; aiormq runs each delivery as its own task."""
-        props = message.header.properties
-        suspect = is_suspect(
-            props.headers, bool(getattr(message.delivery, "redelivered", False)), self.queue_type
-        )
+    def enter(self, task: Task, message: DeliveredMessage) -> bool:
+        """A delivery arrived: whether it may run now, beside the others (most do). When not,
+        ``turn`` says what it may do, once it may."""
         self._held += 1
-        try:
-            if self.paused and self._hold is not None:
-                await self._hold(message)
-                return
-            if suspect:
-                if self.mode == "full" and self._target == "full":
-                    log.info(
-                        "queue=%s message_id=%s came back without a verdict: handling returned"
-                        " messages one at a time",
-                        self.queue,
-                        props.message_id,
-                        extra={"queue": self.queue, "event": "probation"},
-                    )
-                    self._want("probation")
-                await self._until(lambda: self.paused or (not self._alone and self._shared == 0))
-                if self._stopped:  # stopping: it goes back to the broker unstarted
-                    return
-                if self.paused and self._hold is not None:
-                    await self._hold(message)
-                    return
-                self._alone = True
-                done = [False]
+        if (self.paused or message.delivery.redelivered  # type: ignore[union-attr]
+                or self._alone is not None or len(self._shared) >= self.prefetch
+                or (self.mode == "probation" and self._target == "probation")):
+            return False
+        self._shared.add(task)
+        return True
 
-                def release_alone() -> None:
-                    if not done[0]:
-                        done[0] = True
-                        self._alone = False
-                        self._poke()
-
-                _release.set(release_alone)
-                try:
-                    await self._handle(message)
-                finally:
-                    release_alone()
-                return
-            if self.mode == "probation" and self._target == "probation":
-                # Leave probation while this delivery is still unsettled: the probation consumer
-                # then has no credit, so nothing can be on its way to it when it is cancelled.
-                # Cancelled with a delivery in flight, RabbitMQ 4.x returns that delivery (4.0
-                # and 4.2 count it as a return) and 3.10 keeps it on the channel, unsent, until
-                # the channel closes (docs/versions.md).
-                self._want("full")
-                await self._until(lambda: self.mode == "full" or self._mover is None
-                                  or self._mover.done())
-            if self._alone or self._shared >= self.prefetch:
-                # Leaving probation holds one delivery more than the prefetch for a moment;
-                # it waits, so no more than ``prefetch`` handlers ever run at once.
-                await self._until(
-                    lambda: self.paused or (not self._alone and self._shared < self.prefetch)
+    async def turn(self, task: Task, message: DeliveredMessage) -> Turn:
+        """The turn of a delivery ``enter`` did not let run, waiting for it where it must."""
+        if self.paused:
+            return "hold"
+        props = message.header.properties
+        redelivered = bool(getattr(message.delivery, "redelivered", False))
+        if is_suspect(props.headers, redelivered, self.queue_type):
+            if self.mode == "full" and self._target == "full":
+                log.info(
+                    "queue=%s message_id=%s came back without a verdict: handling returned"
+                    " messages one at a time",
+                    self.queue,
+                    props.message_id,
+                    extra={"queue": self.queue, "event": "probation"},
                 )
-                if self._stopped:
-                    return
-                if self.paused and self._hold is not None:
-                    await self._hold(message)
-                    return
-            self._shared += 1
-            released = [False]
+                self._want("probation")
+            await self._until(lambda: self._stopped or self.paused
+                              or (self._alone is None and not self._shared))
+            if self._stopped:  # stopping: it goes back to the broker unstarted
+                return "stopped"
+            if self.paused:
+                return "hold"
+            self._alone = task
+            return "alone"
+        if self.mode == "probation" and self._target == "probation":
+            # Leave probation while this delivery is still unsettled: the probation consumer
+            # then has no credit, so nothing can be on its way to it when it is cancelled.
+            # Cancelled with a delivery in flight, RabbitMQ 4.x returns that delivery (4.0
+            # and 4.2 count it as a return) and 3.10 keeps it on the channel, unsent, until
+            # the channel closes (docs/versions.md).
+            self._want("full")
+            await self._until(lambda: self._stopped or self.mode == "full"
+                              or self._mover is None or self._mover.done())
+        if self._alone is not None or len(self._shared) >= self.prefetch:
+            # Leaving probation holds one delivery more than the prefetch for a moment;
+            # it waits, so no more than ``prefetch`` handlers ever run at once.
+            await self._until(
+                lambda: self._stopped or self.paused
+                or (self._alone is None and len(self._shared) < self.prefetch)
+            )
+            if self._stopped:
+                return "stopped"
+            if self.paused:
+                return "hold"
+        self._shared.add(task)
+        return "shared"
 
-            def release_shared() -> None:
-                if not released[0]:
-                    released[0] = True
-                    self._shared -= 1
-                    if self._shared == 0 or self._held > self.prefetch:
-                        self._poke()
+    def ran(self, task: Task) -> None:
+        """The handler of ``task``'s delivery returned or raised (again: nothing happens).
 
-            _release.set(release_shared)
-            try:
-                await self._handle(message)
-            finally:
-                release_shared()
-        finally:
-            self._held -= 1
-            if self._held == 0:
+        What remains (a confirmed copy, the ack) runs no user code. A copy can wait long for its
+        confirm (its parking queue or tier missing); "running alone" is about handlers, so a
+        returned delivery must not wait for such settling, or one returned message stalls the
+        whole queue."""
+        if task is self._alone:
+            self._alone = None
+            self._poke()
+        elif task in self._shared:
+            self._shared.discard(task)
+            if not self._shared or self._held > self.prefetch:
                 self._poke()
+
+    def left(self, task: Task) -> None:
+        """``task``'s delivery is settled, sent back or dropped."""
+        self.ran(task)
+        self._held -= 1
+        if self._held == 0:
+            self._poke()

@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -40,7 +41,6 @@ from rabbit_retry.worker.attempts import failures_so_far, original_source
 from rabbit_retry.worker.consumer import (
     NOT_DECODED,
     Delivery,
-    HandlerTimeout,
     RetryConsumer,
     payload_error,
 )
@@ -59,7 +59,7 @@ from rabbit_retry.worker.decide import (
     decide,
 )
 from rabbit_retry.worker.idempotency import Deduper, Ticket
-from rabbit_retry.worker.lane import Lane, handler_done
+from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.pause import Breaker, Change
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
@@ -161,9 +161,8 @@ class Session:
                 sub.queue,
                 sub.config.queue_type,
                 sub.consumer.prefetch,
-                self._callback(sub, self._handle),
+                partial(self._deliver, sub),
                 self._set_lost,
-                hold=self._callback(sub, self._hold),
             )
             paused = sub.breaker is not None and sub.breaker.paused
             await lane.start(paused=paused)
@@ -188,64 +187,76 @@ class Session:
 
         return closed
 
-    def _callback(
-        self,
-        sub: Subscription,
-        inner: Callable[[Subscription, DeliveredMessage], Awaitable[None]],
-    ) -> Callable[[DeliveredMessage], Coroutine[Any, Any, None]]:
-        """``inner(sub, message)`` as a delivery's task: tracked, counted in flight, and with
-        our own failures logged rather than raised into aiormq."""
+    async def _deliver(
+        self, sub: Subscription, lane: Lane | None, message: DeliveredMessage
+    ) -> None:
+        """A delivery's task, from ``lane``'s consumer (None: a probe's ``basic.get``): its
+        turn on the lane, then ``_handle``; tracked for shutdown, counted in flight, and our own
+        failures logged rather than raised into aiormq. One coroutine for all of it: this is
+        most of the traffic, and each level of calls costs."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        metrics = sub.metrics
+        metrics.in_flight += 1
+        try:
+            if lane is not None and not lane.enter(task, message):
+                turn = await lane.turn(task, message)
+                if turn == "hold":
+                    await self._hold(sub, message)
+                    return
+                if turn == "stopped":  # it goes back to the broker unstarted
+                    return
+            await self._handle(sub, lane, task, message)
+        except DeliveryGone:
+            log.debug("queue=%s: delivery dropped, its channel closed", sub.queue)
+        except aiormq.exceptions.ChannelInvalidStateError:
+            log.debug("queue=%s: could not settle a delivery, its channel closed", sub.queue)
+        except Exception:
+            # A bug of ours, not the handler's: the delivery stays unacked (and goes back
+            # to the broker with the channel) rather than being guessed at.
+            log.exception(
+                "queue=%s message_id=%s: internal error, message left unacked",
+                sub.queue,
+                message.header.properties.message_id,
+            )
+        finally:
+            if lane is not None:
+                lane.left(task)
+            metrics.in_flight -= 1
+            self.tasks.discard(task)
 
-        async def on_message(message: DeliveredMessage) -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            self.tasks.add(task)
-            metrics = sub.metrics
-            metrics.in_flight += 1
-            try:
-                await inner(sub, message)
-            except DeliveryGone:
-                log.debug("queue=%s: delivery dropped, its channel closed", sub.queue)
-            except aiormq.exceptions.ChannelInvalidStateError:
-                log.debug("queue=%s: could not settle a delivery, its channel closed", sub.queue)
-            except Exception:
-                # A bug of ours, not the handler's: the delivery stays unacked (and goes back
-                # to the broker with the channel) rather than being guessed at.
-                log.exception(
-                    "queue=%s message_id=%s: internal error, message left unacked",
-                    sub.queue,
-                    message.header.properties.message_id,
-                )
-            finally:
-                metrics.in_flight -= 1
-                self.tasks.discard(task)
-
-        return on_message
-
-    async def _handle(self, sub: Subscription, message: DeliveredMessage) -> None:
-        """Count, check, run the handler, decide; the decision is carried out by ``_carry_out``."""
-        # Consumers only get deliveries. (Annotations, not ``cast`` calls: this path is most of
-        # the traffic, and each call costs.)
+    async def _handle(
+        self, sub: Subscription, lane: Lane | None, task: asyncio.Task[Any],
+        message: DeliveredMessage,
+    ) -> None:
+        """Count, check, run the handler, decide; the decision is carried out by ``_carry_out``
+        (the success path here: it is most of the traffic)."""
+        # Consumers only get deliveries. (Annotations, not ``cast`` calls: each call costs.)
         deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
-        tag: int = deliver.delivery_tag  # type: ignore[assignment]
         props = message.header.properties
         headers = props.headers
+        queue = sub.queue
         policy = sub.config.retry
-        failures = failures_so_far(headers, sub.queue) if headers else 0
-
-        early = before_handler(failures, policy)
-        if early is not None:
-            await self._carry_out(sub, message, early, failures, None)
-            return
-        limit = self.delivery_limits[sub.queue]
-        if at_delivery_limit(headers, bool(deliver.redelivered), limit):
-            # One more return and the broker would dead-letter it into a cycle it refuses (see
-            # redelivery.py): the worker counts the returns as one failure and routes it itself.
-            assert limit is not None
-            action = self._decide(sub, Outcome.FAILED, failures, headers)
-            failure = copies.delivery_limit_failure(sub.queue, limit)
-            await self._carry_out(sub, message, action, failures, failure)
-            return
+        failures = 0
+        # A first delivery (no headers, not redelivered) has no failure or return to count:
+        # nothing below could park it (max_attempts >= 1), so it skips the checks.
+        if headers or deliver.redelivered:
+            failures = failures_so_far(headers, queue) if headers else 0
+            early = before_handler(failures, policy)
+            if early is not None:
+                await self._carry_out(sub, lane, task, message, early, failures, None)
+                return
+            limit = self.delivery_limits[queue]
+            if at_delivery_limit(headers, bool(deliver.redelivered), limit):
+                # One more return and the broker would dead-letter it into a cycle it refuses
+                # (see redelivery.py): the worker counts the returns as one failure and routes
+                # it itself.
+                assert limit is not None
+                action = self._decide(sub, Outcome.FAILED, failures, headers)
+                failure = copies.delivery_limit_failure(queue, limit)
+                await self._carry_out(sub, lane, task, message, action, failures, failure)
+                return
 
         payload: Any = NOT_DECODED
         if sub.adapter is not None:
@@ -255,86 +266,110 @@ class Session:
                 payload = sub.adapter.validate_json(message.body)
             except ValidationError as exc:
                 park = Park(ParkReason.INVALID, failures)
-                await self._carry_out(sub, message, park, failures, Failure.from_exception(exc))
+                await self._carry_out(sub, lane, task, message, park, failures,
+                                      Failure.from_exception(exc))
                 return
 
         exchange = deliver.exchange or ""
         routing_key = deliver.routing_key or ""
         if headers:  # a retried message: where it was first published, not the retry hop
-            exchange, routing_key = original_source(headers, sub.queue, exchange, routing_key)
+            exchange, routing_key = original_source(headers, queue, exchange, routing_key)
         delivery: Delivery[Any] = Delivery(
-            body=message.body,
-            headers=MappingProxyType(headers) if headers else _NO_HEADERS,
-            message_id=props.message_id,
-            correlation_id=props.correlation_id,
-            routing_key=routing_key,
-            exchange=exchange,
-            queue=sub.queue,
-            attempt=failures + 1,
-            max_attempts=policy.max_attempts,
-            payload=payload,
+            message.body,
+            MappingProxyType(headers) if headers else _NO_HEADERS,
+            props.message_id,
+            props.correlation_id,
+            routing_key,
+            exchange,
+            queue,
+            failures + 1,  # attempt
+            policy.max_attempts,
+            payload,
         )
-        consumer = sub.consumer
-        timeout = consumer.handler_timeout
+        timeout = sub.consumer.handler_timeout
         ticket: Ticket | None = None
-        started = time.perf_counter()
-        try:
-            if sub.deduper is not None:
-                ticket = await sub.deduper.admit(delivery, lambda: not message.channel.is_closed)
-                if ticket.gone:
-                    return
-                if ticket.duplicate:
-                    await message.channel.basic_ack(tag)
-                    sub.metrics.duplicates.inc()
-                    if self._debug:
-                        self._log_decision(sub, props.message_id, failures, "duplicate")
-                    return
-                started = time.perf_counter()
-            if timeout is None:
-                await self._call(sub, delivery)
-            else:
-                await self._call_within(sub, delivery, timeout)
-        except Exception as exc:
-            sub.metrics.handler_seconds.observe(time.perf_counter() - started)
-            invalid = payload_error(delivery)
-            outcome = classify(
-                exc,
-                payload_invalid=invalid is not None,
-                permanent_errors=consumer.permanent_errors,
-            )
-            failure = Failure.from_exception(invalid or exc)
-            # The breaker hears of it before anything of ours awaits (see the success path).
-            breaker = sub.breaker
-            uncharged = paused = False
-            if outcome is Outcome.FAILED and breaker is not None and breaker.rule.watches(exc):
-                uncharged = breaker.paused  # the queue is paused: this one is not charged
-                if not uncharged:
-                    change = breaker.failed(props.message_id or _digest(message.body))
-                    paused = change is Change.PAUSED
-            if ticket is not None:
-                await self._deduper(sub).failed(ticket, lambda: not message.channel.is_closed)
-            if uncharged:
-                await self._return_unchanged(sub, message, failures)
+        if sub.deduper is not None:
+            ticket = await sub.deduper.admit(delivery, lambda: not message.channel.is_closed)
+            if ticket.gone:
                 return
-            if paused:
-                await self._pause(sub, failure)
-            action = self._decide(sub, outcome, failures, headers)
-            await self._carry_out(sub, message, action, failures, failure)
+            if ticket.duplicate:
+                await message.channel.basic_ack(deliver.delivery_tag)  # type: ignore[arg-type]
+                sub.metrics.duplicates += 1
+                if self._debug:
+                    self._log_decision(sub, props.message_id, failures, "duplicate")
+                return
+        started = time.perf_counter()
+        if timeout is not None:
+            # The consumer's ``Deadlines`` (one timer for all its deliveries) rather than
+            # ``asyncio.timeout`` or a timer per delivery: a fraction of the cost. The
+            # cancellation can only land while the handler is suspended, and the deadline is
+            # dropped (``ended``) before anything else of ours awaits: it never hits our ack.
+            sub.deadlines.start(task, timeout)
+        try:
+            await self._call(sub, delivery)
+        except BaseException as exc:
+            what = exc if timeout is None else sub.deadlines.ended(task, exc, timeout)
+            if not isinstance(what, Exception):  # a cancellation (shutdown), an exit
+                raise
+            sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+            await self._failed(sub, lane, task, message, delivery, ticket, failures, what)
             return
+        if timeout is not None:
+            sub.deadlines.ended(task, None, timeout)
         sub.metrics.handler_seconds.observe(time.perf_counter() - started)
-        handler_done()
+        if lane is not None:
+            lane.ran(task)
         # Told to the breaker as the handler returns, in the order of the failures it counts
         # (not after the ack, when failures that came later may have been counted already).
         resumed = sub.breaker is not None and sub.breaker.succeeded() is Change.RESUMED
         if ticket is not None:  # done before the ack: a redelivery is then a duplicate
             await self._deduper(sub).succeeded(ticket, lambda: not message.channel.is_closed)
-        # The success path, kept short: it is most of the traffic.
-        await message.channel.basic_ack(tag)
-        sub.metrics.success.inc()
+        await message.channel.basic_ack(deliver.delivery_tag)  # type: ignore[arg-type]
+        sub.metrics.success += 1
         if self._debug:
             self._log_decision(sub, props.message_id, failures, "success")
         if resumed:
             await self._resume(sub)
+
+    async def _failed(
+        self,
+        sub: Subscription,
+        lane: Lane | None,
+        task: asyncio.Task[Any],
+        message: DeliveredMessage,
+        delivery: Delivery[Any],
+        ticket: Ticket | None,
+        failures: int,
+        exc: Exception,
+    ) -> None:
+        """The handler raised ``exc``: classify, tell the breaker and the deduper, decide."""
+        invalid = payload_error(delivery)
+        outcome = classify(
+            exc,
+            payload_invalid=invalid is not None,
+            permanent_errors=sub.consumer.permanent_errors,
+        )
+        failure = Failure.from_exception(invalid or exc)
+        # The breaker hears of it before anything of ours awaits (see the success path).
+        breaker = sub.breaker
+        uncharged = paused = False
+        if outcome is Outcome.FAILED and breaker is not None and breaker.rule.watches(exc):
+            uncharged = breaker.paused  # the queue is paused: this one is not charged
+            if not uncharged:
+                props = message.header.properties
+                change = breaker.failed(props.message_id or _digest(message.body))
+                paused = change is Change.PAUSED
+        if ticket is not None:
+            await self._deduper(sub).failed(ticket, lambda: not message.channel.is_closed)
+        if uncharged:
+            if lane is not None:
+                lane.ran(task)
+            await self._return_unchanged(sub, message, failures)
+            return
+        if paused:
+            await self._pause(sub, failure)
+        action = self._decide(sub, outcome, failures, message.header.properties.headers)
+        await self._carry_out(sub, lane, task, message, action, failures, failure)
 
     @staticmethod
     def _deduper(sub: Subscription) -> Deduper:
@@ -365,8 +400,8 @@ class Session:
         breaker = sub.breaker
         assert breaker is not None
         breaker.since = time.monotonic()
-        sub.metrics.paused.set(1)
-        sub.metrics.pauses.inc()
+        sub.metrics.paused = 1
+        sub.metrics.pauses += 1
         log.warning(
             "paused queue=%s consumer=%s after %d failures in a row of different messages"
             " (last: %s); probing every %gs",
@@ -384,7 +419,7 @@ class Session:
     async def _resume(self, sub: Subscription) -> None:
         breaker = sub.breaker
         assert breaker is not None
-        sub.metrics.paused.set(0)
+        sub.metrics.paused = 0
         log.warning(
             "resumed queue=%s consumer=%s after %.1fs paused: a message succeeded",
             sub.queue,
@@ -406,7 +441,6 @@ class Session:
         message with ``basic.get`` and handle it; its success resumes the lane."""
         breaker = sub.breaker
         assert breaker is not None
-        on_message = self._callback(sub, self._handle)
         try:
             while breaker.paused and not self.lost.done():
                 await asyncio.sleep(breaker.rule.probe_every)
@@ -418,7 +452,7 @@ class Session:
                     log.info("queue=%s: probing with message_id=%s", sub.queue,
                              message.header.properties.message_id,
                              extra={"queue": sub.queue, "event": "probe"})
-                    await on_message(message)
+                    await self._deliver(sub, None, message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the channel died: the session reconnects, still paused
@@ -439,52 +473,27 @@ class Session:
             sub.threads, sub.consumer.handle, delivery
         )
 
-    @classmethod
-    async def _call_within(cls, sub: Subscription, delivery: Delivery[Any], seconds: float) -> None:
-        """``_call``, cancelled after ``seconds`` (``HandlerTimeout``).
-
-        The consumer's ``Deadlines`` (one timer for all its deliveries) rather than
-        ``asyncio.timeout`` or a timer per delivery: a fraction of the cost on the success
-        path. The cancellation can only land while the handler is suspended, and the deadline
-        is dropped before anything else of ours awaits, so it can never hit our own ack.
-        """
-        task = asyncio.current_task()
-        assert task is not None
-        deadlines = sub.deadlines
-        deadlines.start(task, seconds)
-        try:
-            await cls._call(sub, delivery)
-        except asyncio.CancelledError as exc:
-            if deadlines.finish(task) and task.uncancel() == 0:  # ours alone, not a shutdown
-                raise HandlerTimeout(
-                    f"the handler did not finish within {seconds:g}s"
-                ).with_traceback(exc.__traceback__) from None
-            raise
-        except BaseException:
-            if deadlines.finish(task):
-                task.uncancel()
-            raise
-        if deadlines.finish(task):  # it swallowed the cancellation and finished: result stands
-            task.uncancel()
-
     async def _carry_out(
         self,
         sub: Subscription,
+        lane: Lane | None,
+        task: asyncio.Task[Any],
         message: DeliveredMessage,
         action: Action,
         failures: int,
         failure: Failure | None,
     ) -> None:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
-        handler_done()  # no user code runs from here on (lane.handler_done)
+        if lane is not None:
+            lane.ran(task)  # no user code runs from here on
         channel = message.channel
         tag = cast(int, cast(spec.Basic.Deliver, message.delivery).delivery_tag)
         if isinstance(action, Ack):
             await channel.basic_ack(tag)
-            sub.metrics.success.inc()
+            sub.metrics.success += 1
         elif isinstance(action, NativeRetry):
             await channel.basic_nack(tag, requeue=False)
-            sub.metrics.retried.inc()
+            sub.metrics.retried += 1
             self._log_retry(sub, message, failures, action.retry_count, action.delay_ms,
                             "native", failure)
         elif isinstance(action, TierRetry):
@@ -496,7 +505,7 @@ class Session:
             )
             await self._publish_then_ack(sub, message, sub.retry_exchange, action.tier, headers,
                                          failures)
-            sub.metrics.retried.inc()
+            sub.metrics.retried += 1
             self._log_retry(sub, message, failures, action.retry_count, action.delay_ms,
                             action.tier, failure)
         else:
@@ -512,8 +521,8 @@ class Session:
                 frame_max=self.frame_max,
             )
             await self._publish_then_ack(sub, message, "", sub.parking_queue, headers, failures)
-            sub.metrics.parked.inc()
-            sub.metrics.parked_by_reason[action.reason.value].inc()
+            sub.metrics.parked += 1
+            sub.metrics.parked_by_reason[action.reason.value] += 1
             self._log_park(sub, message, failures, action, failure)
 
     @staticmethod
@@ -614,6 +623,7 @@ class Session:
         await self._stop_probes()
         for lane in self.lanes:
             await lane.stop(CANCEL_TIMEOUT)
+        await asyncio.sleep(0)  # deliveries still waiting for their turn leave, unstarted
         pending = {t for t in self.tasks if not t.done()}
         if pending:
             log.info("stopping: waiting up to %gs for %d in-flight message(s)", grace, len(pending))
