@@ -1,5 +1,6 @@
 """`rabbit-retry worker` imports only what its path uses: an idle worker's memory is its imports
-(docs/worker-benchmark.md, "Idle memory"). The operators' verbs bring rich and httpx; the file's
+(docs/worker-benchmark.md, "Idle memory"). The operators' verbs bring rich and httpx; the command
+line is the standard library's argparse, not click; the file's
 parser and schema (ruamel.yaml, pydantic) run in a short-lived child; aio-pika is not needed
 next to aiormq; prometheus-client only when metrics are served; tenacity only on a reconnect
 or a retried publish."""
@@ -19,6 +20,7 @@ TOPOLOGY = Path(__file__).resolve().parents[2] / "topologies" / "demo.yml"
 # Never loaded by a worker started without --metrics-port whose consumers have no model.
 HEAVY = (
     "aio_pika",
+    "click",
     "httpx",
     "prometheus_client",
     "psycopg",
