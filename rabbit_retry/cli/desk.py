@@ -6,14 +6,17 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import click
-
-from rabbit_retry.cli import cli, settings_of
+from rabbit_retry.cli import Command, Parser, file_path
 from rabbit_retry.errors import InputError
+
+if TYPE_CHECKING:
+    from rabbit_retry.settings import Settings
 
 STORE_ENV = "RABBIT_RETRY_DESK_STORE"
 TOKEN_ENV = "RABBIT_RETRY_DESK_TOKEN"
+DEFAULT_STORE = "sqlite:///rabbit-retry-desk.db"
 
 
 def _keep(value: str) -> timedelta:
@@ -26,16 +29,18 @@ def _keep(value: str) -> timedelta:
     return timedelta(milliseconds=ms)
 
 
-@cli.command("desk")
-@click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--store", "store_url", envvar=STORE_ENV, default="sqlite:///rabbit-retry-desk.db",
-              show_default=True, help="sqlite:///PATH or postgresql://user:pass@host/db")
-@click.option("--listen", default="127.0.0.1:8025", show_default=True,
-              help="HOST:PORT of the page and the API.")
-@click.option("--keep", default="30d", show_default=True,
-              help="How long replayed and discarded messages are kept (the audit: forever).")
-@click.pass_context
-def desk(ctx: click.Context, file: str, store_url: str, listen: str, keep: str) -> None:
+def _arguments(parser: Parser) -> None:
+    parser.add_argument("file", type=file_path, metavar="FILE", help="The topology file.")
+    parser.add_argument("--store", dest="store_url", metavar="URL", show_default=DEFAULT_STORE,
+                        help="sqlite:///PATH or postgresql://user:pass@host/db")
+    parser.add_argument("--listen", default="127.0.0.1:8025", show_default=True,
+                        metavar="HOST:PORT", help="HOST:PORT of the page and the API.")
+    parser.add_argument("--keep", default="30d", show_default=True, metavar="DURATION",
+                        help="How long replayed and discarded messages are kept (the audit: "
+                        "forever).")
+
+
+def desk(settings: Settings, file: str, store_url: str | None, listen: str, keep: str) -> None:
     """Consume FILE's parking queues into a store; serve a page and a JSON API over them."""
     import asyncio
 
@@ -43,7 +48,8 @@ def desk(ctx: click.Context, file: str, store_url: str, listen: str, keep: str) 
     from rabbit_retry.desk.store import engine_url
     from rabbit_retry.topology import load_topology
 
-    settings = settings_of(ctx)
+    if store_url is None:  # not given: the environment's, else the default
+        store_url = os.environ.get(STORE_ENV) or DEFAULT_STORE
     token = os.environ.get(TOKEN_ENV) or None
     where = parse_listen(listen)
     check_exposure(where, token)
@@ -56,3 +62,6 @@ def desk(ctx: click.Context, file: str, store_url: str, listen: str, keep: str) 
         logging.getLogger(name).setLevel(logging.CRITICAL)
     asyncio.run(serve(topology, settings, store_url=store_url, listen=where, keep=kept,
                       token=token))
+
+
+COMMANDS = {"desk": Command(desk, _arguments)}

@@ -11,15 +11,24 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
-import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rabbit_retry.cli import cli, settings_of
+from rabbit_retry.cli import (
+    Command,
+    FloatRange,
+    Group,
+    IntRange,
+    Parser,
+    confirm,
+    echo,
+    file_path,
+    stdin_is_terminal,
+)
 from rabbit_retry.errors import EXIT_RUNTIME, InputError
 from rabbit_retry.parking import act, filters, peek, render
 from rabbit_retry.parking.message import group, summary_record
@@ -36,25 +45,24 @@ def _console(stderr: bool = False) -> Console:
     return Console(file=stream, width=width, soft_wrap=True)
 
 
-def _stdin_is_terminal() -> bool:
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except (ValueError, OSError):
-        return False
-
-
-def _selection(wheres: tuple[str, ...], older_than: str | None = None) -> filters.Selection:
+def _selection(wheres: Sequence[str], older_than: str | None = None) -> filters.Selection:
     try:
         return filters.selection(wheres, older_than, now=datetime.now(UTC))
     except ValueError as exc:
         raise InputError(str(exc)) from None
 
 
-@cli.command("status")
-@click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.pass_context
-def status(ctx: click.Context, file: str, as_json: bool) -> None:
+def _json(parser: Parser) -> None:
+    parser.add_argument("--json", dest="as_json", action="store_true",
+                        help="Machine-readable output.")
+
+
+def _status_arguments(parser: Parser) -> None:
+    parser.add_argument("file", type=file_path, metavar="FILE", help="The topology file.")
+    _json(parser)
+
+
+def status(settings: Settings, file: str, as_json: bool) -> None:
     """Per queue of FILE: ready, unacked, consumers, retrying, parked; then drift.
 
     Exits 1 when the broker lacks or differs from any object FILE derives (a missing tier or
@@ -65,37 +73,54 @@ def status(ctx: click.Context, file: str, as_json: bool) -> None:
     from rabbit_retry.status import read_status, status_view
     from rabbit_retry.topology import compile_topology, load_topology
 
-    settings = settings_of(ctx)
     plan = compile_topology(load_topology(file))
     with Management.for_settings(settings) as api:
         check_same_broker(settings, api)
         report = read_status(api, settings, plan, file)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
+        echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
         _console().print(status_view(report))
     if not report.ok:
         sys.exit(EXIT_RUNTIME)
 
 
-@cli.group("parking")
-def parking() -> None:
-    """Review parked messages: show, replay, purge, export.
+PARKING = """Review parked messages: show, replay, purge, export.
 
-    QUEUE names a main queue or its parking queue (orders or orders.parking).
-    """
+QUEUE names a main queue or its parking queue (orders or orders.parking).
+"""
 
 
-@parking.command("show", short_help="Peek at parked messages; they stay parked.")
-@click.argument("queue")
-@click.option("--limit", type=click.IntRange(min=1), help="Read at most N messages from the head.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--group", "grouped", is_flag=True,
-              help="Only the counts by exception type and reason.")
-@click.pass_context
-def show(ctx: click.Context, queue: str, limit: int | None, as_json: bool, grouped: bool) -> None:
+def _queue(parser: Parser) -> None:
+    parser.add_argument("queue", metavar="QUEUE",
+                        help="A main queue or its parking queue (orders or orders.parking).")
+
+
+def _limit(parser: Parser, help: str) -> None:
+    parser.add_argument("--limit", type=IntRange(1), metavar="N", help=help)
+
+
+def _wheres(parser: Parser) -> None:
+    parser.add_argument("--where", dest="wheres", action="append", default=[],
+                        metavar="HEADER=VALUE", help="Only messages whose header equals VALUE "
+                        "(as text); repeat to require all.")
+
+
+def _yes(parser: Parser) -> None:
+    parser.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
+
+
+def _show_arguments(parser: Parser) -> None:
+    _queue(parser)
+    _limit(parser, "Read at most N messages from the head.")
+    _json(parser)
+    parser.add_argument("--group", dest="grouped", action="store_true",
+                        help="Only the counts by exception type and reason.")
+
+
+def show(settings: Settings, queue: str, limit: int | None, as_json: bool, grouped: bool) -> None:
     """Peek at the parked messages of QUEUE; they stay parked, in their order."""
-    peeked, messages = asyncio.run(peek.collect(settings_of(ctx), queue, limit=limit))
+    peeked, messages = asyncio.run(peek.collect(settings, queue, limit=limit))
     groups = group(messages)
     if as_json:
         out = {
@@ -107,7 +132,7 @@ def show(ctx: click.Context, queue: str, limit: int | None, as_json: bool, group
         }
         if not grouped:
             out["messages"] = [summary_record(m) for m in messages]
-        click.echo(json.dumps(out, indent=2, ensure_ascii=False))
+        echo(json.dumps(out, indent=2, ensure_ascii=False))
         return
     console = _console()
     console.print(render.show_heading(peeked.target.parking, peeked.ready, peeked.seen))
@@ -149,22 +174,20 @@ def _confirm(
     after showing the count; refuses without a terminal, and returns 0 when nothing matches."""
     if yes:
         return None
-    if not _stdin_is_terminal():
+    if not stdin_is_terminal():
         raise InputError(
             f"refusing to {verb} without confirmation: stdin is not a terminal; pass --yes"
         )
     peeked, matching = asyncio.run(peek.count_matching(settings, queue, selection, limit=limit))
     target = peeked.target
     if matching == 0:
-        click.echo(f"nothing to {verb}: none of the {plural(peeked.ready, _PARKED)} in "
+        echo(f"nothing to {verb}: none of the {plural(peeked.ready, _PARKED)} in "
                    f"{target.parking!r} matches {selection.describe()}")
         return 0
     where = f" to {target.main!r}" if verb == "replay" else ""
-    click.confirm(
+    confirm(
         f"{verb.capitalize()} {matching} of {plural(peeked.ready, _PARKED)} in "
-        f"{target.parking!r}{where} ({selection.describe()})?",
-        default=False,
-        abort=True,
+        f"{target.parking!r}{where} ({selection.describe()})?"
     )
     return matching
 
@@ -175,22 +198,22 @@ def _capped_limit(limit: int | None, confirmed: int | None) -> int | None:
     return confirmed if limit is None else min(limit, confirmed)
 
 
-@parking.command("replay", short_help="Move parked messages back to their queue.")
-@click.argument("queue")
-@click.option("--limit", type=click.IntRange(min=1), help="Replay at most N messages.")
-@click.option("--where", "wheres", multiple=True, metavar="HEADER=VALUE",
-              help="Only messages whose header equals VALUE (as text); repeat to require all.")
-@click.option("--rate", type=click.FloatRange(min=0, min_open=True),
-              help="At most N messages a second.")
-@click.option("--handle-again", is_flag=True,
-              help="Handle them even if an idempotent consumer already handled their key.")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-@click.pass_context
+def _replay_arguments(parser: Parser) -> None:
+    _queue(parser)
+    _limit(parser, "Replay at most N messages.")
+    _wheres(parser)
+    parser.add_argument("--rate", type=FloatRange(0, open=True), metavar="N",
+                        help="At most N messages a second.")
+    parser.add_argument("--handle-again", action="store_true", help="Handle them even if an "
+                        "idempotent consumer already handled their key.")
+    _yes(parser)
+
+
 def replay(
-    ctx: click.Context,
+    settings: Settings,
     queue: str,
     limit: int | None,
-    wheres: tuple[str, ...],
+    wheres: list[str],
     rate: float | None,
     handle_again: bool,
     yes: bool,
@@ -200,7 +223,6 @@ def replay(
     Each copy is confirmed by the broker before the parked original is removed; messages that do
     not match stay parked, in their order.
     """
-    settings = settings_of(ctx)
     selection = _selection(wheres)
     confirmed = _confirm(settings, queue, selection, limit, "replay", yes)
     if confirmed == 0:
@@ -210,30 +232,29 @@ def replay(
             act.replay(settings, queue, selection, limit=_capped_limit(limit, confirmed), rate=rate,
                        progress=progress, handle_again=handle_again)
         )
-    click.echo(
+    echo(
         f"replayed {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
         f"{outcome.target.parking!r} to {outcome.target.main!r} ({selection.describe()}); "
         f"{outcome.left} left parked"
     )
 
 
-@parking.command("purge", short_help="Delete parked messages.")
-@click.argument("queue")
-@click.option("--where", "wheres", multiple=True, metavar="HEADER=VALUE",
-              help="Only messages whose header equals VALUE (as text); repeat to require all.")
-@click.option("--older-than", metavar="DURATION",
-              help="Only messages parked longer ago than this (90m, 2d).")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-@click.pass_context
+def _purge_arguments(parser: Parser) -> None:
+    _queue(parser)
+    _wheres(parser)
+    parser.add_argument("--older-than", metavar="DURATION",
+                        help="Only messages parked longer ago than this (90m, 2d).")
+    _yes(parser)
+
+
 def purge(
-    ctx: click.Context, queue: str, wheres: tuple[str, ...], older_than: str | None, yes: bool
+    settings: Settings, queue: str, wheres: list[str], older_than: str | None, yes: bool
 ) -> None:
     """Delete parked messages for good; the ones that do not match stay parked, in order.
 
     Without a filter, deletes every message parked when it starts, one by one: one parked while
     you confirm is never deleted unseen.
     """
-    settings = settings_of(ctx)
     selection = _selection(wheres, older_than)
     confirmed = _confirm(settings, queue, selection, None, "purge", yes)
     if confirmed == 0:
@@ -242,27 +263,42 @@ def purge(
         outcome = asyncio.run(
             act.purge(settings, queue, selection, limit=confirmed, progress=progress)
         )
-    click.echo(
+    echo(
         f"deleted {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
         f"{outcome.target.parking!r} ({selection.describe()}); {outcome.left} left parked"
     )
 
 
-@parking.command("export", short_help="Write parked messages to a JSON-lines file.")
-@click.argument("queue")
-@click.option("--out", required=True, metavar="FILE.jsonl",
-              help="Where to write a JSON line per message; - for stdout.")
-@click.pass_context
-def export(ctx: click.Context, queue: str, out: str) -> None:
+def _export_arguments(parser: Parser) -> None:
+    _queue(parser)
+    parser.add_argument("--out", required=True, metavar="FILE.jsonl",
+                        help="Where to write a JSON line per message; - for stdout.")
+
+
+def export(settings: Settings, queue: str, out: str) -> None:
     """Write every parked message of QUEUE to a JSON-lines file; they stay parked.
 
     Each line has the properties, the headers and the body (UTF-8 text, or base64 when it is not
     text, as body_encoding says).
     """
     with peek.atomic_output(out) as stream:
-        peeked = asyncio.run(peek.export(settings_of(ctx), queue, stream))
-    click.echo(
+        peeked = asyncio.run(peek.export(settings, queue, stream))
+    echo(
         f"exported {plural(peeked.seen, _PARKED)} from {peeked.target.parking!r} to {out}; "
         "they stay parked",
         err=True,
     )
+
+
+COMMANDS = {
+    "status": Command(status, _status_arguments),
+    "parking": Group(PARKING, {
+        "show": Command(show, _show_arguments,
+                        summary="Peek at parked messages; they stay parked."),
+        "replay": Command(replay, _replay_arguments,
+                          summary="Move parked messages back to their queue."),
+        "purge": Command(purge, _purge_arguments, summary="Delete parked messages."),
+        "export": Command(export, _export_arguments,
+                          summary="Write parked messages to a JSON-lines file."),
+    }),
+}

@@ -8,12 +8,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-import click
-
-from rabbit_retry.cli import cli, settings_of
+from rabbit_retry.cli import Choice, Command, FloatRange, IntRange, Parser, file_path
 from rabbit_retry.errors import InputError
 
 if TYPE_CHECKING:
+    from rabbit_retry.settings import Settings
     from rabbit_retry.worker.consumer import RetryConsumer
 
 
@@ -51,40 +50,45 @@ def load_consumer(spec: str) -> RetryConsumer:
         raise InputError(f"{spec!r}: {attr}() failed: {type(exc).__name__}: {exc}") from exc
 
 
-@cli.command("worker")
-@click.argument("consumers", nargs=-1, required=True, metavar="MODULE:CLASS...")
-@click.option(
-    "-t",
-    "--topology",
-    "topology_file",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="The topology file the queues were provisioned from.",
-)
-@click.option(
-    "--metrics-port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Serve Prometheus metrics on this port (0 picks a free one).",
-)
-@click.option(
-    "--grace",
-    type=click.FloatRange(min=0),
-    default=30.0,
-    show_default=True,
-    help="Seconds in-flight handlers get to finish after SIGTERM / SIGINT.",
-)
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-    help="debug also logs every successful message.",
-)
-@click.pass_context
+def _arguments(parser: Parser) -> None:
+    parser.add_argument("consumers", nargs="+", metavar="MODULE:CLASS",
+                        help="A RetryConsumer subclass, e.g. app.consumers:FraudCheck.")
+    parser.add_argument(
+        "-t",
+        "--topology",
+        dest="topology_file",
+        required=True,
+        type=file_path,
+        metavar="FILE",
+        help="The topology file the queues were provisioned from.",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=IntRange(0, 65535),
+        default=None,
+        metavar="PORT",
+        help="Serve Prometheus metrics on this port (0 picks a free one).",
+    )
+    parser.add_argument(
+        "--grace",
+        type=FloatRange(0),
+        default=30.0,
+        show_default=True,
+        metavar="SECONDS",
+        help="Seconds in-flight handlers get to finish after SIGTERM / SIGINT.",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=Choice("debug", "info", "warning", "error"),
+        default="info",
+        show_default=True,
+        help="debug also logs every successful message.",
+    )
+
+
 def worker(
-    ctx: click.Context,
-    consumers: tuple[str, ...],
+    settings: Settings,
+    consumers: list[str],
     topology_file: str,
     metrics_port: int | None,
     grace: float,
@@ -96,7 +100,6 @@ def worker(
     from rabbit_retry.topology.apart import load_topology_apart
     from rabbit_retry.worker.runner import run_consumers
 
-    settings = settings_of(ctx)
     logging.basicConfig(
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
@@ -118,3 +121,6 @@ def worker(
             metrics_port=metrics_port,
         )
     )
+
+
+COMMANDS = {"worker": Command(worker, _arguments)}

@@ -1,0 +1,145 @@
+"""The command line itself (argparse): bad input is one line and exit 2, help and version, the
+confirmation prompt. Nothing here reaches a broker."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from rabbit_retry.cli import VERBS, Abort, confirm, main
+from rabbit_retry.errors import EXIT_INPUT
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    code = exit_info.value.code
+    assert isinstance(code, int)
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["worker", "m:C"], "error: --topology is required"),
+        (["worker", "-t", "t.yml"], "error: MODULE:CLASS is required"),
+        (["worker"], "error: MODULE:CLASS and --topology are required"),
+        (["worker", "m:C", "-t"], "error: --topology: expected one argument"),
+        (["worker", "m:C", "-t", "t.yml", "--metrics-port", "70000"],
+         "error: --metrics-port: 70000 is not in 0..65535"),
+        (["worker", "m:C", "-t", "t.yml", "--metrics-port", "-1"],
+         "error: --metrics-port: -1 is not in 0..65535"),
+        (["worker", "m:C", "-t", "t.yml", "--metrics-port", "x"],
+         "error: --metrics-port: 'x' is not an integer"),
+        (["worker", "m:C", "-t", "t.yml", "--grace", "-1"], "error: --grace: -1 is less than 0"),
+        (["worker", "m:C", "-t", "t.yml", "--grace", "soon"],
+         "error: --grace: 'soon' is not a number"),
+        (["worker", "m:C", "-t", "t.yml", "--log-level", "loud"],
+         "error: --log-level: 'loud' is not one of debug, info, warning, error"),
+        (["export", "t.yml"], "error: --format is required"),
+        (["export", "t.yml", "--format", "dot"],
+         "error: --format: 'dot' is not one of definitions, mermaid, alerts, grafana"),
+        (["parking", "show", "q", "--limit", "0"], "error: --limit: 0 is less than 1"),
+        (["parking", "replay", "q", "--rate", "0"], "error: --rate: 0 is not more than 0"),
+        (["parking", "export", "q"], "error: --out is required"),
+        (["parking", "show"], "error: QUEUE is required"),
+        (["parking", "peek", "q"],
+         "error: no such command 'peek' (rabbit-retry parking --help lists them)"),
+        (["status"], "error: FILE is required"),
+        (["validate", "t.yml", "--nope"], "error: unrecognized arguments: --nope"),
+        (["validate", "a.yml", "b.yml"], "error: unrecognized arguments: b.yml"),
+        (["deploy"], "error: no such command 'deploy' (rabbit-retry --help lists them)"),
+        (["--nope", "validate", "t.yml"], "error: unrecognized arguments: --nope"),
+        (["validate", "t.yml", "--url"], "error: --url: expected one argument"),
+        # Long options are never abbreviated (click never did either).
+        (["worker", "m:C", "-t", "t.yml", "--metrics", "1"],
+         "error: unrecognized arguments: --metrics 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], args: list[str], line: str
+) -> None:
+    assert _run(capsys, *args) == (EXIT_INPUT, "", line + "\n")
+
+
+def test_a_directory_where_a_file_is_expected(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    here = str(tmp_path)
+    for args, name in ((["status", here], "FILE"), (["desk", here], "FILE"),
+                       (["worker", "m:C", "-t", here], "--topology"),
+                       (["export", "t.yml", "--format", "mermaid", "--out", here], "--out"),
+                       (["--ca-file", here, "status", "t.yml"], "--ca-file")):
+        assert _run(capsys, *args) == (
+            EXIT_INPUT, "", f"error: {name}: {here!r} is a directory, expected a file\n")
+
+
+def test_help_lists_every_verb_with_its_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--help")
+    assert (code, err) == (0, "")
+    assert out.startswith("usage: rabbit-retry [OPTIONS] COMMAND [ARGS]...\n")
+    listed = " ".join(out.split("\ncommands:\n", 1)[1].split())
+    for name, verb in VERBS.items():
+        assert f"{name} {verb.summary}" in listed, name
+    for option in ("--url", "--management-url", "--ca-file", "--cert-file", "--key-file",
+                   "--debug", "--version", "-h, --help"):
+        assert option in out
+
+
+def test_each_verb_has_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for args in (["worker"], ["parking"], ["parking", "replay"], ["desk"], ["apply"]):
+        code, out, err = _run(capsys, *args, "-h")
+        assert (code, err) == (0, ""), args
+        assert out.startswith(f"usage: rabbit-retry {' '.join(args)} "), out
+    code, out, _ = _run(capsys, "parking", "--help")
+    assert "\ncommands:\n  export " in out and "\n  show " in out
+    code, out, _ = _run(capsys, "worker", "--help")
+    assert "--grace SECONDS" in out and "[default: 30.0; x>=0]" in " ".join(out.split())
+
+
+def test_no_verb_shows_the_help_on_stderr_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys)
+    assert (code, out) == (EXIT_INPUT, "")
+    assert err.startswith("usage: rabbit-retry [OPTIONS] COMMAND [ARGS]...\n")
+    code, out, err = _run(capsys, "--debug", "parking")
+    assert (code, out) == (EXIT_INPUT, "")
+    assert err.startswith("usage: rabbit-retry parking [-h] COMMAND [ARGS]...\n")
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    assert _run(capsys, "--version") == (0, f"rabbit-retry, version {version('rabbit-retry')}\n",
+                                         "")
+
+
+def test_a_list_in_the_environment_may_be_separated_by_spaces(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing listens on ports 1 and 2: both nodes of the variable are tried, in order.
+    monkeypatch.setenv("RABBIT_RETRY_URL",
+                       "amqp://guest:secret@127.0.0.1:1/ amqp://guest:secret@127.0.0.1:2/")
+    code, out, err = _run(capsys, "parking", "show", "q")
+    assert (code, out) == (1, "")
+    assert "127.0.0.1:1/ is unreachable" in err and "127.0.0.1:2/ is unreachable" in err, err
+    assert "secret" not in err
+
+
+@pytest.mark.parametrize(("typed", "yes"), [("y\n", True), ("yes\n", True), ("Y\n", True),
+                                             ("n\n", False), ("\n", False), ("", False),
+                                             ("maybe\ny\n", True), ("maybe\n", False)])
+def test_confirm(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, typed: str, yes: bool
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(typed))
+    if yes:
+        confirm("Replay 2?")
+    else:
+        with pytest.raises(Abort):
+            confirm("Replay 2?")
+    out = capsys.readouterr().out
+    assert out.startswith("Replay 2? [y/N]: ")
+    assert ("Error: invalid input" in out) == typed.startswith("maybe")
