@@ -6,8 +6,8 @@ returns), ``decide`` (the decision table), ``copies`` (headers of retry and park
 Edges: ``consumer`` (what users write),
 ``session`` (one connection's consuming), ``lane`` (prefetch, and returned deliveries one at a
 time), ``deadlines`` (handler timeouts on one timer), ``publisher`` (confirmed copies),
-``idempotency`` and ``stores`` (each key handled once), ``runner`` (startup check, reconnects,
-shutdown), ``metrics``.
+``idempotency`` (what a consumer declares), ``dedupe`` and ``stores`` (each key handled once;
+loaded only when declared), ``runner`` (startup check, reconnects, shutdown), ``metrics``.
 """
 
 from rabbit_retry.worker.consumer import (

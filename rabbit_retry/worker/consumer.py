@@ -16,7 +16,6 @@ Both are generic over the payload type, so a type checker learns it from the con
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 
@@ -115,6 +114,8 @@ class Delivery(Generic[PayloadT]):
     def payload(self) -> PayloadT:
         """The validated model instance, or the parsed JSON body when there is no model."""
         if isinstance(self._payload, _NotDecoded):
+            import json  # loaded by the first consumer that reads a payload
+
             try:
                 self._payload = cast(PayloadT, json.loads(self.body))
             except (ValueError, UnicodeDecodeError) as exc:

@@ -21,11 +21,10 @@ import logging
 import signal
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiormq.exceptions
 from aiormq.abc import AbstractConnection
@@ -38,10 +37,12 @@ from rabbit_retry.topology import naming
 from rabbit_retry.topology.apart import load_topology_apart
 from rabbit_retry.topology.resolved import Topology
 from rabbit_retry.worker.consumer import RetryConsumer, check_consumer, is_blocking
-from rabbit_retry.worker.idempotency import Deduper, close_stores, open_stores
 from rabbit_retry.worker.metrics import Metrics
 from rabbit_retry.worker.pause import Breaker
 from rabbit_retry.worker.session import Session, Subscription
+
+if TYPE_CHECKING:
+    from rabbit_retry.worker.stores import Store
 
 log = logging.getLogger("rabbit_retry.worker")
 
@@ -70,6 +71,8 @@ def subscribe(
             ) from None
         threads = None
         if is_blocking(consumer):
+            from concurrent.futures import ThreadPoolExecutor  # only blocking handlers need it
+
             threads = ThreadPoolExecutor(
                 consumer.prefetch, thread_name_prefix=f"rabbit-retry-{consumer.name}"
             )
@@ -257,14 +260,18 @@ class Runner:
             for sub in self.subscriptions
             if sub.consumer.idempotency is not None
         }
-        stores = await open_stores(rules) if rules else {}
-        self.subscriptions = [
-            replace(sub, deduper=Deduper(rule, stores[rule.store], sub.queue, sub.consumer.name,
-                                         sub.consumer.handler_timeout))
-            if (rule := sub.consumer.idempotency) is not None
-            else sub
-            for sub in self.subscriptions
-        ]
+        stores: dict[str, Store] = {}
+        if rules:
+            from rabbit_retry.worker.dedupe import Deduper, open_stores  # only for Idempotency
+
+            stores = await open_stores(rules)
+            self.subscriptions = [
+                replace(sub, deduper=Deduper(rule, stores[rule.store], sub.queue,
+                                             sub.consumer.name, sub.consumer.handler_timeout))
+                if (rule := sub.consumer.idempotency) is not None
+                else sub
+                for sub in self.subscriptions
+            ]
         try:
             session = await self._first_open()
             while session is not None:
@@ -292,7 +299,10 @@ class Runner:
             for sub in self.subscriptions:
                 if sub.threads is not None:  # a timed-out blocking handler may still run
                     sub.threads.shutdown(wait=False, cancel_futures=True)
-            await close_stores(stores)
+            if stores:
+                from rabbit_retry.worker.dedupe import close_stores
+
+                await close_stores(stores)
             self.metrics.close()
         log.info("stopped")
 

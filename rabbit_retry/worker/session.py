@@ -21,7 +21,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -58,7 +57,6 @@ from rabbit_retry.worker.decide import (
     classify,
     decide,
 )
-from rabbit_retry.worker.idempotency import Deduper, Ticket
 from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.pause import Breaker, Change
@@ -72,7 +70,11 @@ from rabbit_retry.worker.redelivery import (
 )
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     from pydantic import TypeAdapter
+
+    from rabbit_retry.worker.dedupe import Deduper, Ticket
 
 log = logging.getLogger("rabbit_retry.worker")
 

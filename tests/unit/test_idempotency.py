@@ -15,7 +15,7 @@ from rabbit_retry.contract import HANDLE_AGAIN
 from rabbit_retry.errors import InputError
 from rabbit_retry.worker import Delivery, Idempotency, RetryConsumer
 from rabbit_retry.worker.consumer import check_consumer
-from rabbit_retry.worker.idempotency import Deduper
+from rabbit_retry.worker.dedupe import Deduper
 from rabbit_retry.worker.stores import Claim, Store, open_store
 
 
@@ -121,7 +121,7 @@ class Flaky:
 async def test_a_failing_store_is_retried_while_the_delivery_waits(
     store: Store, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("rabbit_retry.worker.idempotency.STORE_RETRY", (0.01, 0.02))
+    monkeypatch.setattr("rabbit_retry.worker.dedupe.STORE_RETRY", (0.01, 0.02))
     caplog.set_level(logging.WARNING, logger="rabbit_retry.worker")
     flaky = Flaky(store, failures=5)
     one = Deduper(Idempotency("sqlite:///x"), flaky, "q", "C", timeout=5.0)  # type: ignore[arg-type]

@@ -3,7 +3,8 @@
 line is the standard library's argparse, not click; the file's
 parser and schema (ruamel.yaml, pydantic) run in a short-lived child; aio-pika is not needed
 next to aiormq; prometheus-client only when metrics are served; tenacity only on a reconnect
-or a retried publish."""
+or a retried publish; json on a payload's first read; a thread pool only for a blocking
+handler; the idempotency machinery only for a consumer that declares it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ TOPOLOGY = Path(__file__).resolve().parents[2] / "topologies" / "demo.yml"
 HEAVY = (
     "aio_pika",
     "click",
+    "concurrent.futures.thread",
     "httpx",
+    "json",
     "prometheus_client",
     "psycopg",
     "pydantic",
@@ -35,6 +38,8 @@ HEAVY = (
     "rabbit_retry.cli.provision",
     "rabbit_retry.topology.load",
     "rabbit_retry.topology.model",
+    "rabbit_retry.worker.dedupe",
+    "rabbit_retry.worker.stores",
 )
 
 CONSUMER = """
