@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from rabbit_retry.errors import InputError
-from rabbit_retry.tls import client_context
 
 DEFAULT_URL = "amqp://guest:guest@localhost:5672/"
 DEFAULT_MANAGEMENT_URL = "http://guest:guest@localhost:15672"
@@ -170,6 +169,8 @@ class Settings:
     def tls_context(self) -> ssl.SSLContext:
         """A fresh client context from the TLS files (re-read each time, so a reconnecting
         worker picks up rotated certificates)."""
+        from rabbit_retry.tls import client_context  # only TLS needs it
+
         return client_context(self.ca_file, self.cert_file, self.key_file, self.key_password)
 
     def amqp_tls(self) -> ssl.SSLContext | None:

@@ -15,7 +15,6 @@ from yarl import URL
 
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
-from rabbit_retry.tls import cause_of, describe_tls_error, tls_cause
 
 if TYPE_CHECKING:
     from aio_pika.abc import AbstractConnection
@@ -55,6 +54,8 @@ def refused_everywhere(exc: BaseException) -> bool:
 
 def describe_connect_error(exc: BaseException, settings: Settings) -> str:
     """One line for the user; never contains the password."""
+    from rabbit_retry.tls import cause_of, describe_tls_error, tls_cause  # a failure's path
+
     where = settings.safe_url
     tls_error = tls_cause(exc)
     if tls_error is not None:

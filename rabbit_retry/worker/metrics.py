@@ -14,7 +14,6 @@ from bisect import bisect_left
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from rabbit_retry import metric_names as names
 from rabbit_retry.worker.decide import ParkReason
 
 if TYPE_CHECKING:
@@ -22,6 +21,8 @@ if TYPE_CHECKING:
 
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics_core import Metric
+
+    from rabbit_retry import metric_names as names
 
 OUTCOMES = ("success", "retried", "parked")
 
@@ -103,6 +104,8 @@ class Metrics:
             HistogramMetricFamily,
         )
         from prometheus_client.utils import floatToGoString
+
+        from rabbit_retry import metric_names as names  # only a served registry needs them
 
         out: dict[names.Series, CounterMetricFamily | GaugeMetricFamily] = {
             series: (CounterMetricFamily if series.kind == "counter" else GaugeMetricFamily)(

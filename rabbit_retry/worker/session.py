@@ -35,7 +35,6 @@ from aiormq.abc import AbstractConnection, DeliveredMessage
 from rabbit_retry.contract import republish_properties
 from rabbit_retry.settings import mask
 from rabbit_retry.topology.resolved import QueueConfig
-from rabbit_retry.worker import copies
 from rabbit_retry.worker.attempts import failures_so_far, original_source
 from rabbit_retry.worker.consumer import (
     NOT_DECODED,
@@ -43,7 +42,6 @@ from rabbit_retry.worker.consumer import (
     RetryConsumer,
     payload_error,
 )
-from rabbit_retry.worker.copies import Failure
 from rabbit_retry.worker.deadlines import Deadlines
 from rabbit_retry.worker.decide import (
     Ack,
@@ -74,6 +72,7 @@ if TYPE_CHECKING:
 
     from pydantic import TypeAdapter
 
+    from rabbit_retry.worker.copies import Failure
     from rabbit_retry.worker.dedupe import Deduper, Ticket
 
 log = logging.getLogger("rabbit_retry.worker")
@@ -256,6 +255,8 @@ class Session:
                 # it itself.
                 assert limit is not None
                 action = self._decide(sub, Outcome.FAILED, failures, headers)
+                from rabbit_retry.worker import copies  # the failure paths load it
+
                 failure = copies.delivery_limit_failure(queue, limit)
                 await self._carry_out(sub, lane, task, message, action, failures, failure)
                 return
@@ -267,6 +268,8 @@ class Session:
             try:
                 payload = sub.adapter.validate_json(message.body)
             except ValidationError as exc:
+                from rabbit_retry.worker.copies import Failure
+
                 park = Park(ParkReason.INVALID, failures)
                 await self._carry_out(sub, lane, task, message, park, failures,
                                       Failure.from_exception(exc))
@@ -351,6 +354,8 @@ class Session:
             payload_invalid=invalid is not None,
             permanent_errors=sub.consumer.permanent_errors,
         )
+        from rabbit_retry.worker.copies import Failure  # loaded by the first failure
+
         failure = Failure.from_exception(invalid or exc)
         # The breaker hears of it before anything of ours awaits (see the success path).
         breaker = sub.breaker
@@ -389,6 +394,8 @@ class Session:
         self, sub: Subscription, message: DeliveredMessage, failures: int
     ) -> None:
         """Back to the end of the queue as a confirmed copy that counts no failure more."""
+        from rabbit_retry.worker import copies
+
         props = message.header.properties
         headers = copies.retry_headers(
             props.headers,
@@ -488,6 +495,8 @@ class Session:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
         if lane is not None:
             lane.ran(task)  # no user code runs from here on
+        from rabbit_retry.worker import copies
+
         channel = message.channel
         tag = cast(int, cast(spec.Basic.Deliver, message.delivery).delivery_tag)
         if isinstance(action, Ack):

@@ -4,7 +4,8 @@ line is the standard library's argparse, not click; the file's
 parser and schema (ruamel.yaml, pydantic) run in a short-lived child; aio-pika is not needed
 next to aiormq; prometheus-client only when metrics are served; tenacity only on a reconnect
 or a retried publish; json on a payload's first read; a thread pool only for a blocking
-handler; the idempotency machinery only for a consumer that declares it."""
+handler; the idempotency machinery only for a consumer that declares it; the failure
+path's copies at the first failure."""
 
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ HEAVY = (
     "tenacity",
     "typing_extensions",
     "rabbit_retry.cli.operate",
+    "rabbit_retry.metric_names",
     "rabbit_retry.cli.provision",
     "rabbit_retry.topology.load",
     "rabbit_retry.topology.model",
+    "rabbit_retry.worker.copies",
     "rabbit_retry.worker.dedupe",
     "rabbit_retry.worker.stores",
 )
