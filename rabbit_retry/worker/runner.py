@@ -94,33 +94,38 @@ def subscribe(
 async def check_objects(
     connection: AbstractConnection, subscriptions: Sequence[Subscription], hint: str
 ) -> None:
-    """Passively declare everything the consumers need; one line naming what is missing."""
-    for sub in subscriptions:
-        wanted = [("queue", sub.queue), ("exchange", sub.retry_exchange)]
-        wanted += [("queue", naming.tier_queue(sub.queue, ms)) for ms in sub.config.retry.tiers_ms]
-        wanted.append(("queue", sub.parking_queue))
-        for kind, name in wanted:
-            # A failed passive declare closes its channel, so each check gets a fresh one.
-            channel = await connection.channel(publisher_confirms=False)
-            try:
-                if kind == "queue":
-                    await channel.queue_declare(name, passive=True)
-                else:
-                    await channel.exchange_declare(name, passive=True)
-            except aiormq.exceptions.ChannelNotFoundEntity as exc:
-                if not is_missing(str(exc)):
-                    raise NodeDownError(
-                        f"{kind} {name!r} exists but its node does not answer ({mask(str(exc))})"
+    """Passively declare everything the consumers need; one line naming what is missing.
+
+    One channel for all of it: a failed passive declare closes its channel, but the first
+    failure ends the check anyway."""
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        for sub in subscriptions:
+            wanted = [("queue", sub.queue), ("exchange", sub.retry_exchange)]
+            wanted += [("queue", naming.tier_queue(sub.queue, ms))
+                       for ms in sub.config.retry.tiers_ms]
+            wanted.append(("queue", sub.parking_queue))
+            for kind, name in wanted:
+                try:
+                    if kind == "queue":
+                        await channel.queue_declare(name, passive=True)
+                    else:
+                        await channel.exchange_declare(name, passive=True)
+                except aiormq.exceptions.ChannelNotFoundEntity as exc:
+                    if not is_missing(str(exc)):
+                        raise NodeDownError(
+                            f"{kind} {name!r} exists but its node does not answer "
+                            f"({mask(str(exc))})"
+                        ) from None
+                    raise BrokerError(
+                        f"{kind} {name!r} does not exist on the broker; run `rabbit-retry apply "
+                        f"{hint}` first"
                     ) from None
-                raise BrokerError(
-                    f"{kind} {name!r} does not exist on the broker; run `rabbit-retry apply "
-                    f"{hint}` first"
-                ) from None
-            except aiormq.exceptions.ChannelAccessRefused as exc:
-                raise BrokerError(f"{kind} {name!r}: access refused ({exc})") from None
-            finally:
-                if not channel.is_closed:
-                    await channel.close()
+                except aiormq.exceptions.ChannelAccessRefused as exc:
+                    raise BrokerError(f"{kind} {name!r}: access refused ({exc})") from None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
 
 
 class Runner:
