@@ -170,7 +170,7 @@ def storm(
             sampler = common.RssSampler(consumer.proc.pid).start()
             try:
                 time.sleep(idle)
-                idle_at = sampler.now()
+                idle_rss = sampler.rss_now()
                 start = time.time()
                 common.publish_sync(settings, QUEUE, n, make)
                 probe = consumer.result(timeout)
@@ -183,7 +183,7 @@ def storm(
             elapsed = time.time() - start
     rss = sampler.points
     return {
-        "idle": sampler.at(idle_at),
+        "idle": idle_rss,
         "peak": sampler.peak,
         "failed_in": failed_in,
         "elapsed": elapsed,

@@ -407,9 +407,10 @@ class RssSampler:
     def peak(self) -> int:
         return max((rss for _, rss in self.points), default=0)
 
-    def at(self, since: float) -> int:
-        """The RSS at the first sample at or after ``since`` seconds (the idle level)."""
-        return next((rss for t, rss in self.points if t >= since), self.peak)
+    def rss_now(self) -> int:
+        """The RSS read now, between samples: the idle level, read before a publish starts (the
+        next sample may come after the first deliveries)."""
+        return int(psutil.Process(self.pid).memory_info().rss)
 
 
 @dataclass
