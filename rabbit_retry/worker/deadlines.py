@@ -31,7 +31,7 @@ class Deadlines:
         self._at = inf  # when the timer fires
 
     def start(self, task: asyncio.Task[Any], seconds: float) -> None:
-        """Cancel ``task`` once ``seconds`` pass, unless ``finish(task)`` comes first."""
+        """Cancel ``task`` once ``seconds`` pass, unless ``ended(task, ...)`` comes first."""
         deadline = monotonic() + seconds
         loop = task.get_loop()
         if loop is not self._loop:  # a new event loop (a test's, a new ``asyncio.run``)
