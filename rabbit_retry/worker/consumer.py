@@ -167,8 +167,17 @@ class RetryConsumer(Generic[PayloadT]):
 
 
 def is_blocking(consumer: RetryConsumer[Any]) -> bool:
-    """Whether ``handle`` is a plain function, to run in a thread."""
-    return not inspect.iscoroutinefunction(consumer.handle)
+    """Whether ``handle`` is blocking code, to run in a thread.
+
+    An ``async def`` wrapped by a plain decorator (``functools.wraps`` around it) is not: its
+    wrapper returns the coroutine at once, and the coroutine runs on the event loop. Whatever a
+    handler returns that can be awaited is awaited (``settle_result``), so no shape of handler
+    is acked without having run.
+    """
+    handle = consumer.handle
+    return not (
+        inspect.iscoroutinefunction(handle) or inspect.iscoroutinefunction(inspect.unwrap(handle))
+    )
 
 
 def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:

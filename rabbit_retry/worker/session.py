@@ -18,6 +18,7 @@ as a return by 3.x and 4.0-4.2 quorum queues, and marks the message redelivered)
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -32,7 +33,7 @@ import aiormq.exceptions
 from aiormq import spec
 from aiormq.abc import AbstractConnection, DeliveredMessage
 
-from rabbit_retry.contract import republish_properties
+from rabbit_retry.contract import new_message_id, republish_properties
 from rabbit_retry.settings import mask
 from rabbit_retry.topology.resolved import QueueConfig
 from rabbit_retry.worker.attempts import failures_so_far, original_source
@@ -311,7 +312,11 @@ class Session:
             # dropped (``ended``) before anything else of ours awaits: it never hits our ack.
             sub.deadlines.start(task, timeout)
         try:
-            await self._call(sub, delivery)
+            result = await self._call(sub, delivery)
+            if result is not None and inspect.isawaitable(result):
+                # A handler that handed back its work (a decorator's wrapper, a plain def
+                # returning a coroutine) has not run it yet: run it, under the same timeout.
+                await result
         except BaseException as exc:
             what = exc if timeout is None else sub.deadlines.ended(task, exc, timeout)
             if not isinstance(what, Exception):  # a cancellation (shutdown), an exit
@@ -528,6 +533,7 @@ class Session:
                 original=self._original(sub, message),
                 failure=failure,
                 now=datetime.now(UTC),
+                parked_id=new_message_id(),
                 expiration=message.header.properties.expiration,
                 frame_max=self.frame_max,
             )
