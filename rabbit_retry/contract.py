@@ -24,6 +24,9 @@ REPLAY_COUNT = "replay-count"  # times an operator replayed it from parking
 HANDLE_AGAIN = "handle-again"  # true: a replay that runs even if its idempotency key is done
 PARKED_REASON = "parked-reason"  # exhausted | permanent | invalid
 PARKED_AT = "parked-at"  # ISO-8601 UTC
+# This parked copy's own identity, new at every park: two parks of one message (or two
+# messages alike to the byte, parked in the same millisecond) are two copies, never one.
+PARKED_ID = "parked-id"
 EXCEPTION_TYPE = "exception-type"
 EXCEPTION_MESSAGE = "exception-message"
 EXCEPTION_STACKTRACE = "exception-stacktrace"
@@ -66,6 +69,7 @@ STRIPPED_PREFIXES = ("x-first-death-", "x-last-death-")
 STRIPPED_ON_REPLAY = BROKER_HEADERS | {
     PARKED_REASON,
     PARKED_AT,
+    PARKED_ID,
     RETRY_COUNT,
     EXCEPTION_TYPE,
     EXCEPTION_MESSAGE,

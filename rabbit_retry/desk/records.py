@@ -9,8 +9,9 @@ JSON, ``body_text`` when the body is UTF-8) are what the page and the search rea
 ``digest`` identifies one parked copy: a desk killed between its commit and its ack gets the
 same copy again, and the store's unique index on ``digest`` keeps it once. It covers the queue,
 body, properties and headers, except the broker's return counters (``x-delivery-count``,
-``x-acquired-count``), which change on every redelivery of the same copy. Two parks of one
-message are different copies (their ``parked-at`` and ``x-death`` differ), so both are kept.
+``x-acquired-count``), which change on every redelivery of the same copy. Every parked copy
+carries a ``parked-id`` of its own (new at every park), so two parks of one message are two
+rows even when body, headers and ``parked-at`` are alike to the millisecond.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from rabbit_retry.contract import (
     ORIGINAL_QUEUE,
     ORIGINAL_ROUTING_KEY,
     PARKED_AT,
+    PARKED_ID,
     PARKED_REASON,
     RETRY_COUNT,
 )
@@ -172,6 +173,7 @@ def parked_headers(
     original: tuple[str, str],
     failure: Failure | None,
     now: datetime.datetime,
+    parked_id: str,
     expiration: str | None = None,
     frame_max: int = 131072,
 ) -> dict[str, Any]:
@@ -188,6 +190,7 @@ def parked_headers(
     copied[PARKED_AT] = (
         now.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     )
+    copied[PARKED_ID] = parked_id
     copied[RETRY_COUNT] = retry_count
     if failure is None:
         for key in (EXCEPTION_TYPE, EXCEPTION_MESSAGE, EXCEPTION_STACKTRACE):

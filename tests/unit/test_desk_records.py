@@ -83,6 +83,30 @@ def test_another_park_of_the_same_message_is_another_copy() -> None:
         assert other.digest != first.digest
 
 
+def test_two_parks_alike_to_the_millisecond_are_two_copies() -> None:
+    """One message id and body parked twice by the worker in the same millisecond (a publisher
+    sending a message twice to a handler that raises ``Permanent``): each park is its own copy,
+    told apart by the ``parked-id`` the worker gives it."""
+    from rabbit_retry.contract import new_message_id
+    from rabbit_retry.worker.copies import Failure, parked_headers
+
+    failure = Failure("rabbit_retry.worker.consumer.Permanent", "declined", "trace")
+    copies = [
+        parked_headers({"n": 1}, reason="permanent", retry_count=1, queue="orders",
+                       original=("orders", "order.created"), failure=failure, now=NOW,
+                       parked_id=new_message_id())
+        for _ in range(2)
+    ]
+    assert copies[0]["parked-at"] == copies[1]["parked-at"]
+    rows = [parked("orders", b"x", spec.Basic.Properties(headers=h, message_id="m-1"), now=NOW)
+            for h in copies]
+    assert rows[0].digest != rows[1].digest
+    # The same copy delivered again is still one.
+    again = parked("orders", b"x", spec.Basic.Properties(
+        headers={**copies[0], "x-delivery-count": 1}, message_id="m-1"), now=NOW)
+    assert again.digest == rows[0].digest
+
+
 def test_without_parked_at_the_ingest_time_counts() -> None:
     p = parked("orders", b"x", spec.Basic.Properties(headers={}), now=NOW)
     assert p.parked_at == NOW

@@ -71,6 +71,7 @@ def test_parked_headers_the_readme_lists() -> None:
         original=("orders", "order.created"),
         failure=failure,
         now=NOW,
+        parked_id="p-1",
     )
     assert headers["parked-reason"] == "exhausted"
     assert headers["parked-at"] == "2024-05-01T12:00:00.123Z"
@@ -103,6 +104,7 @@ def test_parked_headers_replace_stale_parking_headers_and_original_source() -> N
         original=("orders", "order.created"),
         failure=None,
         now=NOW,
+        parked_id="p-1",
     )
     assert (headers["original-exchange"], headers["original-routing-key"]) == (
         "orders",
@@ -162,6 +164,7 @@ def test_a_multi_megabyte_exception_is_bounded() -> None:
         original=("", "q"),
         failure=failure,
         now=NOW,
+        parked_id="p-1",
     )
     assert encoded_size(headers) < 12 * 1024
 
@@ -189,6 +192,7 @@ def test_parked_headers_shrink_to_fit_a_small_frame() -> None:
         original=("", "q"),
         failure=failure,
         now=NOW,
+        parked_id="p-1",
         frame_max=8192,
     )
     assert encoded_size(headers) <= 8192 - copies.FRAME_RESERVE
