@@ -1,17 +1,27 @@
 """The ``rabbit-retry`` command line, on click.
 
-Adding a verb: write it as a ``@click.command()`` in a module of this package (its docstring is
-its help, the first paragraph also its line in ``rabbit-retry --help``), list it in that
-module's ``COMMANDS``, and name the module in ``VERBS`` below. A verb that talks to the broker
-takes ``@pass_settings``: its first argument is then the ``Settings`` of the global options.
+Adding a verb: a click command in a module of this package, listed in that module's
+``COMMANDS``; name the module in ``VERBS`` below. Its docstring is its help (the first paragraph
+is its line in ``rabbit-retry --help``); ``@pass_settings`` gives it the connection settings::
+
+    @click.command()
+    @click.argument("file", type=click.Path(dir_okay=False), metavar="FILE")
+    @click.option("--limit", type=click.IntRange(min=1), metavar="N", help="At most N.")
+    @pass_settings
+    def relay(settings: Settings, file: str, limit: int | None) -> None:
+        'What it does, in one line.'
+
+    COMMANDS = {"relay": relay}  # and here: VERBS["relay"] = "that module"
+
+A verb with verbs of its own is a ``@click.group(cls=Group)`` (``parking``, in operate.py).
 The module is imported only when its verb runs: `rabbit-retry worker` loads neither the
 operators' verbs nor what they import (rich, httpx; tests/unit/test_worker_imports.py).
 
-Adding an option: a ``@click.option`` on the verb, with click's types for the checks
-(``click.IntRange``, ``click.Choice``, ``click.Path(dir_okay=False)``...). Bad input is
-reported by `main` as one line, ``error: --option: what is wrong``, exit 2; a check click cannot
-make raises ``InputError`` (rabbit_retry/errors.py) from the verb. A global option (before or
-after the verb, like ``--url``) goes on ``cli``.
+Adding an option: a ``@click.option`` with click's types for the checks (``click.IntRange``,
+``click.Choice``, ``click.Path(dir_okay=False)``...). `main` reports bad input as one line,
+``error: --option: what is wrong``, exit 2; a check click cannot make raises ``InputError``
+(rabbit_retry/errors.py) in the verb. A global option (accepted before or after the verb, like
+``--url``) goes on ``cli`` and is read in ``pass_settings``.
 """
 
 from __future__ import annotations
