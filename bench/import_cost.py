@@ -22,7 +22,7 @@ LAYERS = (
     ("python", ""),
     ("asyncio (it loads ssl, so OpenSSL)", "import asyncio"),
     ("aiormq", "import aiormq"),
-    ("argparse, rabbit_retry.cli and the worker verb", "import rabbit_retry.cli.worker"),
+    ("click, rabbit_retry.cli and the worker verb", "import rabbit_retry.cli.worker"),
     ("rabbit_retry worker path (runner, session)", "import rabbit_retry.worker.runner"),
     ("the topology, checked in a child process",
      "from rabbit_retry.topology.apart import load_topology_apart\n"

@@ -8,7 +8,9 @@ import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from rabbit_retry.cli import Command, Parser, file_path
+import click
+
+from rabbit_retry.cli import pass_settings
 from rabbit_retry.errors import InputError
 
 if TYPE_CHECKING:
@@ -29,18 +31,16 @@ def _keep(value: str) -> timedelta:
     return timedelta(milliseconds=ms)
 
 
-def _arguments(parser: Parser) -> None:
-    parser.add_argument("file", type=file_path, metavar="FILE", help="The topology file.")
-    parser.add_argument("--store", dest="store_url", metavar="URL", show_default=DEFAULT_STORE,
-                        help="sqlite:///PATH or postgresql://user:pass@host/db")
-    parser.add_argument("--listen", default="127.0.0.1:8025", show_default=True,
-                        metavar="HOST:PORT", help="HOST:PORT of the page and the API.")
-    parser.add_argument("--keep", default="30d", show_default=True, metavar="DURATION",
-                        help="How long replayed and discarded messages are kept (the audit: "
-                        "forever).")
-
-
-def desk(settings: Settings, file: str, store_url: str | None, listen: str, keep: str) -> None:
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False), metavar="FILE")
+@click.option("--store", "store_url", envvar=STORE_ENV, default=DEFAULT_STORE, show_default=True,
+              metavar="URL", help="sqlite:///PATH or postgresql://user:pass@host/db")
+@click.option("--listen", default="127.0.0.1:8025", show_default=True, metavar="HOST:PORT",
+              help="HOST:PORT of the page and the API.")
+@click.option("--keep", default="30d", show_default=True, metavar="DURATION",
+              help="How long replayed and discarded messages are kept (the audit: forever).")
+@pass_settings
+def desk(settings: Settings, file: str, store_url: str, listen: str, keep: str) -> None:
     """Consume FILE's parking queues into a store; serve a page and a JSON API over them."""
     import asyncio
 
@@ -48,8 +48,6 @@ def desk(settings: Settings, file: str, store_url: str | None, listen: str, keep
     from rabbit_retry.desk.store import engine_url
     from rabbit_retry.topology import load_topology
 
-    if store_url is None:  # not given: the environment's, else the default
-        store_url = os.environ.get(STORE_ENV) or DEFAULT_STORE
     token = os.environ.get(TOKEN_ENV) or None
     where = parse_listen(listen)
     check_exposure(where, token)
@@ -64,4 +62,4 @@ def desk(settings: Settings, file: str, store_url: str | None, listen: str, keep
                       token=token))
 
 
-COMMANDS = {"desk": Command(desk, _arguments)}
+COMMANDS = {"desk": desk}

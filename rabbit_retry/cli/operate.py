@@ -11,24 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 
+import click
+from click.decorators import FC
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rabbit_retry.cli import (
-    Command,
-    FloatRange,
-    Group,
-    IntRange,
-    Parser,
-    confirm,
-    echo,
-    file_path,
-    stdin_is_terminal,
-)
+from rabbit_retry.cli import Group, confirm, pass_settings, stdin_is_terminal
 from rabbit_retry.errors import EXIT_RUNTIME, InputError
 from rabbit_retry.parking import act, filters, peek, render
 from rabbit_retry.parking.message import group, summary_record
@@ -52,16 +44,13 @@ def _selection(wheres: Sequence[str], older_than: str | None = None) -> filters.
         raise InputError(str(exc)) from None
 
 
-def _json(parser: Parser) -> None:
-    parser.add_argument("--json", dest="as_json", action="store_true",
-                        help="Machine-readable output.")
+_json = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 
 
-def _status_arguments(parser: Parser) -> None:
-    parser.add_argument("file", type=file_path, metavar="FILE", help="The topology file.")
-    _json(parser)
-
-
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False), metavar="FILE")
+@_json
+@pass_settings
 def status(settings: Settings, file: str, as_json: bool) -> None:
     """Per queue of FILE: ready, unacked, consumers, retrying, parked; then drift.
 
@@ -78,46 +67,41 @@ def status(settings: Settings, file: str, as_json: bool) -> None:
         check_same_broker(settings, api)
         report = read_status(api, settings, plan, file)
     if as_json:
-        echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
+        click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
         _console().print(status_view(report))
     if not report.ok:
         sys.exit(EXIT_RUNTIME)
 
 
-PARKING = """Review parked messages: show, replay, purge, export.
+@click.group(cls=Group)
+def parking() -> None:
+    """Review parked messages: show, replay, purge, export.
 
-QUEUE names a main queue or its parking queue (orders or orders.parking).
-"""
-
-
-def _queue(parser: Parser) -> None:
-    parser.add_argument("queue", metavar="QUEUE",
-                        help="A main queue or its parking queue (orders or orders.parking).")
+    QUEUE names a main queue or its parking queue (orders or orders.parking).
+    """
 
 
-def _limit(parser: Parser, help: str) -> None:
-    parser.add_argument("--limit", type=IntRange(1), metavar="N", help=help)
+_queue = click.argument("queue", metavar="QUEUE")
 
 
-def _wheres(parser: Parser) -> None:
-    parser.add_argument("--where", dest="wheres", action="append", default=[],
-                        metavar="HEADER=VALUE", help="Only messages whose header equals VALUE "
-                        "(as text); repeat to require all.")
+def _limit(help: str) -> Callable[[FC], FC]:
+    return click.option("--limit", type=click.IntRange(min=1), metavar="N", help=help)
 
 
-def _yes(parser: Parser) -> None:
-    parser.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
+_wheres = click.option("--where", "wheres", multiple=True, metavar="HEADER=VALUE",
+                       help="Only messages whose header equals VALUE (as text); repeat to "
+                       "require all.")
+_yes = click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 
 
-def _show_arguments(parser: Parser) -> None:
-    _queue(parser)
-    _limit(parser, "Read at most N messages from the head.")
-    _json(parser)
-    parser.add_argument("--group", dest="grouped", action="store_true",
-                        help="Only the counts by exception type and reason.")
-
-
+@parking.command(short_help="Peek at parked messages; they stay parked.")
+@_queue
+@_limit("Read at most N messages from the head.")
+@_json
+@click.option("--group", "grouped", is_flag=True,
+              help="Only the counts by exception type and reason.")
+@pass_settings
 def show(settings: Settings, queue: str, limit: int | None, as_json: bool, grouped: bool) -> None:
     """Peek at the parked messages of QUEUE; they stay parked, in their order."""
     peeked, messages = asyncio.run(peek.collect(settings, queue, limit=limit))
@@ -132,7 +116,7 @@ def show(settings: Settings, queue: str, limit: int | None, as_json: bool, group
         }
         if not grouped:
             out["messages"] = [summary_record(m) for m in messages]
-        echo(json.dumps(out, indent=2, ensure_ascii=False))
+        click.echo(json.dumps(out, indent=2, ensure_ascii=False))
         return
     console = _console()
     console.print(render.show_heading(peeked.target.parking, peeked.ready, peeked.seen))
@@ -181,7 +165,7 @@ def _confirm(
     peeked, matching = asyncio.run(peek.count_matching(settings, queue, selection, limit=limit))
     target = peeked.target
     if matching == 0:
-        echo(f"nothing to {verb}: none of the {plural(peeked.ready, _PARKED)} in "
+        click.echo(f"nothing to {verb}: none of the {plural(peeked.ready, _PARKED)} in "
                    f"{target.parking!r} matches {selection.describe()}")
         return 0
     where = f" to {target.main!r}" if verb == "replay" else ""
@@ -198,22 +182,21 @@ def _capped_limit(limit: int | None, confirmed: int | None) -> int | None:
     return confirmed if limit is None else min(limit, confirmed)
 
 
-def _replay_arguments(parser: Parser) -> None:
-    _queue(parser)
-    _limit(parser, "Replay at most N messages.")
-    _wheres(parser)
-    parser.add_argument("--rate", type=FloatRange(0, open=True), metavar="N",
-                        help="At most N messages a second.")
-    parser.add_argument("--handle-again", action="store_true", help="Handle them even if an "
-                        "idempotent consumer already handled their key.")
-    _yes(parser)
-
-
+@parking.command(short_help="Move parked messages back to their queue.")
+@_queue
+@_limit("Replay at most N messages.")
+@_wheres
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), metavar="N",
+              help="At most N messages a second.")
+@click.option("--handle-again", is_flag=True,
+              help="Handle them even if an idempotent consumer already handled their key.")
+@_yes
+@pass_settings
 def replay(
     settings: Settings,
     queue: str,
     limit: int | None,
-    wheres: list[str],
+    wheres: tuple[str, ...],
     rate: float | None,
     handle_again: bool,
     yes: bool,
@@ -232,23 +215,22 @@ def replay(
             act.replay(settings, queue, selection, limit=_capped_limit(limit, confirmed), rate=rate,
                        progress=progress, handle_again=handle_again)
         )
-    echo(
+    click.echo(
         f"replayed {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
         f"{outcome.target.parking!r} to {outcome.target.main!r} ({selection.describe()}); "
         f"{outcome.left} left parked"
     )
 
 
-def _purge_arguments(parser: Parser) -> None:
-    _queue(parser)
-    _wheres(parser)
-    parser.add_argument("--older-than", metavar="DURATION",
-                        help="Only messages parked longer ago than this (90m, 2d).")
-    _yes(parser)
-
-
+@parking.command(short_help="Delete parked messages.")
+@_queue
+@_wheres
+@click.option("--older-than", metavar="DURATION",
+              help="Only messages parked longer ago than this (90m, 2d).")
+@_yes
+@pass_settings
 def purge(
-    settings: Settings, queue: str, wheres: list[str], older_than: str | None, yes: bool
+    settings: Settings, queue: str, wheres: tuple[str, ...], older_than: str | None, yes: bool
 ) -> None:
     """Delete parked messages for good; the ones that do not match stay parked, in order.
 
@@ -263,18 +245,17 @@ def purge(
         outcome = asyncio.run(
             act.purge(settings, queue, selection, limit=confirmed, progress=progress)
         )
-    echo(
+    click.echo(
         f"deleted {outcome.acted} of {plural(outcome.ready, _PARKED)} from "
         f"{outcome.target.parking!r} ({selection.describe()}); {outcome.left} left parked"
     )
 
 
-def _export_arguments(parser: Parser) -> None:
-    _queue(parser)
-    parser.add_argument("--out", required=True, metavar="FILE.jsonl",
-                        help="Where to write a JSON line per message; - for stdout.")
-
-
+@parking.command(short_help="Write parked messages to a JSON-lines file.")
+@_queue
+@click.option("--out", required=True, metavar="FILE.jsonl",
+              help="Where to write a JSON line per message; - for stdout.")
+@pass_settings
 def export(settings: Settings, queue: str, out: str) -> None:
     """Write every parked message of QUEUE to a JSON-lines file; they stay parked.
 
@@ -283,22 +264,11 @@ def export(settings: Settings, queue: str, out: str) -> None:
     """
     with peek.atomic_output(out) as stream:
         peeked = asyncio.run(peek.export(settings, queue, stream))
-    echo(
+    click.echo(
         f"exported {plural(peeked.seen, _PARKED)} from {peeked.target.parking!r} to {out}; "
         "they stay parked",
         err=True,
     )
 
 
-COMMANDS = {
-    "status": Command(status, _status_arguments),
-    "parking": Group(PARKING, {
-        "show": Command(show, _show_arguments,
-                        summary="Peek at parked messages; they stay parked."),
-        "replay": Command(replay, _replay_arguments,
-                          summary="Move parked messages back to their queue."),
-        "purge": Command(purge, _purge_arguments, summary="Delete parked messages."),
-        "export": Command(export, _export_arguments,
-                          summary="Write parked messages to a JSON-lines file."),
-    }),
-}
+COMMANDS = {"status": status, "parking": parking}

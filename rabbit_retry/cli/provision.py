@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
@@ -34,15 +35,7 @@ from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.policies import apply_policies
-from rabbit_retry.cli import (
-    Choice,
-    Command,
-    Parser,
-    confirm,
-    echo,
-    stdin_is_terminal,
-    writable_file_path,
-)
+from rabbit_retry.cli import confirm, pass_settings, stdin_is_terminal
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
 from rabbit_retry.text import plural
@@ -84,7 +77,7 @@ def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
 def _notes(plan: Plan, live: LiveState) -> list[str]:
     notes = policy_notes(plan, live)
     for note in notes:
-        echo(f"note: {note}", err=True)
+        click.echo(f"note: {note}", err=True)
     return notes
 
 
@@ -129,8 +122,8 @@ def _print_changes(changes: Sequence[Change], vhost: str) -> None:
         console.print(table)
     else:  # piped: one plain line per object, easy to grep
         for c in changes:
-            echo(_line(c))
-    echo(_summary(changes, vhost))
+            click.echo(_line(c))
+    click.echo(_summary(changes, vhost))
 
 
 @contextmanager
@@ -150,55 +143,54 @@ def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: b
         made = {"exchange": 0, "queue": 0, "binding": 0, "policy": 0}
         for c in report.created:
             made[c.object] += 1
-        echo(
+        click.echo(
             f"created {plural(made['exchange'], 'exchange')}, {plural(made['queue'], 'queue')}"
             f" and {plural(made['binding'], 'binding')} in vhost {vhost!r}"
         )
     for c in report.unbound:
-        echo(f"unbound {c.name}: {c.detail}")
+        click.echo(f"unbound {c.name}: {c.detail}")
     if prune:
         _report_grow(changes)
         for name in report.pruned:
-            echo(f"pruned {name} (obsolete, empty)")
+            click.echo(f"pruned {name} (obsolete, empty)")
         for name, left in report.kept:
-            echo(
+            click.echo(
                 f"kept {name} (obsolete, {plural(left, 'message')} still in it); prune again "
                 "once it has drained"
             )
         return
     for c in changes:
         if c.kind in ("prune", "keep"):
-            echo(f"left {c.name} ({c.detail}); apply --prune deletes it once empty")
+            click.echo(f"left {c.name} ({c.detail}); apply --prune deletes it once empty")
     _report_grow(changes)
 
 
 def _report_grow(changes: Sequence[Change]) -> None:
     for c in changes:
         if c.kind == "grow":
-            echo(f"left {c.name} short of replicas: {c.detail}")
+            click.echo(f"left {c.name} short of replicas: {c.detail}")
 
 
-def _file(parser: Parser) -> None:
-    parser.add_argument("file", metavar="FILE", help="The topology file.")
+_file = click.argument("file", metavar="FILE")
 
 
-def validate(settings: Settings, file: str) -> None:
+@click.command()
+@_file
+def validate(file: str) -> None:
     """Check FILE and print what it would create; touches no broker."""
     compiled = _load(file)
-    echo(
+    click.echo(
         f"{file}: valid; {plural(len(compiled.exchanges), 'exchange')}, "
         f"{plural(len(compiled.queues), 'queue')}, {plural(len(compiled.bindings), 'binding')}"
     )
     for c in diff(compiled, LiveState.empty()):
-        echo(f"  {c.object:<8} {c.name}" + (f"  ({c.detail})" if c.detail else ""))
+        click.echo(f"  {c.object:<8} {c.name}" + (f"  ({c.detail})" if c.detail else ""))
 
 
-def _plan_arguments(parser: Parser) -> None:
-    _file(parser)
-    parser.add_argument("--json", dest="as_json", action="store_true",
-                        help="Machine-readable output.")
-
-
+@click.command()
+@_file
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_settings
 def plan(settings: Settings, file: str, as_json: bool) -> None:
     """Compare FILE with the live broker; exit 3 if anything conflicts."""
     compiled = _load(file)
@@ -211,7 +203,7 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
         }
-        echo(json.dumps(document, indent=2, sort_keys=True))
+        click.echo(json.dumps(document, indent=2, sort_keys=True))
     else:
         _print_changes(changes, settings.vhost)
         _notes(compiled, live)
@@ -228,13 +220,11 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
         )
 
 
-def _apply_arguments(parser: Parser) -> None:
-    _file(parser)
-    parser.add_argument("--prune", action="store_true",
-                        help="Delete obsolete retry tiers that are empty.")
-    parser.add_argument("--dry-run", action="store_true", help="Print the plan; change nothing.")
-
-
+@click.command()
+@_file
+@click.option("--prune", is_flag=True, help="Delete obsolete retry tiers that are empty.")
+@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@pass_settings
 def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
     """Create what FILE needs on the broker; a second run changes nothing."""
     compiled = _load(file)
@@ -250,13 +240,13 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
     if dry_run:
         _print_changes(changes, settings.vhost)
         if problem:
-            echo(f"warning: apply would refuse: {problem}", err=True)
-        echo("dry run: nothing was changed")
+            click.echo(f"warning: apply would refuse: {problem}", err=True)
+        click.echo("dry run: nothing was changed")
         return
     if problem:
         raise BrokerError(problem)
     if nothing_to_do(changes, prune=prune):
-        echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
+        click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
         _report(ApplyReport(), changes, settings.vhost, prune)
         return
     with _progress(work_count(changes, prune=prune)) as advance:
@@ -266,15 +256,14 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
     _report(report, changes, settings.vhost, prune)
     with Management.for_settings(settings) as api:
         for line in apply_policies(api, settings.vhost, changes):
-            echo(line)
+            click.echo(line)
 
 
-def _migrate_arguments(parser: Parser) -> None:
-    _file(parser)
-    parser.add_argument("--dry-run", action="store_true", help="Print the steps; change nothing.")
-    parser.add_argument("--yes", action="store_true", help="Do not ask for confirmation.")
-
-
+@click.command()
+@_file
+@click.option("--dry-run", is_flag=True, help="Print the steps; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@pass_settings
 def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
     """Rebuild every queue of FILE the broker cannot change in place, keeping its messages.
 
@@ -293,18 +282,18 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
     changes, live = _read(settings, compiled)
     migrations = plan_migrations(changes, live, compiled.bindings)
     if not migrations:
-        echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
+        click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
         return
     for migration in migrations:
         for line in describe(migration):
-            echo(line)
+            click.echo(line)
     order = [f"{m.name} ({steps[0]}..{steps[-1]})" for m, steps in schedule(migrations)]
-    echo("order: " + ", ".join(order))
+    click.echo("order: " + ", ".join(order))
     hazards = hold_hazards(migrations, live.policies)
     if hazards:
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))
     if dry_run:
-        echo("dry run: nothing was changed")
+        click.echo("dry run: nothing was changed")
         return
     if not yes:
         if not stdin_is_terminal():
@@ -312,14 +301,14 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
                 "refusing to migrate without confirmation: stdin is not a terminal; pass --yes"
             )
         confirm(f"Migrate {plural(len(migrations), 'queue')} in vhost {settings.vhost!r}?")
-    outcomes = asyncio.run(run_migrations(settings, migrations, say=echo))
-    echo(
+    outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
+    click.echo(
         f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
         + ", ".join(o.name for o in outcomes)
     )
     left = [c for c in diff(compiled, read_live_of(settings)) if c.kind != "unchanged"]
     if left:
-        echo(f"`rabbit-retry apply {file}` has {plural(len(left), 'change')} left to make")
+        click.echo(f"`rabbit-retry apply {file}` has {plural(len(left), 'change')} left to make")
 
 
 def read_live_of(settings: Settings) -> LiveState:
@@ -327,21 +316,19 @@ def read_live_of(settings: Settings) -> LiveState:
         return read_live(api, settings.vhost)
 
 
-def _export_arguments(parser: Parser) -> None:
-    _file(parser)
-    parser.add_argument(
-        "--format",
-        dest="fmt",
-        type=Choice("definitions", "mermaid", "alerts", "grafana"),
-        required=True,
-        help="definitions: JSON for POST /api/definitions/{vhost}; mermaid: a diagram; "
-        "alerts: Prometheus alerting rules; grafana: a dashboard JSON.",
-    )
-    parser.add_argument("--out", type=writable_file_path, metavar="FILE",
-                        help="Write to a file.")
-
-
-def export(settings: Settings, file: str, fmt: str, out: str | None) -> None:
+@click.command()
+@_file
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["definitions", "mermaid", "alerts", "grafana"]),
+    required=True,
+    help="definitions: JSON for POST /api/definitions/{vhost}; mermaid: a diagram; "
+    "alerts: Prometheus alerting rules; grafana: a dashboard JSON.",
+)
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), metavar="FILE",
+              help="Write to a file.")
+def export(file: str, fmt: str, out: str | None) -> None:
     """Print FILE as broker definitions JSON, a Mermaid diagram, Prometheus alerting rules or a
     Grafana dashboard for its queues; touches no broker."""
     compiled = _load(file)
@@ -360,13 +347,8 @@ def export(settings: Settings, file: str, fmt: str, out: str | None) -> None:
         Path(out).write_text(text, encoding="utf-8")
     except OSError as exc:
         raise InputError(f"--out {out}: cannot write ({exc.strerror})") from None
-    echo(f"wrote {out}", err=True)
+    click.echo(f"wrote {out}", err=True)
 
 
-COMMANDS = {
-    "validate": Command(validate, _file),
-    "plan": Command(plan, _plan_arguments),
-    "apply": Command(apply, _apply_arguments),
-    "migrate": Command(migrate, _migrate_arguments),
-    "export": Command(export, _export_arguments),
-}
+COMMANDS = {"validate": validate, "plan": plan, "apply": apply, "migrate": migrate,
+            "export": export}

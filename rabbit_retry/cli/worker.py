@@ -8,7 +8,9 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from rabbit_retry.cli import Choice, Command, FloatRange, IntRange, Parser, file_path
+import click
+
+from rabbit_retry.cli import pass_settings
 from rabbit_retry.errors import InputError
 
 if TYPE_CHECKING:
@@ -50,45 +52,42 @@ def load_consumer(spec: str) -> RetryConsumer:
         raise InputError(f"{spec!r}: {attr}() failed: {type(exc).__name__}: {exc}") from exc
 
 
-def _arguments(parser: Parser) -> None:
-    parser.add_argument("consumers", nargs="+", metavar="MODULE:CLASS",
-                        help="A RetryConsumer subclass, e.g. app.consumers:FraudCheck.")
-    parser.add_argument(
-        "-t",
-        "--topology",
-        dest="topology_file",
-        required=True,
-        type=file_path,
-        metavar="FILE",
-        help="The topology file the queues were provisioned from.",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=IntRange(0, 65535),
-        default=None,
-        metavar="PORT",
-        help="Serve Prometheus metrics on this port (0 picks a free one).",
-    )
-    parser.add_argument(
-        "--grace",
-        type=FloatRange(0),
-        default=30.0,
-        show_default=True,
-        metavar="SECONDS",
-        help="Seconds in-flight handlers get to finish after SIGTERM / SIGINT.",
-    )
-    parser.add_argument(
-        "--log-level",
-        type=Choice("debug", "info", "warning", "error"),
-        default="info",
-        show_default=True,
-        help="debug also logs every successful message.",
-    )
-
-
+@click.command()
+@click.argument("consumers", nargs=-1, required=True, metavar="MODULE:CLASS...")
+@click.option(
+    "-t",
+    "--topology",
+    "topology_file",
+    required=True,
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="The topology file the queues were provisioned from.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    metavar="PORT",
+    help="Serve Prometheus metrics on this port (0 picks a free one).",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds in-flight handlers get to finish after SIGTERM / SIGINT.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+    help="debug also logs every successful message.",
+)
+@pass_settings
 def worker(
     settings: Settings,
-    consumers: list[str],
+    consumers: tuple[str, ...],
     topology_file: str,
     metrics_port: int | None,
     grace: float,
@@ -123,4 +122,4 @@ def worker(
     )
 
 
-COMMANDS = {"worker": Command(worker, _arguments)}
+COMMANDS = {"worker": worker}

@@ -20,7 +20,7 @@ from rabbit_retry.cli import hoist_global_options, main
         ),
         (["worker", "m:C", "-t", "f.yml", "--debug"], ["--debug", "worker", "m:C", "-t", "f.yml"]),
         (["apply", "t.yml", "--", "--url", "x"], ["apply", "t.yml", "--", "--url", "x"]),
-        # A trailing option without its value stays where it is, for argparse to report.
+        # A trailing option without its value stays where it is (main reports it).
         (["apply", "t.yml", "--url"], ["apply", "t.yml", "--url"]),
         (["status", "--urlish", "x"], ["status", "--urlish", "x"]),
     ],

@@ -1,14 +1,17 @@
-"""The command line itself (argparse): bad input is one line and exit 2, help and version, the
-confirmation prompt. Nothing here reaches a broker."""
+"""The command line itself (click): bad input is one line and exit 2, help and version, the
+confirmation prompt, a closed pipe. Nothing here reaches a broker."""
 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
+import click
 import pytest
 
-from rabbit_retry.cli import VERBS, Abort, confirm, main
+from rabbit_retry.cli import VERBS, commands_of, confirm, main
 from rabbit_retry.errors import EXIT_INPUT
 
 
@@ -26,43 +29,55 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
     [
         (["worker", "m:C"], "error: --topology is required"),
         (["worker", "-t", "t.yml"], "error: MODULE:CLASS is required"),
-        (["worker"], "error: MODULE:CLASS and --topology are required"),
-        (["worker", "m:C", "-t"], "error: --topology: expected one argument"),
+        (["worker"], "error: MODULE:CLASS is required"),
+        (["worker", "m:C", "-t"], "error: option '-t' requires an argument"),
         (["worker", "m:C", "-t", "t.yml", "--metrics-port", "70000"],
-         "error: --metrics-port: 70000 is not in 0..65535"),
+         "error: --metrics-port: 70000 is not in the range 0<=x<=65535"),
         (["worker", "m:C", "-t", "t.yml", "--metrics-port", "-1"],
-         "error: --metrics-port: -1 is not in 0..65535"),
+         "error: --metrics-port: -1 is not in the range 0<=x<=65535"),
         (["worker", "m:C", "-t", "t.yml", "--metrics-port", "x"],
-         "error: --metrics-port: 'x' is not an integer"),
-        (["worker", "m:C", "-t", "t.yml", "--grace", "-1"], "error: --grace: -1 is less than 0"),
+         "error: --metrics-port: 'x' is not a valid integer range"),
+        (["worker", "m:C", "-t", "t.yml", "--grace", "-1"],
+         "error: --grace: -1.0 is not in the range x>=0"),
         (["worker", "m:C", "-t", "t.yml", "--grace", "soon"],
-         "error: --grace: 'soon' is not a number"),
+         "error: --grace: 'soon' is not a valid float range"),
         (["worker", "m:C", "-t", "t.yml", "--log-level", "loud"],
-         "error: --log-level: 'loud' is not one of debug, info, warning, error"),
+         "error: --log-level: 'loud' is not one of 'debug', 'info', 'warning', 'error'"),
         (["export", "t.yml"], "error: --format is required"),
         (["export", "t.yml", "--format", "dot"],
-         "error: --format: 'dot' is not one of definitions, mermaid, alerts, grafana"),
-        (["parking", "show", "q", "--limit", "0"], "error: --limit: 0 is less than 1"),
-        (["parking", "replay", "q", "--rate", "0"], "error: --rate: 0 is not more than 0"),
+         "error: --format: 'dot' is not one of 'definitions', 'mermaid', 'alerts', 'grafana'"),
+        (["parking", "show", "q", "--limit", "0"], "error: --limit: 0 is not in the range x>=1"),
+        (["parking", "replay", "q", "--rate", "0"],
+         "error: --rate: 0.0 is not in the range x>0"),
         (["parking", "export", "q"], "error: --out is required"),
         (["parking", "show"], "error: QUEUE is required"),
         (["parking", "peek", "q"],
          "error: no such command 'peek' (rabbit-retry parking --help lists them)"),
         (["status"], "error: FILE is required"),
-        (["validate", "t.yml", "--nope"], "error: unrecognized arguments: --nope"),
-        (["validate", "a.yml", "b.yml"], "error: unrecognized arguments: b.yml"),
+        (["validate", "t.yml", "--nope"], "error: no such option '--nope'"),
+        (["validate", "a.yml", "b.yml"], "error: got unexpected extra argument (b.yml)"),
         (["deploy"], "error: no such command 'deploy' (rabbit-retry --help lists them)"),
-        (["--nope", "validate", "t.yml"], "error: unrecognized arguments: --nope"),
-        (["validate", "t.yml", "--url"], "error: --url: expected one argument"),
-        # Long options are never abbreviated (click never did either).
+        (["--nope", "validate", "t.yml"], "error: no such option '--nope'"),
+        (["validate", "t.yml", "--url"], "error: option '--url' requires an argument"),
+        # Long options are never abbreviated.
         (["worker", "m:C", "-t", "t.yml", "--metrics", "1"],
-         "error: unrecognized arguments: --metrics 1"),
+         "error: no such option '--metrics'. Did you mean '--metrics-port'?"),
+        # A password given where it does not belong is masked like everywhere else.
+        (["validate", "t.yml", "amqp://guest:secret@h/"],
+         "error: got unexpected extra argument (amqp://guest:***@h/)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
     capsys: pytest.CaptureFixture[str], args: list[str], line: str
 ) -> None:
     assert _run(capsys, *args) == (EXIT_INPUT, "", line + "\n")
+
+
+def test_a_traceback_only_with_debug(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "--debug", "worker", "m:C", "-t", "t.yml", "--grace", "x")
+    assert (code, out) == (EXIT_INPUT, "")
+    assert err.startswith("Traceback (most recent call last):\n"), err
+    assert err.endswith("\nerror: --grace: 'x' is not a valid float range\n"), err
 
 
 def test_a_directory_where_a_file_is_expected(
@@ -74,16 +89,21 @@ def test_a_directory_where_a_file_is_expected(
                        (["export", "t.yml", "--format", "mermaid", "--out", here], "--out"),
                        (["--ca-file", here, "status", "t.yml"], "--ca-file")):
         assert _run(capsys, *args) == (
-            EXIT_INPUT, "", f"error: {name}: {here!r} is a directory, expected a file\n")
+            EXIT_INPUT, "", f"error: {name}: file {here!r} is a directory\n")
 
 
 def test_help_lists_every_verb_with_its_summary(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys, "--help")
     assert (code, err) == (0, "")
-    assert out.startswith("usage: rabbit-retry [OPTIONS] COMMAND [ARGS]...\n")
-    listed = " ".join(out.split("\ncommands:\n", 1)[1].split())
-    for name, verb in VERBS.items():
-        assert f"{name} {verb.summary}" in listed, name
+    assert out.startswith("Usage: rabbit-retry [OPTIONS] COMMAND [ARGS]...\n")
+    listed = " ".join(out.split("\nCommands:\n", 1)[1].split())
+    for name, module in VERBS.items():
+        # The whole first paragraph of the verb's own help: click would cut it short.
+        help_text = commands_of(module)[name].help or ""
+        summary = " ".join(help_text.split("\n\n")[0].split())
+        assert f"{name} {summary}" in listed, name
+    assert "Prometheus alerting rules or a Grafana dashboard for its queues; touches no broker"\
+        in listed
     for option in ("--url", "--management-url", "--ca-file", "--cert-file", "--key-file",
                    "--debug", "--version", "-h, --help"):
         assert option in out
@@ -93,9 +113,10 @@ def test_each_verb_has_its_help(capsys: pytest.CaptureFixture[str]) -> None:
     for args in (["worker"], ["parking"], ["parking", "replay"], ["desk"], ["apply"]):
         code, out, err = _run(capsys, *args, "-h")
         assert (code, err) == (0, ""), args
-        assert out.startswith(f"usage: rabbit-retry {' '.join(args)} "), out
+        assert out.startswith(f"Usage: rabbit-retry {' '.join(args)} "), out
     code, out, _ = _run(capsys, "parking", "--help")
-    assert "\ncommands:\n  export " in out and "\n  show " in out
+    assert "\nCommands:\n  export  Write parked messages to a JSON-lines file.\n" in out
+    assert "\n  show    Peek at parked messages; they stay parked.\n" in out
     code, out, _ = _run(capsys, "worker", "--help")
     assert "--grace SECONDS" in out and "[default: 30.0; x>=0]" in " ".join(out.split())
 
@@ -103,10 +124,10 @@ def test_each_verb_has_its_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_verb_shows_the_help_on_stderr_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(capsys)
     assert (code, out) == (EXIT_INPUT, "")
-    assert err.startswith("usage: rabbit-retry [OPTIONS] COMMAND [ARGS]...\n")
+    assert err.startswith("Usage: rabbit-retry [OPTIONS] COMMAND [ARGS]...\n")
     code, out, err = _run(capsys, "--debug", "parking")
     assert (code, out) == (EXIT_INPUT, "")
-    assert err.startswith("usage: rabbit-retry parking [-h] COMMAND [ARGS]...\n")
+    assert err.startswith("Usage: rabbit-retry parking [OPTIONS] COMMAND [ARGS]...\n")
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,8 +159,34 @@ def test_confirm(
     if yes:
         confirm("Replay 2?")
     else:
-        with pytest.raises(Abort):
+        with pytest.raises(click.Abort):
             confirm("Replay 2?")
     out = capsys.readouterr().out
     assert out.startswith("Replay 2? [y/N]: ")
     assert ("Error: invalid input" in out) == typed.startswith("maybe")
+
+
+def test_a_help_works_with_a_bad_url_in_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The settings are built when a verb runs, after its own arguments.
+    monkeypatch.setenv("RABBIT_RETRY_URL", "bad")
+    code, out, err = _run(capsys, "worker", "--help")
+    assert (code, err) == (0, "") and out.startswith("Usage: rabbit-retry worker ")
+    assert _run(capsys, "parking", "show", "q") == (
+        EXIT_INPUT, "", "error: --url: expected an amqp:// or amqps:// URL, got 'bad'\n")
+
+
+def test_output_piped_to_head_ends_quietly(tmp_path: Path) -> None:
+    # Far more lines than a pipe holds: the reader goes away while the command still writes.
+    topology = tmp_path / "big.yml"
+    topology.write_text("version: 1\nqueues:\n" + "".join(f"  q{i}: {{}}\n" for i in range(2000)))
+    command = [sys.executable, "-c", "from rabbit_retry.cli import main; main()", "validate",
+               str(topology)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout is not None and process.stderr is not None
+        first = process.stdout.readline()
+        process.stdout.close()
+        err = process.stderr.read()
+    assert first == f"{topology}: valid; 2000 exchanges, 10000 queues, 8000 bindings\n".encode()
+    assert (process.returncode, err) == (1, b"")
