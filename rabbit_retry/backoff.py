@@ -25,7 +25,8 @@ class Backoff:
         """Count one more failure; the seconds to wait before the next try."""
         self.failures += 1
         ceiling = min(self.maximum, self.initial * 2 ** min(self.failures - 1, 32))
-        return ceiling / 2 + random.uniform(0, ceiling / 2)
+        delay: float = ceiling / 2 + random.uniform(0, ceiling / 2)
+        return delay
 
     def succeeded(self) -> int:
         """End the streak; how many failures it had (0: there was none to report)."""
