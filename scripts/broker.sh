@@ -195,7 +195,7 @@ up() {
     mount_once
     say "starting $NODE, waiting up to ${TIMEOUT}s"
     # The file-descriptor limit of a node decides how many quorum queues it can hold.
-    in_chroot sh -c "ulimit -n 65536 2>/dev/null; rabbitmq-server -detached" >/dev/null 2>&1 ||
+    in_chroot sh -c "ulimit -n 65536 2>/dev/null || ulimit -n \"\$(ulimit -Hn)\"; rabbitmq-server -detached" >/dev/null 2>&1 ||
         fail "rabbitmq-server -detached failed; see $DIR/var/log/rabbitmq/"
     wait_up
     say "RabbitMQ $(running_version) ready on 127.0.0.1:$PORT, management $MGMT_PORT"

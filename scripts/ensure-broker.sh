@@ -147,6 +147,9 @@ start_local() {
     log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-broker.XXXXXX")"
     if ! rmq rabbitmqctl -q ping >/dev/null 2>&1; then
         say "starting the local RabbitMQ node (rabbitmq-server -detached), waiting up to ${TIMEOUT}s"
+        # As many file descriptors as the machine allows: a node's connections and (on 3.x)
+        # its quorum queues each hold some, and parallel tests open many.
+        ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
         rmq rabbitmq-server -detached >"$log" 2>&1 || {
             cat "$log" >&2
             fail "rabbitmq-server -detached failed; see above and /var/log/rabbitmq/"
