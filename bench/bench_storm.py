@@ -124,10 +124,7 @@ def run(
         f"`{QUEUE}`; the rest wait ready in `{QUEUE}.DQ`. First backoff: min_backoff x 1-2 "
         "(jitter), so 60-120 s here.",
     ]
-    if common.our_worker_available():
-        systems = {OURS: ours, **systems}
-    else:
-        notes.append("rabbit-retry worker: not available in this tree yet (no RetryConsumer).")
+    systems = {OURS: ours, **systems}
     log(f"retry storm: {n:,} messages x {runs} runs")
     outcomes: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     for round_, name in common.rotations(runs, list(systems)):

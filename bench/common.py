@@ -531,16 +531,6 @@ def rabbit_retry_cli(*args: str) -> list[str]:
     return [CLI, *args]
 
 
-def our_worker_available() -> bool:
-    """The worker is written concurrently; benches show 'not available' until it exists."""
-    try:
-        import rabbit_retry
-
-        return hasattr(rabbit_retry, "RetryConsumer")
-    except ImportError:
-        return False
-
-
 def write_topology(workdir: Path, yaml_text: str) -> Path:
     path = workdir / f"topology-{next(_counter)}.yml"
     path.write_text(yaml_text)
