@@ -88,9 +88,6 @@ apart() {
     local name="$1" dir
     shift
     dir="$(mktemp -d "${TMPDIR:-/tmp}/rabbit-retry-stage.XXXXXX")"
-    # A process group of its own (job control on for this one job), so that stop_apart ends
-    # the stage with every process it started.
-    set -m
     (
         trap - EXIT INT TERM
         FAILED=() TIMES=() PASSED=0 FAILED_TESTS=0
@@ -100,8 +97,15 @@ apart() {
         echo "$PASSED $FAILED_TESTS" >"$dir/counts"
     ) &
     APART+=("$!|$dir|$name")
-    set +m
     note "$name: running beside the next stages (its output follows when it ends)"
+}
+
+# tree PID: PID and every process below it (`timeout` puts the command it runs in a process
+# group of its own, so a signal to the stage's group would miss them).
+tree() {
+    local child
+    echo "$1"
+    for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree "$child"; done
 }
 
 # stop_apart: ends the stages still running beside (the script is leaving early).
@@ -109,7 +113,8 @@ stop_apart() {
     local job pid dir name
     for job in ${APART[@]+"${APART[@]}"}; do
         IFS='|' read -r pid dir name <<<"$job"
-        kill -TERM -- "-$pid" 2>/dev/null || true
+        # shellcheck disable=SC2046
+        kill -TERM $(tree "$pid") 2>/dev/null || true
         note "stopped $name"
     done
     APART=()
