@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.amqp import publish_stream_sync
 from support.provision import provision_sync
 
 from bench import common
@@ -169,7 +170,7 @@ def storm(
                 time.sleep(idle)
                 idle_rss = sampler.rss_now()
                 start = time.time()
-                common.publish_sync(settings, QUEUE, n, make)
+                publish_stream_sync(settings, QUEUE, n, make)
                 probe = consumer.result(timeout)
                 failed_in = float(probe["last"]) - start
                 view = _settled_view(settings, holding, n, settle)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.vhosts import create_vhost, delete_vhost
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.errors import BrokerError
@@ -133,13 +134,13 @@ def vhost_factory(management: Management) -> Iterator[Callable[[], Settings]]:
 
     def make() -> Settings:
         name = f"rr-test-{SESSION_ID}-{len(made)}"
-        management.create_vhost(name, user=BASE.user)
+        create_vhost(management, name, BASE.user)
         made.append(name)
         return BASE.for_vhost(name)
 
     yield make
     for name in made:
-        management.delete_vhost(name)
+        delete_vhost(management, name)
 
 
 @pytest.fixture(scope="session")
@@ -158,7 +159,7 @@ def fresh_vhost(
     """
     settings = vhost_factory()
     yield settings
-    management.delete_vhost(settings.vhost)
+    delete_vhost(management, settings.vhost)
 
 
 @pytest.fixture

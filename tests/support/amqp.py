@@ -235,6 +235,12 @@ def publish_sync(settings: Settings, messages: Sequence[Outgoing], *, routing_ke
                          exchange=exchange))
 
 
+def publish_stream_sync(settings: Settings, routing_key: str, count: int,
+                        make: Callable[[int], aio_pika.Message], **kwargs: Any) -> float:
+    """``publish_stream`` from synchronous code, however long it takes: the seconds it took."""
+    return blocking(publish_stream(settings, routing_key, count, make, **kwargs), timeout=None)
+
+
 def depth_sync(settings: Settings, queue: str) -> int | None:
     return blocking(depth(settings, queue))
 
