@@ -250,4 +250,6 @@ def total_depth(settings: Settings, queues: Iterable[str]) -> int:
 
 
 def drain_sync(settings: Settings, queue: str) -> list[Taken]:
-    return blocking(drain(settings, queue))
+    # One basic.get per message: thousands take longer than one short exchange on a busy
+    # machine (tests run side by side), so only pyproject's per-test timeout bounds it.
+    return blocking(drain(settings, queue), timeout=None)
