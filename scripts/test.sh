@@ -10,10 +10,12 @@
 #   4.0                 the version-dependent ones   (Debian trixie's, in a chroot)
 #   a 3-node 4.3 cluster (scripts/cluster.sh): the cluster tests, with the node lists
 #
-# Within a stage the tests run in parallel (pytest-xdist, RABBIT_RETRY_TEST_WORKERS at a time:
-# each test has a vhost of its own); the few marked `alone` (they stop the broker) run after,
-# one at a time. The two older versions run side by side (their own nodes and ports) unless
-# RABBIT_RETRY_TEST_SERIAL=1. Every stage prints its time, and the run ends with all of them.
+# Within a stage the tests run in parallel (pytest-xdist: each test has a vhost of its own), 4 at
+# a time on 4.3 (RABBIT_RETRY_TEST_WORKERS); the few marked `alone` (they stop the broker) run
+# after, one at a time. ruff, mypy and the wheel run beside the first stages; the two older
+# versions (2 at a time each, RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side by
+# side after 4.3, on nodes and ports of their own; RABBIT_RETRY_TEST_SERIAL=1 runs every stage
+# after the other. Every stage prints its time, and the run ends with all of them.
 #
 #   ./scripts/test.sh                        the matrix above
 #   ./scripts/test.sh --broker 4.3 [ARGS]    one version (every broker test); ARGS go to pytest
@@ -34,8 +36,11 @@ source "$ROOT/scripts/lib.sh"
 
 # A hung test fails alone after pyproject's per-test timeout; this bounds a whole pytest run.
 PYTEST_TIMEOUT="${RABBIT_RETRY_PYTEST_TIMEOUT:-1800}"
-# Broker tests at a time in one stage: they mostly wait on the broker, so more than the cores.
+# Broker tests at a time in the first version's stage (alone on the machine): they mostly wait
+# on the broker, so more than the cores; and in each of the older versions' stages, which run
+# side by side with each other and with the cluster's (whose tests run one at a time).
 WORKERS="${RABBIT_RETRY_TEST_WORKERS:-4}"
+WORKERS_BESIDE="${RABBIT_RETRY_TEST_WORKERS_BESIDE:-2}"
 START=$SECONDS
 FAILED=()
 TIMES=()
@@ -115,6 +120,7 @@ stop_apart() {
         IFS='|' read -r pid dir name <<<"$job"
         # shellcheck disable=SC2046
         kill -TERM $(tree "$pid") 2>/dev/null || true
+        rm -rf "$dir"
         note "stopped $name"
     done
     APART=()
@@ -299,13 +305,13 @@ run_pytest() {
 # broker of the environment: in parallel, then those marked `alone` one at a time. Together they
 # must collect tests; either failing fails the stage.
 broker_stage() {
-    local label="$1" select="$2" began=$SECONDS parallel_rc alone_rc
+    local label="$1" select="$2" began=$SECONDS parallel_rc alone_rc workers="${STAGE_WORKERS:-$WORKERS}"
     shift 2
     local run_targets=()
     while [ "$1" != -- ]; do run_targets+=("$1") && shift; done
     shift
     pytest_run "$label: in parallel" ${run_targets[@]+"${run_targets[@]}"} -- \
-        -m "($select) and not alone" -n "$WORKERS" --dist loadgroup "$@"
+        -m "($select) and not alone" -n "$workers" --dist loadgroup "$@"
     parallel_rc=$PYTEST_RC
     pytest_run "$label: the tests that need the broker alone" ${run_targets[@]+"${run_targets[@]}"} \
         -- -m "($select) and alone" "$@"
@@ -376,12 +382,15 @@ fi
 
 # The tests marked cluster or needs_cluster (tests/conftest.py), one at a time: some of them kill
 # a node of the cluster.
+cluster_running() {
+    "$ROOT/scripts/cluster.sh" status 2>/dev/null | grep -q '^running members: .* .* '
+}
+
+# The caller notes first whether this run starts the cluster (started_cluster), so that the
+# EXIT trap stops it whether this stage ran in this shell or beside it.
 cluster_stage() {
     local began=$SECONDS
     stage "cluster of three RabbitMQ 4.3 nodes"
-    if ! "$ROOT/scripts/cluster.sh" status 2>/dev/null | grep -q '^running members: .* .* '; then
-        started_cluster=1
-    fi
     if timeout --kill-after=30 "$CLUSTER_UP_TIMEOUT" "$ROOT/scripts/cluster.sh" up </dev/null; then
         note "cluster up after $((SECONDS - began))s"
         # The last stage: the cluster's variables replace the single node's from here on.
@@ -438,6 +447,7 @@ elif [ -n "${RABBIT_RETRY_TEST_URL:-}" ]; then
 elif [ -n "$only_cluster" ]; then
     [ "${targets[*]-}" != "-" ] || die "--broker cluster runs the cluster tests; name no paths"
     label="tests on a 3-node 4.3 cluster"
+    cluster_running || started_cluster=1
     cluster_stage "$@"
 else
     [ "${#BROKERS[@]}" -gt 0 ] || BROKERS=(4.3 3.10 4.0)
@@ -449,22 +459,29 @@ else
     # The first version gets every broker test, alone on the machine but for the checks beside.
     version_stage "${versions[0]}" first "$@"
     gather
-    # The others (the version-dependent tests only) side by side: their own nodes and ports.
-    for version in "${versions[@]:1}"; do
-        if [ -n "$serial" ] || [ "${#versions[@]}" -lt 3 ]; then
-            version_stage "$version" "" "$@"
-        else
-            apart "RabbitMQ $version" version_stage "$version" "" "$@"
-        fi
-    done
-    gather
     label="tests on RabbitMQ ${versions[*]}"
     # The cluster tests, on three 4.3 nodes (scripts/cluster.sh), when 4.3 is in the matrix and
     # no test paths were named; label says so. A cluster this run started is stopped again.
+    with_cluster=""
     if [[ " ${BROKERS[*]} " == *" 4.3 "* || " ${BROKERS[*]} " == *" cluster "* ]] &&
         [ "${targets[*]-}" != "-" ]; then
+        with_cluster=1
         label="$label and a 3-node 4.3 cluster"
-        cluster_stage "$@"
+        cluster_running || started_cluster=1
+    fi
+    # The others (the version-dependent tests only) and the cluster side by side: their own
+    # nodes and ports.
+    if [ -n "$serial" ]; then
+        for version in "${versions[@]:1}"; do version_stage "$version" "" "$@"; done
+        [ -z "$with_cluster" ] || cluster_stage "$@"
+    else
+        for version in "${versions[@]:1}"; do
+            STAGE_WORKERS=$WORKERS_BESIDE apart "RabbitMQ $version" version_stage "$version" "" "$@"
+        done
+        [ -z "$with_cluster" ] || apart "the cluster" cluster_stage "$@"
+        gather
+        # Stopped by its stage already, unless that stage was stopped early.
+        cluster_running || started_cluster=""
     fi
 fi
 
