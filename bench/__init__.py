@@ -1,7 +1,8 @@
 """Side-by-side benchmarks of rabbit-retry against baselines run in the same process tree.
 
-Their plumbing (publishing, queue depths, waiting, provisioning, the command line) is the tests'
-own, from ``tests/support``: importing ``bench`` puts ``tests/`` on ``sys.path``, however the
+Their plumbing (publishing, queue depths, waiting, provisioning, throwaway vhosts, the command
+line) is the tests' own package ``support`` (tests/support), found in ``tests/`` as pytest finds
+it (pyproject's ``pythonpath``): importing ``bench`` puts ``tests/`` on ``sys.path``, however the
 benchmarks are started (``python -m bench.run``, ``python bench/run.py``, a consumer process).
 """
 

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from support.amqp import persistent, publish_stream
+from support.cluster import starting_at
 from support.provision import provision
 
 from bench import common
@@ -105,7 +106,7 @@ async def _throughput_once(base: Settings, messages: int, prefetch: int, topo: T
     with common.throwaway_vhost(base, "cluster") as scoped:
         await provision(scoped, topo)  # over the first node: it leads the queue
         await fill(scoped, messages)
-        return await our_worker(scoped.starting_at(worker_at), messages, prefetch, topo)
+        return await our_worker(starting_at(scoped, worker_at), messages, prefetch, topo)
 
 
 def throughput(single: Settings, cluster: Settings, messages: int, runs: int, prefetch: int,
@@ -190,7 +191,7 @@ async def _failover_once(cluster: Settings, nodes: tuple[str, ...], on_leader: b
         worker_at = index if on_leader else (index + 1) % len(nodes)
         handled: list[float] = []
         runner = Runner([Timed(handled, prefetch, handler_ms)], topology=topo,
-                        settings=scoped.starting_at(worker_at), metrics=Metrics())
+                        settings=starting_at(scoped, worker_at), metrics=Metrics())
         task = asyncio.create_task(runner.run())
         try:
             while len(handled) < before:

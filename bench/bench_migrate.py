@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aio_pika
-from support.amqp import blocking, depth_sync
+from support.amqp import blocking, depth_sync, publish_stream_sync
 from support.poll import wait_for
 from support.provision import provision_sync
 
@@ -102,7 +102,7 @@ def run(
     def measure(tag: str, move: Callable[[Settings], Any], where: str) -> float:
         with common.throwaway_vhost(settings, tag) as s:
             provision_sync(s, _topology("classic"))
-            common.publish_sync(s, QUEUE, n, message)
+            publish_stream_sync(s, QUEUE, n, message)
             start = time.perf_counter()
             blocking(move(s), timeout)
             seconds = time.perf_counter() - start

@@ -135,10 +135,7 @@ def run(
         "Our worker retries through a confirmed publish to the tier on classic queues (and by "
         "nack only on quorum queues with one tier); FastStream and Dramatiq do not confirm.",
     ]
-    if common.our_worker_available():
-        names = [OURS, *names]
-    else:
-        notes.append("rabbit-retry worker: not available in this tree yet (no RetryConsumer).")
+    names = [OURS, *names]
     log(f"peers: {n:,} + {paced_n:,} paced messages x {runs} runs")
     results: dict[str, list[tuple[common.Drain, common.Drain]]] = {name: [] for name in names}
     for round_, name in common.rotations(runs, names):

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
-from support.amqp import blocking, depth_sync
+from support.amqp import blocking, depth_sync, publish_stream_sync
 from support.poll import wait_for
 from support.provision import provision_sync
 
@@ -80,7 +80,7 @@ def run(
     def measure(tag: str, replay: Callable[[Settings], Any]) -> float:
         with common.throwaway_vhost(settings, tag) as s:
             provision_sync(s, topology)
-            common.publish_sync(s, parking, n, parked_message)
+            publish_stream_sync(s, parking, n, parked_message)
             start = time.perf_counter()
             blocking(replay(s), timeout)
             seconds = time.perf_counter() - start

@@ -104,10 +104,7 @@ def run(
         f"bare aio-pika ({style} style: each delivery its own task, as aiormq dispatches "
         f"them), nack -> `{QUEUE}.wait` (TTL) -> back to `{QUEUE}`, queues declared by hand.",
     ]
-    if common.our_worker_available():
-        systems = {"rabbit-retry worker": ours, **systems}
-    else:
-        notes.append("rabbit-retry worker: not available in this tree yet (no RetryConsumer).")
+    systems = {"rabbit-retry worker": ours, **systems}
     log(f"retry path: {n:,} messages x {runs} runs")
     samples = common.alternate(runs, systems, log=log)
     return common.throughput_result(

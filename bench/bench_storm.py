@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from support.amqp import publish_stream_sync
 from support.provision import provision_sync
 
 from bench import common
@@ -124,10 +125,7 @@ def run(
         f"`{QUEUE}`; the rest wait ready in `{QUEUE}.DQ`. First backoff: min_backoff x 1-2 "
         "(jitter), so 60-120 s here.",
     ]
-    if common.our_worker_available():
-        systems = {OURS: ours, **systems}
-    else:
-        notes.append("rabbit-retry worker: not available in this tree yet (no RetryConsumer).")
+    systems = {OURS: ours, **systems}
     log(f"retry storm: {n:,} messages x {runs} runs")
     outcomes: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     for round_, name in common.rotations(runs, list(systems)):
@@ -172,7 +170,7 @@ def storm(
                 time.sleep(idle)
                 idle_rss = sampler.rss_now()
                 start = time.time()
-                common.publish_sync(settings, QUEUE, n, make)
+                publish_stream_sync(settings, QUEUE, n, make)
                 probe = consumer.result(timeout)
                 failed_in = float(probe["last"]) - start
                 view = _settled_view(settings, holding, n, settle)

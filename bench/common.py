@@ -1,6 +1,6 @@
-"""What the benchmarks share beyond the tests' plumbing (``tests/support``): throwaway vhosts,
-consumer subprocesses with RSS sampling, results and plots, and the alternate-then-median rule
-every figure follows.
+"""What the benchmarks share beyond the tests' plumbing (``support``): vhosts named for
+the run, consumer subprocesses with RSS sampling, results and plots, and the alternate-then-median
+rule every figure follows.
 
 The interface every bench module offers ``bench/run.py``: ``run(settings, **params) -> dict``,
 where ``settings`` is a ``rabbit_retry.settings.Settings`` naming the broker (its vhost is
@@ -29,9 +29,10 @@ from typing import Any, TypeVar
 
 import aio_pika
 import psutil
-from support.amqp import blocking, counts, persistent, publish_stream
+from support.amqp import blocking, counts, persistent, publish_stream_sync
 from support.poll import wait_for
 from support.process import CLI, stop
+from support.vhosts import throwaway_vhost as named_throwaway_vhost
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -54,7 +55,6 @@ VHOST_PREFIX = "rr-bench-"
 RUN_ID = os.environ.get("BENCH_RUN_ID") or uuid.uuid4().hex[:8]
 _counter = iter(range(1_000_000))
 T = TypeVar("T")
-VHOST_TIMEOUT = 180.0
 BROKER_WAIT = 180.0
 # Seconds to let the broker settle between measurements and after a backlog is published; a
 # smoke run (which measures nothing) sets BENCH_PAUSE=0.
@@ -256,42 +256,10 @@ def say(text: str) -> None:
 # --- vhosts ---------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def throwaway_vhost(base: Settings, tag: str) -> Iterator[Settings]:
-    """A vhost of this run's own, deleted on the way out whatever happened inside.
-
-    The generous timeout is for a broker short of file handles: RabbitMQ starts a new vhost's
-    message stores only once its file handle cache has room, so with many vhosts alive (other
-    test sessions) a create can wait for a while, then succeed."""
-    name = f"{VHOST_PREFIX}{RUN_ID}-{tag}-{next(_counter)}"
-    with Management(base.management_url, timeout=VHOST_TIMEOUT) as api:
-        try:
-            # Inside the try: a create that timed out on our side may still have happened.
-            api.create_vhost(name, user=base.user)
-            yield base.for_vhost(name)
-        finally:
-            delete_vhost(api, name)
-
-
-def delete_vhost(api: Management, name: str, timeout: float = VHOST_TIMEOUT) -> None:
-    """Deletes ``name`` and waits until the broker no longer lists it: deleting a vhost with
-    many quorum queues can outlast one HTTP request, and a 404 on the retry does not mean the
-    deletion finished. A broker that stays away is reported, not raised: the run's final
-    clean-up tries again."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            api.delete_vhost(name)
-            if not api.vhost_exists(name):
-                return
-        except Exception as exc:
-            if time.monotonic() > deadline:
-                say(f"warning: could not delete vhost {name!r}: {exc}")
-                return
-        if time.monotonic() > deadline:
-            say(f"warning: vhost {name!r} still listed {timeout:.0f}s after its deletion")
-            return
-        time.sleep(2)
+def throwaway_vhost(base: Settings, tag: str) -> contextlib.AbstractContextManager[Settings]:
+    """A vhost of this run's own (named for the run, so a run deletes only its own), deleted on
+    the way out whatever happened inside."""
+    return named_throwaway_vhost(base, f"{VHOST_PREFIX}{RUN_ID}-{tag}-{next(_counter)}")
 
 
 def leftover_vhosts(base: Settings, run_id: str = RUN_ID) -> list[str]:
@@ -302,24 +270,13 @@ def leftover_vhosts(base: Settings, run_id: str = RUN_ID) -> list[str]:
 
 
 # --- messages and waiting -------------------------------------------------------------------
-# Publishing, depths, provisioning and polling are the tests' own (tests/support).
+# Publishing, depths, provisioning and polling are the tests' own (support).
 
 
 def json_message(body: Mapping[str, Any], **kwargs: Any) -> aio_pika.Message:
     return persistent(
         json.dumps(body, separators=(",", ":")).encode(), content_type="application/json", **kwargs
     )
-
-
-def publish_sync(
-    settings: Settings,
-    routing_key: str,
-    count: int,
-    make: Callable[[int], aio_pika.Message],
-    **kwargs: Any,
-) -> float:
-    """``publish_stream`` from the harness's synchronous code: the seconds it took."""
-    return blocking(publish_stream(settings, routing_key, count, make, **kwargs), timeout=None)
 
 
 def consumer_gone(proc: subprocess.Popen[bytes], log: Path | None) -> Callable[[], str | None]:
@@ -531,16 +488,6 @@ def rabbit_retry_cli(*args: str) -> list[str]:
     return [CLI, *args]
 
 
-def our_worker_available() -> bool:
-    """The worker is written concurrently; benches show 'not available' until it exists."""
-    try:
-        import rabbit_retry
-
-        return hasattr(rabbit_retry, "RetryConsumer")
-    except ImportError:
-        return False
-
-
 def write_topology(workdir: Path, yaml_text: str) -> Path:
     path = workdir / f"topology-{next(_counter)}.yml"
     path.write_text(yaml_text)
@@ -616,7 +563,7 @@ def measure_drain(
         published_at = time.time()
         publish_seconds = 0.0
         if publish_first:
-            publish_seconds = publish_sync(settings, queue, n, make)
+            publish_seconds = publish_stream_sync(settings, queue, n, make)
             # Let the broker finish writing the backlog (quorum WAL, segments) before anyone
             # consumes: otherwise the consumer that starts faster pays for the broker's catch-up.
             time.sleep(settle)
@@ -626,6 +573,6 @@ def measure_drain(
             if not publish_first:
                 wait_for_consumer(settings, queue, 60, consumer.proc, consumer.log)
                 published_at = time.time()
-                publish_seconds = publish_sync(settings, queue, n, make, rate=rate)
+                publish_seconds = publish_stream_sync(settings, queue, n, make, rate=rate)
             probe = consumer.result(timeout)
         return Drain(n, probe, published_at, publish_seconds)

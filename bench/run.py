@@ -38,10 +38,12 @@ from typing import Any
 
 if __package__ in (None, ""):  # `python bench/run.py` as well as `python -m bench.run`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import bench  # noqa: F401  (puts tests/ on sys.path, for tests/support)
+    import bench  # noqa: F401  (puts tests/ on sys.path, for the package support)
 
 import psutil
 from support.process import stop
+from support.vhosts import TIMEOUT_S as VHOST_TIMEOUT
+from support.vhosts import delete_vhost
 
 from bench import common
 from rabbit_retry.broker.management import Management
@@ -703,9 +705,9 @@ def _clean_up(settings: Settings) -> list[str]:
     try:
         leftovers = common.leftover_vhosts(settings)
         if leftovers:
-            with Management(settings.management_url, timeout=common.VHOST_TIMEOUT) as api:
+            with Management(settings.management_url, timeout=VHOST_TIMEOUT) as api:
                 for name in leftovers:
-                    common.delete_vhost(api, name)
+                    delete_vhost(api, name)
     except Exception as exc:  # the broker is gone: say so, the names are in the log
         common.say(f"warning: could not check for leftover vhosts: {exc}")
         return []

@@ -144,12 +144,6 @@ class Settings:
         """One ``Settings`` per AMQP URL, each naming that node alone, in order."""
         return tuple(replace(self, url=u, more_urls=()) for u in self.urls)
 
-    def starting_at(self, index: int) -> Settings:
-        """The same nodes, tried from the ``index``-th (0-based) on, wrapping round: workers
-        given the same list spread over the cluster this way."""
-        urls = self.urls[index % len(self.urls):] + self.urls[: index % len(self.urls)]
-        return replace(self, url=urls[0], more_urls=urls[1:])
-
     @property
     def has_tls_files(self) -> bool:
         return bool(self.ca_file or self.cert_file or self.key_file)

@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
 # The project's whole check, used by developers (`./scripts/test.sh`) and CI (`.ci/run` runs
-# exactly this): a venv with the test and bench extras, ruff, mypy --strict, then the tests on
-# every RabbitMQ version we support, each started by scripts/broker.sh on its own ports:
+# exactly this): a venv with the test and bench extras, ruff, mypy --strict, the wheel, then the
+# tests, each where it belongs (tests/conftest.py marks every test from its file; its docstring
+# says how to classify a new one):
 #
-#   4.3   every test            (Debian sid's RabbitMQ, in a chroot)
-#   3.10  every test            (the machine's own rabbitmq-server)
-#   4.0   worker, provisioning and reliability tests (Debian trixie's, in a chroot)
+#   unit tests          once, no broker
+#   4.3                 every broker test            (Debian sid's RabbitMQ, in a chroot)
+#   3.10                the version-dependent ones   (the machine's own rabbitmq-server)
+#   4.0                 the version-dependent ones   (Debian trixie's, in a chroot)
 #   a 3-node 4.3 cluster (scripts/cluster.sh): the cluster tests, with the node lists
 #
+# Within a stage the tests run in parallel (pytest-xdist: each test has a vhost of its own), 4 at
+# a time on 4.3 (RABBIT_RETRY_TEST_WORKERS); the few marked `alone` (they stop the broker) run
+# after, one at a time. ruff, mypy and the wheel run beside the first stages; the two older
+# versions (2 at a time each, RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side by
+# side after 4.3, on nodes and ports of their own; RABBIT_RETRY_TEST_SERIAL=1 runs every stage
+# after the other. Every stage prints its time, and the run ends with all of them.
+#
 #   ./scripts/test.sh                        the matrix above
-#   ./scripts/test.sh --broker 4.3 [ARGS]    one version; ARGS go to pytest (e.g. -k apply -x)
+#   ./scripts/test.sh --broker 4.3 [ARGS]    one version (every broker test); ARGS go to pytest
+#                                            (e.g. -k apply -x, or test paths: run as named)
 #   ./scripts/test.sh --broker cluster       only the cluster stage
 #   ./scripts/test.sh tests/unit             only the pure tests: no broker needed
 #
@@ -24,13 +34,28 @@ cd "$ROOT"
 # shellcheck source=scripts/lib.sh
 source "$ROOT/scripts/lib.sh"
 
-# A hung test must not hang CI; the suite is meant to finish well under 15 minutes.
+# A hung test fails alone after pyproject's per-test timeout; this bounds a whole pytest run.
 PYTEST_TIMEOUT="${RABBIT_RETRY_PYTEST_TIMEOUT:-1800}"
+# Broker tests at a time in the first version's stage (alone on the machine): they mostly wait
+# on the broker, so more than the cores; and in each of the older versions' stages, which run
+# side by side with each other and with the cluster's (whose tests run one at a time).
+WORKERS="${RABBIT_RETRY_TEST_WORKERS:-4}"
+WORKERS_BESIDE="${RABBIT_RETRY_TEST_WORKERS_BESIDE:-2}"
 START=$SECONDS
 FAILED=()
+TIMES=()
+
+# took LABEL SINCE: prints and keeps how long the stage LABEL took (since $SECONDS was SINCE).
+took() {
+    local seconds=$((SECONDS - $2))
+    note "$1 took ${seconds}s"
+    TIMES+=("$(printf '%5ds  %s' "$seconds" "$1")")
+}
 
 finish() {
     local took=$((SECONDS - START))
+    stage "stage times"
+    printf '    %s\n' "${TIMES[@]}"
     if [ "${#FAILED[@]}" -eq 0 ]; then
         stage "PASSED in ${took}s: ruff, mypy --strict, $label"
         exit 0
@@ -39,6 +64,7 @@ finish() {
     exit 1
 }
 
+began=$SECONDS
 stage "python environment"
 ensure_venv
 note "pip install -e '.[test,bench]' (the bench extra: the suite runs a smoke of the benchmarks)"
@@ -47,12 +73,80 @@ export PATH="$VENV/bin:$PATH"
 
 stage "promtool (the alert rules' tests)"
 ensure_promtool
+took "python environment, promtool" "$began"
 
-stage "ruff check rabbit_retry tests bench"
-timeout 600 ruff check --output-format=concise rabbit_retry tests bench </dev/null || FAILED+=(ruff)
+# ruff and mypy --strict: their failures are reported with the rest.
+static_checks() {
+    local began=$SECONDS
+    stage "ruff check rabbit_retry tests bench"
+    timeout 600 ruff check --output-format=concise rabbit_retry tests bench </dev/null || FAILED+=(ruff)
+    stage "mypy --strict rabbit_retry"
+    timeout 900 mypy --strict rabbit_retry </dev/null || FAILED+=(mypy)
+    took "ruff, mypy --strict" "$began"
+}
 
-stage "mypy --strict rabbit_retry"
-timeout 900 mypy --strict rabbit_retry </dev/null || FAILED+=(mypy)
+# apart NAME FUNCTION ARGS...: runs FUNCTION in the background, its output kept aside and shown
+# whole when `gather` collects it, so stages that run side by side do not mix their lines. Its
+# failures, test counts and stage times join this run's.
+APART=()
+apart() {
+    local name="$1" dir
+    shift
+    dir="$(mktemp -d "${TMPDIR:-/tmp}/rabbit-retry-stage.XXXXXX")"
+    (
+        trap - EXIT INT TERM
+        FAILED=() TIMES=() PASSED=0 FAILED_TESTS=0
+        "$@" >"$dir/log" 2>&1 </dev/null
+        printf '%s\n' ${FAILED[@]+"${FAILED[@]}"} >"$dir/failed"
+        printf '%s\n' ${TIMES[@]+"${TIMES[@]}"} >"$dir/times"
+        echo "$PASSED $FAILED_TESTS" >"$dir/counts"
+    ) &
+    APART+=("$!|$dir|$name")
+    note "$name: running beside the next stages (its output follows when it ends)"
+}
+
+# tree PID: PID and every process below it (`timeout` puts the command it runs in a process
+# group of its own, so a signal to the stage's group would miss them).
+tree() {
+    local child
+    echo "$1"
+    for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do tree "$child"; done
+}
+
+# stop_apart: ends the stages still running beside (the script is leaving early).
+stop_apart() {
+    local job pid dir name
+    for job in ${APART[@]+"${APART[@]}"}; do
+        IFS='|' read -r pid dir name <<<"$job"
+        # shellcheck disable=SC2046
+        kill -TERM $(tree "$pid") 2>/dev/null || true
+        rm -rf "$dir"
+        note "stopped $name"
+    done
+    APART=()
+}
+
+# gather: waits for every stage started by `apart`, shows its output and counts its results.
+gather() {
+    local job pid dir name line passed failed
+    for job in ${APART[@]+"${APART[@]}"}; do
+        IFS='|' read -r pid dir name <<<"$job"
+        wait "$pid" || true
+        stage "$name (ran beside the others): its output"
+        cat "$dir/log"
+        if [ -f "$dir/counts" ]; then
+            read -r passed failed <"$dir/counts"
+            PASSED=$((PASSED + passed))
+            FAILED_TESTS=$((FAILED_TESTS + failed))
+            while IFS= read -r line; do [ -z "$line" ] || FAILED+=("$line"); done <"$dir/failed"
+            while IFS= read -r line; do [ -z "$line" ] || TIMES+=("$line"); done <"$dir/times"
+        else
+            FAILED+=("$name (stopped before it finished)")
+        fi
+        rm -rf "$dir"
+    done
+    APART=()
+}
 
 # The desk from the installed wheel: its migrations run on a new SQLite store and its page and
 # API answer (the broker need not answer for that).
@@ -106,6 +200,13 @@ print("wheel smoke: imports, py.typed, the desk page and the CLI work from", rab
     return "$rc"
 }
 
+wheel_stage() {
+    local began=$SECONDS
+    stage "wheel: build it, install it in a fresh venv, smoke it"
+    wheel_smoke || FAILED+=(wheel)
+    took "wheel smoke" "$began"
+}
+
 BROKERS=()
 args=()
 while [ $# -gt 0 ]; do
@@ -137,8 +238,8 @@ if [ "${targets[*]-}" = "-" ]; then
     done
 fi
 
-# In CI each test's name is printed before it runs, so a hung test is named by the log's last
-# line; at a terminal, dots are enough.
+# In CI each test's name is printed as it ends (with the xdist worker that ran it); a hung test
+# is named by pytest-timeout's report after pyproject's per-test timeout. At a terminal, dots.
 verbosity=-q
 case "${CI:-}" in
     "" | 0 | false) ;;
@@ -147,9 +248,10 @@ esac
 
 PASSED=0
 FAILED_TESTS=0
-# run_pytest LABEL TARGET... -- ARGS: one pytest run, its counts added to the totals.
-run_pytest() {
-    local label="$1" log rc=0 line
+# pytest_run LABEL TARGET... -- ARGS: one pytest run, its counts added to the totals and its
+# exit code left in PYTEST_RC (5: it collected no tests; the caller judges whether that may be).
+pytest_run() {
+    local label="$1" log line n
     shift
     local run_targets=()
     while [ "$1" != -- ]; do run_targets+=("$1") && shift; done
@@ -162,61 +264,88 @@ run_pytest() {
         pytest ${run_targets[@]+"${run_targets[@]}"} "$verbosity" -ra --durations=10 \
         -p no:cacheprovider "$@" </dev/null 2>&1 && echo 0 >"$log.rc" || echo $? >"$log.rc"; } |
         tee "$log"
-    rc="$(cat "$log.rc")"
+    PYTEST_RC="$(cat "$log.rc")"
     rm -f "$log.rc"
     line="$(grep -E '(passed|failed|error|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 || true)"
-    local n
     for n in $(grep -oE '[0-9]+ passed' <<<"$line" | grep -oE '[0-9]+' || true); do
         PASSED=$((PASSED + n))
     done
-    for n in $(grep -oE '[0-9]+ (failed|error)' <<<"$line" | grep -oE '[0-9]+' || true); do
+    for n in $(grep -oE '[0-9]+ (failed|errors?)' <<<"$line" | grep -oE '[0-9]+' || true); do
         FAILED_TESTS=$((FAILED_TESTS + n))
     done
     rm -f "$log"
-    case "$rc" in
-        0) ;;
-        5)
-            note "$label collected no tests (pytest exit 5): the suite must run tests"
-            FAILED+=("$label (no tests collected)")
-            ;;
-        124)
-            note "$label was stopped after ${PYTEST_TIMEOUT}s (RABBIT_RETRY_PYTEST_TIMEOUT)"
-            FAILED+=("$label (timed out)")
-            ;;
-        *) FAILED+=("$label (exit $rc)") ;;
+    case "$PYTEST_RC" in
+        0 | 5) ;;
+        124) note "$label was stopped after ${PYTEST_TIMEOUT}s (RABBIT_RETRY_PYTEST_TIMEOUT)" ;;
     esac
 }
 
-# The tests of a broker version: everything, or what depends on the version most.
-version_targets() {
-    case "$1" in
-        4.0) echo tests/integration/test_worker*.py tests/integration/test_provision*.py \
-            tests/integration/test_redelivery_fixtures.py tests/reliability ;;
-        *) echo tests ;;
+# judge LABEL RC: a failed pytest run (or one that collected nothing) fails the stage LABEL.
+judge() {
+    case "$2" in
+        0) ;;
+        5)
+            note "$1 collected no tests (pytest exit 5): the suite must run tests"
+            FAILED+=("$1 (no tests collected)")
+            ;;
+        124) FAILED+=("$1 (timed out)") ;;
+        *) FAILED+=("$1 (exit $2)") ;;
     esac
+}
+
+# run_pytest LABEL TARGET... -- ARGS: one pytest run that must collect tests and pass.
+run_pytest() {
+    local began=$SECONDS
+    pytest_run "$@"
+    judge "$1" "$PYTEST_RC"
+    took "$1" "$began"
+}
+
+# broker_stage LABEL SELECT TARGET... -- ARGS: the tests SELECTed (a -m expression) against the
+# broker of the environment: in parallel, then those marked `alone` one at a time. Together they
+# must collect tests; either failing fails the stage.
+broker_stage() {
+    local label="$1" select="$2" began=$SECONDS parallel_rc alone_rc workers="${STAGE_WORKERS:-$WORKERS}"
+    shift 2
+    local run_targets=()
+    while [ "$1" != -- ]; do run_targets+=("$1") && shift; done
+    shift
+    pytest_run "$label: in parallel" ${run_targets[@]+"${run_targets[@]}"} -- \
+        -m "($select) and not alone" -n "$workers" --dist loadgroup "$@"
+    parallel_rc=$PYTEST_RC
+    pytest_run "$label: the tests that need the broker alone" ${run_targets[@]+"${run_targets[@]}"} \
+        -- -m "($select) and alone" "$@"
+    alone_rc=$PYTEST_RC
+    if [ "$parallel_rc" = 5 ] && [ "$alone_rc" = 5 ]; then
+        judge "$label" 5
+    else
+        [ "$parallel_rc" = 5 ] || judge "$label" "$parallel_rc"
+        [ "$alone_rc" = 5 ] || judge "$label (alone)" "$alone_rc"
+    fi
+    took "$label" "$began"
+}
+
+# What a version stage selects: every broker test on the first version of the run, the
+# version-dependent ones on the others; test paths given on the command line run as named.
+version_select() {
+    if [ "${targets[*]-}" = "-" ]; then
+        echo "not needs_cluster"
+    elif [ "$1" = first ]; then
+        echo "integration and not needs_cluster"
+    else
+        echo "integration and not needs_cluster and not any_version"
+    fi
 }
 
 only_cluster=""
 [ "${BROKERS[*]-}" != cluster ] || only_cluster=1
-
-if [ -z "$only_unit" ]; then
-    if [ -z "$only_cluster" ]; then
-        stage "wheel: build it, install it in a fresh venv, smoke it"
-        wheel_smoke || FAILED+=(wheel)
-    fi
-    stage "idempotency stores: PostgreSQL and Redis"
-    ensure_stores
-    if [ -z "$only_cluster" ]; then
-        stage "chromium and chromedriver (the failure desk page's browser tests)"
-        ensure_chromium
-    fi
-fi
+# Stages one after the other, nothing beside them (slower; for a machine that cannot bear more).
+serial=""
+case "${RABBIT_RETRY_TEST_SERIAL:-}" in "" | 0 | false) ;; *) serial=1 ;; esac
 
 # The cluster tests need every node, and a stage that started the cluster stops it again,
 # however the script ends (a failure, CI's timeout): three nodes left running would hold ports
 # and memory on the next run's machine.
-CLUSTER_TESTS=(tests/integration/test_cluster_urls.py tests/integration/test_cluster_status.py
-    tests/reliability/test_cluster.py tests/reliability/test_refusals.py)
 # Starting three nodes and clustering them: well under this on a 2-core machine (about 30 s).
 CLUSTER_UP_TIMEOUT="${RABBIT_RETRY_CLUSTER_UP_TIMEOUT:-600}"
 started_cluster=""
@@ -227,26 +356,76 @@ stop_cluster() {
         timeout 300 "$ROOT/scripts/cluster.sh" down </dev/null || note "scripts/cluster.sh down failed"
     fi
 }
-trap stop_cluster EXIT
+trap 'stop_apart; stop_cluster' EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+# ruff, mypy and the wheel run beside the first test stages; in `tests/unit` mode, before them.
+if [ -n "$only_unit" ] || [ -n "$only_cluster" ] || [ -n "$serial" ]; then
+    static_checks
+    [ -n "$only_unit" ] || [ -n "$only_cluster" ] || wheel_stage
+else
+    apart "ruff, mypy --strict and the wheel" eval 'static_checks; wheel_stage'
+fi
+
+if [ -z "$only_unit" ]; then
+    began=$SECONDS
+    stage "idempotency stores: PostgreSQL and Redis"
+    ensure_stores
+    if [ -z "$only_cluster" ]; then
+        stage "chromium and chromedriver (the failure desk page's browser tests)"
+        ensure_chromium
+    fi
+    took "PostgreSQL, Redis, chromium" "$began"
+fi
+
+
+# The tests marked cluster or needs_cluster (tests/conftest.py), one at a time: some of them kill
+# a node of the cluster.
+cluster_running() {
+    "$ROOT/scripts/cluster.sh" status 2>/dev/null | grep -q '^running members: .* .* '
+}
+
+# The caller notes first whether this run starts the cluster (started_cluster), so that the
+# EXIT trap stops it whether this stage ran in this shell or beside it.
 cluster_stage() {
     local began=$SECONDS
     stage "cluster of three RabbitMQ 4.3 nodes"
-    if ! "$ROOT/scripts/cluster.sh" status 2>/dev/null | grep -q '^running members: .* .* '; then
-        started_cluster=1
-    fi
     if timeout --kill-after=30 "$CLUSTER_UP_TIMEOUT" "$ROOT/scripts/cluster.sh" up </dev/null; then
         note "cluster up after $((SECONDS - began))s"
         # The last stage: the cluster's variables replace the single node's from here on.
         eval "$("$ROOT/scripts/cluster.sh" env)"
-        run_pytest "pytest on a 3-node RabbitMQ 4.3 cluster" "${CLUSTER_TESTS[@]}" -- "$@"
+        pytest_run "pytest on a 3-node RabbitMQ 4.3 cluster" tests -- \
+            -m "cluster or needs_cluster" "$@"
+        judge "pytest on a 3-node RabbitMQ 4.3 cluster" "$PYTEST_RC"
     else
         FAILED+=("cluster (did not start within ${CLUSTER_UP_TIMEOUT}s)")
     fi
     stop_cluster
-    note "cluster stage took $((SECONDS - began))s"
+    took "cluster stage (3 nodes up, tests, down)" "$began"
+}
+
+# The unit tests, once: CPU-bound, so one at a time per core.
+unit_stage() {
+    run_pytest "unit tests (no broker)" tests -- -m unit -n auto "$@"
+}
+
+# version_stage VERSION FIRST ARGS: the broker VERSION started (if it is not running) and the
+# tests of version_select run against it.
+version_stage() {
+    local version="$1" first="$2"
+    shift 2
+    stage "broker $version"
+    if ! "$ROOT/scripts/broker.sh" up "$version" </dev/null; then
+        FAILED+=("broker $version (did not start)")
+        return 0
+    fi
+    eval "$("$ROOT/scripts/broker.sh" env "$version")"
+    if [ "${targets[*]-}" = "-" ]; then
+        broker_stage "pytest on RabbitMQ $version: $*" "$(version_select "$first")" -- "$@"
+    else
+        broker_stage "pytest on RabbitMQ $version" "$(version_select "$first")" tests -- "$@"
+    fi
 }
 
 label=""
@@ -259,37 +438,53 @@ elif [ -n "${RABBIT_RETRY_TEST_URL:-}" ]; then
         RABBIT_RETRY_MANAGEMENT_URL="${RABBIT_RETRY_TEST_MANAGEMENT_URL:-${RABBIT_RETRY_MANAGEMENT_URL:-}}" \
         "$ROOT/scripts/ensure-broker.sh" </dev/null
     label="pytest"
-    if [ "${targets[*]-}" = "-" ]; then run_pytest "$label $*" -- "$@"; else run_pytest "$label tests $*" tests -- "$@"; fi
+    if [ "${targets[*]-}" = "-" ]; then
+        broker_stage "pytest $*" "$(version_select first)" -- "$@"
+    else
+        unit_stage "$@"
+        broker_stage "pytest on $RABBIT_RETRY_TEST_URL" "$(version_select first)" tests -- "$@"
+    fi
 elif [ -n "$only_cluster" ]; then
     [ "${targets[*]-}" != "-" ] || die "--broker cluster runs the cluster tests; name no paths"
     label="tests on a 3-node 4.3 cluster"
+    cluster_running || started_cluster=1
     cluster_stage "$@"
 else
     [ "${#BROKERS[@]}" -gt 0 ] || BROKERS=(4.3 3.10 4.0)
+    versions=()
     for version in "${BROKERS[@]}"; do
-        [ "$version" != cluster ] || continue
-        stage "broker $version"
-        if ! "$ROOT/scripts/broker.sh" up "$version" </dev/null; then
-            FAILED+=("broker $version (did not start)")
-            continue
-        fi
-        eval "$("$ROOT/scripts/broker.sh" env "$version")"
-        if [ "${targets[*]-}" = "-" ]; then
-            run_pytest "pytest on RabbitMQ $version: $*" -- "$@"
-        else
-            # shellcheck disable=SC2046
-            run_pytest "pytest on RabbitMQ $version" $(version_targets "$version") -- "$@"
-        fi
+        [ "$version" = cluster ] || versions+=("$version")
     done
-    label="tests on RabbitMQ ${BROKERS[*]}"
+    [ "${targets[*]-}" = "-" ] || unit_stage "$@"
+    # The first version gets every broker test, alone on the machine but for the checks beside.
+    version_stage "${versions[0]}" first "$@"
+    gather
+    label="tests on RabbitMQ ${versions[*]}"
     # The cluster tests, on three 4.3 nodes (scripts/cluster.sh), when 4.3 is in the matrix and
     # no test paths were named; label says so. A cluster this run started is stopped again.
+    with_cluster=""
     if [[ " ${BROKERS[*]} " == *" 4.3 "* || " ${BROKERS[*]} " == *" cluster "* ]] &&
         [ "${targets[*]-}" != "-" ]; then
+        with_cluster=1
         label="$label and a 3-node 4.3 cluster"
-        cluster_stage "$@"
+        cluster_running || started_cluster=1
+    fi
+    # The others (the version-dependent tests only) and the cluster side by side: their own
+    # nodes and ports.
+    if [ -n "$serial" ]; then
+        for version in "${versions[@]:1}"; do version_stage "$version" "" "$@"; done
+        [ -z "$with_cluster" ] || cluster_stage "$@"
+    else
+        for version in "${versions[@]:1}"; do
+            STAGE_WORKERS=$WORKERS_BESIDE apart "RabbitMQ $version" version_stage "$version" "" "$@"
+        done
+        [ -z "$with_cluster" ] || apart "the cluster" cluster_stage "$@"
+        gather
+        # Stopped by its stage already, unless that stage was stopped early.
+        cluster_running || started_cluster=""
     fi
 fi
 
+gather
 printf 'total: %d passed, %d failed\n' "$PASSED" "$FAILED_TESTS"
 finish

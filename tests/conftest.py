@@ -1,14 +1,44 @@
-"""Shared fixtures: a throwaway vhost per test session (and per test where it needs a clean
-slate) on the real broker, and an in-process runner for the ``rabbit-retry`` command."""
+"""Shared fixtures (a throwaway vhost per test session, and per test where it needs a clean
+slate, on the real broker; an in-process runner for the ``rabbit-retry`` command) and where
+each test runs.
+
+Where a test runs: ``scripts/test.sh`` selects by marks (declared in pyproject.toml), and the
+marks are given here, from the test's file, so a new test file is classified without a word in
+it (``classify`` below):
+
+- ``tests/unit/``: ``unit``. No broker, no server: runs once, before any broker is needed.
+- Everything else: ``integration`` (it needs a broker; ``reliability`` and ``browser`` say
+  more). It runs on the newest broker of the matrix (4.3), in parallel with the others
+  (pytest-xdist: each test has a vhost of its own), and also on every other version (3.10,
+  4.0) unless it is ``any_version``.
+- ``any_version``: what the test checks is ours and the same on every RabbitMQ version (the
+  broker only carries messages: the desk's store and page, the benchmark harness, TLS against
+  a node of its own, refusals made before the broker is asked). A test whose outcome depends
+  on a broker behaviour that changed between versions (queue types and their arguments,
+  dead-lettering and ``x-death``, delivery and return counts, the delivery limit, policies,
+  the management API's fields, the broker's own error texts) must not be ``any_version``.
+  When unsure, leave it out: the cost is minutes, the other mistake is a version untested.
+- ``alone``: stops or restarts the broker, or needs it to itself: runs after the parallel
+  run, one test at a time.
+- ``cluster``: runs again in the cluster stage (three 4.3 nodes); ``needs_cluster``: skips
+  without that cluster, so it runs only there.
+
+A new test in a new file of ``tests/integration/`` or ``tests/reliability/`` runs on every
+version: to say otherwise, add its file (or ``file::test``) to the tables below, or write
+``pytestmark = pytest.mark.any_version`` (or ``alone``, ...) in it.
+"""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from support.vhosts import create_vhost, delete_vhost
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.errors import BrokerError
@@ -18,6 +48,67 @@ BASE = Settings.from_env(
     os.environ.get("RABBIT_RETRY_TEST_URL"), os.environ.get("RABBIT_RETRY_TEST_MANAGEMENT_URL")
 )
 SESSION_ID = uuid.uuid4().hex[:8]
+TESTS = Path(__file__).resolve().parent
+
+# Patterns of ``path/under/tests.py`` or ``path.py::test_name[id]`` (fnmatch), one table per mark.
+ANY_VERSION = (
+    "browser/*",  # the desk's page; its broker side is the desk's API, tested per version
+    "test_bench_smoke.py",  # the harness's report; the benchmarks measure, never assert
+    "integration/test_desk_store.py",  # the desk's store on SQLite and PostgreSQL: no broker
+    "integration/test_idempotency_stores.py",  # SQLite, PostgreSQL, Redis: no broker
+    "integration/test_quickstart.py",  # the README's script; its loop is tested per version
+    "reliability/test_tls.py",  # our TLS client against a 3.10 node of its own
+    "reliability/test_bad_topology.py",  # refused before the broker is asked
+    "integration/test_provision_corpus.py::test_bad_file_is_refused_*",  # the same
+    # The store's side of a killed desk; the broker's side runs per version on SQLite.
+    "reliability/test_desk_killed.py::*[[]postgresql[]]",
+)
+ALONE = (
+    "reliability/test_worker_faults.py::test_broker_app_stopped_and_started_mid_stream_*",
+)
+CLUSTER = (
+    "integration/test_cluster_urls.py",
+    "reliability/test_refusals.py",
+)
+NEEDS_CLUSTER = (
+    "integration/test_cluster_status.py",
+    "reliability/test_cluster.py",
+    "integration/test_cluster_urls.py::test_amqp_and_management_on_different_nodes_*",
+)
+# Files whose tests share a costly module fixture (the TLS node) run on one xdist worker.
+ONE_WORKER = ("reliability/test_tls.py",)
+
+
+def _matches(patterns: tuple[str, ...], path: str, test: str) -> bool:
+    return any(fnmatch.fnmatchcase(path, p) or fnmatch.fnmatchcase(test, p) for p in patterns)
+
+
+def classify(item: pytest.Item) -> list[pytest.MarkDecorator]:
+    """The marks of ``item`` from where it lives (see the module's docstring)."""
+    path = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
+    test = f"{path}::{item.name}"
+    if path.startswith("unit/"):
+        return [pytest.mark.unit]
+    marks = [pytest.mark.integration]
+    for directory in ("reliability", "browser"):
+        if path.startswith(f"{directory}/"):
+            marks.append(getattr(pytest.mark, directory))
+    for name, table in (("any_version", ANY_VERSION), ("alone", ALONE), ("cluster", CLUSTER),
+                        ("needs_cluster", NEEDS_CLUSTER)):
+        if _matches(table, path, test):
+            marks.append(getattr(pytest.mark, name))
+    if _matches(ONE_WORKER, path, test):
+        marks.append(pytest.mark.xdist_group(path))
+    return marks
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by them
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for mark in classify(item):
+            item.add_marker(mark)
+    # The long fault-injection tests first, so parallel workers do not end on them one by one.
+    items.sort(key=lambda item: not item.get_closest_marker("reliability"))
 
 
 @dataclass
@@ -44,13 +135,13 @@ def vhost_factory(management: Management) -> Iterator[Callable[[], Settings]]:
 
     def make() -> Settings:
         name = f"rr-test-{SESSION_ID}-{len(made)}"
-        management.create_vhost(name, user=BASE.user)
+        create_vhost(management, name, BASE.user)
         made.append(name)
         return BASE.for_vhost(name)
 
     yield make
     for name in made:
-        management.delete_vhost(name)
+        delete_vhost(management, name)
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +160,7 @@ def fresh_vhost(
     """
     settings = vhost_factory()
     yield settings
-    management.delete_vhost(settings.vhost)
+    delete_vhost(management, settings.vhost)
 
 
 @pytest.fixture

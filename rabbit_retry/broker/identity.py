@@ -29,14 +29,8 @@ from rabbit_retry.settings import Settings
 SEEN_WITHIN = 15.0
 
 
-async def amqp_cluster_name(settings: Settings) -> str | None:
-    """The cluster name the broker at ``settings.url`` announces (``BrokerError`` when it
-    cannot be reached)."""
-    return (await _amqp_identity(settings, None))[0]
-
-
 async def _amqp_identity(
-    settings: Settings, api: Management | None, over_http: str | None = None
+    settings: Settings, api: Management, over_http: str | None
 ) -> tuple[str | None, bool]:
     """(the cluster name AMQP announces, whether ``api`` lists this very connection); the
     second is only asked when the names differ and ``api``'s cluster has several nodes."""
@@ -46,7 +40,7 @@ async def _amqp_identity(
         transport = connection.transport
         assert transport is not None, "connected"
         name = as_text((transport.connection.server_properties or {}).get("cluster_name"))
-        if api is None or name is None or over_http is None or name == over_http:
+        if name is None or over_http is None or name == over_http:
             return name, False
         if len(api.get("/nodes")) < 2:  # a one-node cluster's name is its node's
             return name, False

@@ -190,17 +190,6 @@ class Management:
         if not self.vhost_exists(vhost):
             raise BrokerError(f"vhost {vhost!r} does not exist on the broker")
 
-    def create_vhost(self, vhost: str, user: str = "guest") -> None:
-        self._raise_for(self.request("PUT", f"/vhosts/{_q(vhost)}"), "PUT", "/vhosts")
-        perms = {"configure": ".*", "write": ".*", "read": ".*"}
-        path = f"/permissions/{_q(vhost)}/{_q(user)}"
-        self._raise_for(self.request("PUT", path, json=perms), "PUT", path)
-
-    def delete_vhost(self, vhost: str) -> None:
-        response = self.request("DELETE", f"/vhosts/{_q(vhost)}")
-        if response.status_code != 404:
-            self._raise_for(response, "DELETE", "/vhosts")
-
     # --- objects ------------------------------------------------------------------------------
 
     def overview(self) -> dict[str, Any]:
@@ -229,10 +218,6 @@ class Management:
     def definitions(self, vhost: str) -> dict[str, Any]:
         result: dict[str, Any] = self.get(f"/definitions/{_q(vhost)}")
         return result
-
-    def import_definitions(self, vhost: str, definitions: dict[str, Any]) -> None:
-        path = f"/definitions/{_q(vhost)}"
-        self._raise_for(self.request("POST", path, json=definitions), "POST", path)
 
     def connections(self, vhost: str | None = None) -> list[dict[str, Any]]:
         path = f"/vhosts/{_q(vhost)}/connections" if vhost else "/connections"

@@ -11,13 +11,6 @@ from selenium import webdriver
 from support.browser import chrome, console
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "/browser/" in str(item.fspath):
-            item.add_marker(pytest.mark.browser)
-            item.add_marker(pytest.mark.integration)
-
-
 @pytest.fixture
 def browser(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[webdriver.Chrome]:
     """A fresh headless Chromium (nothing stored from another test). When the test failed, its

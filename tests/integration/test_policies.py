@@ -13,6 +13,7 @@ from urllib.parse import quote
 import pytest
 from support.amqp import blocking, depth_sync, publish
 from support.poll import wait_for
+from support.vhosts import delete_vhost, import_definitions
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -168,7 +169,7 @@ def test_exported_definitions_carry_the_policy(
         file = _write(tmp_path, _file("    policy: {max_length: 1000, priority: 20}\n"))
         exported = run_cli("export", file, "--format", "definitions")
         assert exported.code == 0, exported.err
-        management.import_definitions(imported.vhost, json.loads(exported.out))
+        import_definitions(management, imported.vhost, json.loads(exported.out))
         policy = _policies(management, imported)[f"rabbit-retry:{Q}"]
         assert (policy["pattern"], policy["apply-to"], policy["priority"], policy["definition"]) \
             == ("^pol\\.orders$", "queues", 20, {"max-length": 1000})
@@ -176,4 +177,4 @@ def test_exported_definitions_carry_the_policy(
         again = run_cli("apply", file, settings=imported)
         assert again.out == f"nothing to do: vhost {imported.vhost!r} already matches {file}\n"
     finally:
-        management.delete_vhost(imported.vhost)
+        delete_vhost(management, imported.vhost)

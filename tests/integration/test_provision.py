@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aio_pika
 import pytest
 from support.broker import version
+from support.vhosts import delete_vhost, import_definitions
 
 from rabbit_retry.broker.diff import capacity_problem
 from rabbit_retry.broker.inspect import read_capacity
@@ -444,7 +445,7 @@ def test_exported_definitions_import_to_the_same_objects(
         out = tmp_path / "definitions.json"
         result = run_cli("export", file, "--format", "definitions", "--out", str(out))
         assert (result.code, result.out, result.err) == (0, "", f"wrote {out}\n")
-        management.import_definitions(imported.vhost, json.loads(out.read_text()))
+        import_definitions(management, imported.vhost, json.loads(out.read_text()))
 
         assert queues(management, imported) == queues(management, applied) == EXPECTED_QUEUES
         assert exchanges(management, imported) == exchanges(management, applied)
@@ -453,8 +454,8 @@ def test_exported_definitions_import_to_the_same_objects(
         again = run_cli("apply", file, settings=imported)
         assert again.out == f"nothing to do: vhost {imported.vhost!r} already matches {file}\n"
     finally:
-        management.delete_vhost(applied.vhost)
-        management.delete_vhost(imported.vhost)
+        delete_vhost(management, applied.vhost)
+        delete_vhost(management, imported.vhost)
 
 
 def test_export_mermaid_and_stdout(tmp_path: Path, run_cli: RunCli) -> None:

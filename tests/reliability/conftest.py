@@ -1,7 +1,7 @@
 """The reliability suite: fault injection against the real broker, with real worker processes.
 
-Every test here is marked ``reliability`` (and ``integration``: it needs the broker) and runs in
-the normal ``pytest tests`` run. The vhost fixtures come from ``tests/conftest.py``.
+Every test here is marked ``reliability`` (and ``integration``: it needs the broker) by
+``tests/conftest.py``, which also gives the vhost fixtures.
 """
 
 from __future__ import annotations
@@ -14,13 +14,6 @@ from rel_support import Worker
 from support.broker import ctl
 
 from rabbit_retry.broker.management import Management
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "/reliability/" in str(item.fspath):
-            item.add_marker(pytest.mark.reliability)
-            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture

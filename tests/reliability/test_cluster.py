@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rel_support import Worker, mixed_stream, ok_ids, settle, spec_body
 from support.amqp import Outgoing, publish_sync
-from support.cluster import cluster_or_skip, leader
+from support.cluster import cluster_or_skip, leader, starting_at
 from support.poll import wait_for
 from support.process import apply
 
@@ -61,7 +61,7 @@ def test_the_leader_of_a_main_queue_killed_mid_stream_loses_nothing(
     publish_sync(fresh_vhost, p_messages, exchange="rel", routing_key="payments")
 
     workers = [
-        Worker(fresh_vhost.starting_at(i), topology, records, "Orders", "Payments",
+        Worker(starting_at(fresh_vhost, i), topology, records, "Orders", "Payments",
                sleep_ms=2, prefetch=20, log_name=f"worker-{i + 1}.log")
         for i in range(3)
     ]
@@ -119,7 +119,7 @@ def test_a_worker_started_while_its_classic_queues_node_is_down_waits_then_consu
     home = cluster.nodes[2]
     topology = tmp_path / "classic.yml"
     topology.write_text(CLASSIC)
-    apply(fresh_vhost.starting_at(2), topology)  # declared over the last node: they live there
+    apply(starting_at(fresh_vhost, 2), topology)  # declared over the last node: they live there
     for name in ("rel.orders", "rel.orders.parking"):
         info = management.queue(fresh_vhost.vhost, name)
         assert info is not None and info["node"] == home, info

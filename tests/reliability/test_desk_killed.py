@@ -5,7 +5,6 @@ next desk (each on SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from pathlib import Path
@@ -33,13 +32,8 @@ INGESTED = 20_000
 REPLAYED = 10_000
 
 # The store's side of these tests does not depend on the broker's version: PostgreSQL runs with
-# the newest broker only (scripts/test.sh sets RABBIT_RETRY_TEST_BROKER), SQLite with every one.
-STORES = [
-    "sqlite",
-    pytest.param("postgresql", marks=pytest.mark.skipif(
-        os.environ.get("RABBIT_RETRY_TEST_BROKER", "4.3") != "4.3",
-        reason="the PostgreSQL store is tested with RabbitMQ 4.3 (its side is the same on all)")),
-]
+# the newest broker only (any_version, in tests/conftest.py), SQLite with every one.
+STORES = ["sqlite", "postgresql"]
 
 
 def _applied_and_parked(settings: Settings, tmp_path: Path, n: int, prefix: str) -> Path:

@@ -235,6 +235,12 @@ def publish_sync(settings: Settings, messages: Sequence[Outgoing], *, routing_ke
                          exchange=exchange))
 
 
+def publish_stream_sync(settings: Settings, routing_key: str, count: int,
+                        make: Callable[[int], aio_pika.Message], **kwargs: Any) -> float:
+    """``publish_stream`` from synchronous code, however long it takes: the seconds it took."""
+    return blocking(publish_stream(settings, routing_key, count, make, **kwargs), timeout=None)
+
+
 def depth_sync(settings: Settings, queue: str) -> int | None:
     return blocking(depth(settings, queue))
 
@@ -244,4 +250,6 @@ def total_depth(settings: Settings, queues: Iterable[str]) -> int:
 
 
 def drain_sync(settings: Settings, queue: str) -> list[Taken]:
-    return blocking(drain(settings, queue))
+    # One basic.get per message: thousands take longer than one short exchange on a busy
+    # machine (tests run side by side), so only pyproject's per-test timeout bounds it.
+    return blocking(drain(settings, queue), timeout=None)

@@ -1,5 +1,6 @@
-"""The three-node cluster of scripts/cluster.sh, for the tests that need one (test-only): which
-node leads a queue, and killing and restarting a node as a crashed machine goes.
+"""The three-node cluster of scripts/cluster.sh, for the tests that need one (test-only, shared
+with bench/): which node leads a queue, killing and restarting a node as a crashed machine goes,
+and a node list tried from another node.
 
 ``eval "$(scripts/cluster.sh env)"`` exports ``RABBIT_RETRY_TEST_CLUSTER`` (the script) and
 ``RABBIT_RETRY_TEST_CLUSTER_NODES`` besides the URL lists; scripts/test.sh does it for CI.
@@ -11,12 +12,21 @@ import os
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.errors import BrokerError
+from rabbit_retry.settings import Settings
+
+
+def starting_at(settings: Settings, index: int) -> Settings:
+    """The same nodes, tried from the ``index``-th (0-based) on, wrapping round: workers given
+    the same list spread over the cluster this way."""
+    urls = settings.urls[index % len(settings.urls):] + settings.urls[: index % len(settings.urls)]
+    return replace(settings, url=urls[0], more_urls=urls[1:])
+
 
 HOW = 'scripts/cluster.sh up && eval "$(scripts/cluster.sh env)"; scripts/test.sh does both'
 

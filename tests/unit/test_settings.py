@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.cluster import starting_at
 
 from rabbit_retry.settings import Settings
 
@@ -79,9 +80,9 @@ def test_a_vhost_of_its_own_on_every_node() -> None:
 
 def test_starting_at_another_node_keeps_the_others_in_order() -> None:
     settings = Settings.from_env("amqp://a/,amqp://b/,amqp://c/")
-    assert settings.starting_at(1).urls == ("amqp://b/", "amqp://c/", "amqp://a/")
-    assert settings.starting_at(5).urls == ("amqp://c/", "amqp://a/", "amqp://b/")
-    assert settings.starting_at(0) == settings
+    assert starting_at(settings, 1).urls == ("amqp://b/", "amqp://c/", "amqp://a/")
+    assert starting_at(settings, 5).urls == ("amqp://c/", "amqp://a/", "amqp://b/")
+    assert starting_at(settings, 0) == settings
 
 
 def test_passwords_of_every_node_are_masked() -> None:
