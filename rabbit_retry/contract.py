@@ -33,6 +33,12 @@ EXCEPTION_STACKTRACE = "exception-stacktrace"
 ORIGINAL_EXCHANGE = "original-exchange"  # where it was first published, not the retry hop
 ORIGINAL_ROUTING_KEY = "original-routing-key"
 ORIGINAL_QUEUE = "original-queue"
+# Returns without a verdict of a delivery from a classic queue, which counts none itself: carried
+# on the copy that sends it back (a quorum queue's broker counts them in x-delivery-count).
+RETURN_COUNT = "return-count"
+# On a parked copy: failed attempts the broker recorded for another consumer of the queue (its
+# rejections in x-death), not this worker's handler calls.
+FAILURES_ELSEWHERE = "failures-elsewhere"
 ORIGINAL_EXPIRATION = "original-expiration"  # a per-message TTL, moved off the copy
 ORIGINAL_USER_ID = "original-user-id"  # a user_id the broker would refuse from us
 
@@ -71,6 +77,8 @@ STRIPPED_ON_REPLAY = BROKER_HEADERS | {
     PARKED_AT,
     PARKED_ID,
     RETRY_COUNT,
+    RETURN_COUNT,
+    FAILURES_ELSEWHERE,
     EXCEPTION_TYPE,
     EXCEPTION_MESSAGE,
     EXCEPTION_STACKTRACE,

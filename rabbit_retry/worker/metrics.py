@@ -56,8 +56,8 @@ class Durations:
 class QueueMetrics:
     """The series of one queue, as numbers the session bumps (``success += 1``)."""
 
-    __slots__ = ("duplicates", "handler_seconds", "in_flight", "parked", "parked_by_reason",
-                 "paused", "pauses", "retried", "success")
+    __slots__ = ("duplicates", "handler_seconds", "in_flight", "internal_errors", "parked",
+                 "parked_by_reason", "paused", "pauses", "retried", "success")
 
     def __init__(self) -> None:
         self.success = 0
@@ -69,6 +69,7 @@ class QueueMetrics:
         self.paused = 0  # 1 while a Pause holds the queue
         self.pauses = 0
         self.duplicates = 0
+        self.internal_errors = 0
 
 
 class Metrics:
@@ -123,7 +124,8 @@ class Metrics:
             for reason, count in list(m.parked_by_reason.items()):
                 out[names.PARKED].add_metric([queue, reason], count)
             for series, value in ((names.IN_FLIGHT, m.in_flight), (names.PAUSED, m.paused),
-                                  (names.PAUSES, m.pauses), (names.DUPLICATES, m.duplicates)):
+                                  (names.PAUSES, m.pauses), (names.DUPLICATES, m.duplicates),
+                                  (names.INTERNAL_ERRORS, m.internal_errors)):
                 out[series].add_metric([queue], value)
             taken = m.handler_seconds
             durations.add_metric(

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import aiormq.exceptions
 from aiormq.abc import AbstractConnection
 
+from rabbit_retry.backoff import Backoff
 from rabbit_retry.broker.absence import is_missing
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect_amqp
 from rabbit_retry.errors import BrokerError, InputError, NodeDownError
@@ -178,7 +179,7 @@ class Runner:
 
     async def _first_open(self) -> Session | None:
         """``_open``, waiting out a node that is down (NodeDownError); None if stopped."""
-        delay = RECONNECT_INITIAL
+        backoff = Backoff(RECONNECT_INITIAL, RECONNECT_MAX)
         waiting_since: float | None = None
         while True:
             try:
@@ -187,10 +188,9 @@ class Runner:
                 if waiting_since is None:
                     waiting_since = time.monotonic()
                     log.warning("%s; waiting for it", exc, extra={"event": "node_down"})
-                await self._sleep_unless_stopped(delay)
+                await self._sleep_unless_stopped(backoff.failed())
                 if self._stop.is_set():
                     return None
-                delay = min(delay * 2, RECONNECT_MAX)
                 continue
             if waiting_since is not None:
                 log.warning("the node is back after %.1fs; consuming",
@@ -207,40 +207,23 @@ class Runner:
             why,
             extra={"event": "connection_lost"},
         )
-        from tenacity import (
-            AsyncRetrying,
-            retry_if_exception_type,
-            stop_never,
-            wait_exponential_jitter,
-        )
-
         started = time.monotonic()
         last_error = ""
         attempts = 0
-        retrying = AsyncRetrying(
-            wait=wait_exponential_jitter(
-                multiplier=RECONNECT_INITIAL, max=RECONNECT_MAX, jitter=RECONNECT_INITIAL
-            ),
-            retry=retry_if_exception_type(CONNECTION_ERRORS),
-            stop=stop_never,
-            sleep=self._sleep_unless_stopped,
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                if self._stop.is_set():
-                    return None
-                attempts += 1
-                try:
-                    session = await self._open()
-                except CONNECTION_ERRORS as exc:
-                    text = mask(str(exc)) or type(exc).__name__
-                    if text != last_error:  # once per distinct reason, never per attempt
-                        log.warning(
-                            "still reconnecting: %s", text, extra={"event": "reconnect_failed"}
-                        )
-                        last_error = text
-                    raise
+        backoff = Backoff(RECONNECT_INITIAL, RECONNECT_MAX)
+        while True:
+            if self._stop.is_set():
+                return None
+            attempts += 1
+            try:
+                session = await self._open()
+                break
+            except CONNECTION_ERRORS as exc:
+                text = mask(str(exc)) or type(exc).__name__
+                if text != last_error:  # once per distinct reason, never per attempt
+                    log.warning("still reconnecting: %s", text, extra={"event": "reconnect_failed"})
+                    last_error = text
+            await self._sleep_unless_stopped(backoff.failed())
         log.warning(
             "reconnected after %.1fs (%d attempt(s)); consuming again",
             time.monotonic() - started,
@@ -272,7 +255,8 @@ class Runner:
             stores = await open_stores(rules)
             self.subscriptions = [
                 replace(sub, deduper=Deduper(rule, stores[rule.store], sub.queue,
-                                             sub.consumer.name, sub.consumer.handler_timeout))
+                                             sub.consumer.name, sub.consumer.handler_timeout,
+                                             self.user))
                 if (rule := sub.consumer.idempotency) is not None
                 else sub
                 for sub in self.subscriptions

@@ -271,7 +271,10 @@ async def test_message_arriving_exhausted_is_parked_without_calling_the_handler(
     headers = message.headers
     assert headers["parked-reason"] == "exhausted"
     assert headers["retry-count"] == 5
-    assert "exception-type" not in headers
+    # It says the handler was not called, and where its attempts were charged.
+    assert headers["exception-type"] == "rabbit_retry.worker.ExhaustedOnArrival"
+    assert "retry-count 5" in headers["exception-message"]
+    assert "without calling the handler" in headers["exception-message"]
 
 
 async def test_handler_timeout_is_a_transient_failure(fresh_vhost: Settings) -> None:

@@ -17,7 +17,7 @@ from rabbit_retry.contract import (
     republish_properties,
 )
 from rabbit_retry.parking.message import ParkedMessage
-from rabbit_retry.worker.attempts import failures_so_far
+from rabbit_retry.worker.history import read
 
 NOW = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -65,7 +65,7 @@ def test_the_worker_and_the_parking_views_read_a_garbled_retry_count_alike(
     # They used to disagree: retry-count 2.5 counted 0 failures in the worker and showed as 2
     # attempts in `parking show`.
     headers = {"retry-count": garbled}
-    assert failures_so_far(headers, "q") == 0
+    assert read(headers, False, "", "q", "q").failures == 0
     assert ParkedMessage(position=1, body=b"", headers=headers).attempts is None
 
 
