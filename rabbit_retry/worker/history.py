@@ -50,6 +50,7 @@ from rabbit_retry.contract import (
     ORIGINAL_EXCHANGE,
     ORIGINAL_ROUTING_KEY,
     RETRY_COUNT,
+    RETURN_COUNT,
     X_ACQUIRED_COUNT,
     X_DEATH,
     X_DELIVERY_COUNT,
@@ -71,7 +72,9 @@ class History:
     failures: int = 0  # failed handler calls so far: max(retry_count, broker_failures)
     retry_count: int = 0  # the failures rabbit-retry recorded (``retry-count``)
     broker_failures: int = 0  # the rejections and delivery limits the broker recorded on Q
-    returns: int = 0  # came back without a verdict, as the broker counts it (redeliveries only)
+    # Came back without a verdict: as a quorum queue counts it (on a redelivery), or as the worker
+    # counted it on the copy of a classic queue's returned delivery (``return-count``).
+    returns: int = 0
     acquired: int = 0  # ``x-acquired-count`` (4.3+), redeliveries only
     redelivered: bool = False
     # Where it was first published, when that is not this delivery's own exchange/routing key.
@@ -119,6 +122,8 @@ def _read(headers: Mapping[str, Any], redelivered: bool, our_route: bool, queue:
     if not our_route:
         return History(0, 0, 0, returns, acquired, redelivered, None, None, deaths is None)
     retry_count = as_count(headers.get(RETRY_COUNT)) or 0
+    # A classic queue's returns, carried on the copy that sent the delivery back (``decide``).
+    returns = max(returns, as_count(headers.get(RETURN_COUNT)) or 0)
     broker_failures = 0
     moved_expiration: str | None = None
     entries = _entries(deaths)

@@ -11,7 +11,8 @@ paused, a failure of the kind the pause watches sends its message back to the qu
 walking its tiers) is that message's problem, which its attempts and parking already handle,
 not an outage, and must not stop the queue. A success resets the count; a failure of a kind the
 pause does not watch, a ``Permanent`` error and an invalid body leave it as it is, but end a
-pause: the downstream answered (so does a probe that finds the queue empty).
+pause: the downstream answered (so does a probe that finds the queue empty while another
+replica consumes it).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Breaker:
     def answered(self) -> Change:
         """The downstream answered while the queue is paused: a probe's message failed for a
         reason the pause does not watch (``Permanent``, an invalid body, another exception),
-        or found the queue empty (another replica drained it). Resume: a queue that stays
+        or found the queue empty while another replica consumes it. Resume: a queue that stays
         paused while it works would never resume otherwise."""
         if self.paused:
             self.paused = False

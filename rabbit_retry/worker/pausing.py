@@ -6,9 +6,12 @@ While paused, a watched failure sends its message back to the end of the queue a
 copy with its count unchanged (``decide.Outcome.HELD``), rather than a ``nack`` with requeue,
 which 3.x and 4.0-4.2 quorum queues count as a return and which marks the message redelivered.
 
-Every replica resumes: a probe that succeeds, fails for a reason the pause does not watch, or
-finds the queue empty (another replica drained it) ends the pause; so does any such answer
-from a delivery still in flight.
+Every replica resumes: a probe that succeeds or fails for a reason the pause does not watch
+ends the pause (so does any such answer from a delivery still in flight), and so does a probe
+that finds the queue empty while another consumer takes its messages (another replica that
+resumed; a paused one has no consumer). An empty queue with no consumer says nothing of the
+downstream: the pause holds, so the messages that tripped it, back from their tier, are not
+charged again.
 """
 
 from __future__ import annotations
@@ -127,11 +130,17 @@ class Pausing:
                 await self.lane.idle()
                 if not breaker.paused:
                     return
-                message = await self.lane.channel.basic_get(self.queue, no_ack=False)
+                channel = self.lane.channel
+                message = await channel.basic_get(self.queue, no_ack=False)
                 if not isinstance(message.delivery, spec.Basic.GetOk):
-                    if breaker.answered() is Change.RESUMED:
-                        await self.resume("the queue is empty (another worker drained it)")
-                    return
+                    # Nothing to ask the downstream with. If another consumer takes the queue's
+                    # messages (another worker that resumed: a paused one has none), it answered.
+                    declared = await channel.queue_declare(self.queue, passive=True)
+                    if declared.consumer_count and breaker.answered() is Change.RESUMED:
+                        await self.resume("the queue is empty and another consumer takes its"
+                                          " messages")
+                        return
+                    continue
                 log.info("queue=%s: probing with message_id=%s", self.queue,
                          message.header.properties.message_id,
                          extra={"queue": self.queue, "event": "probe"})

@@ -197,14 +197,21 @@ class Session:
         deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
         tag: int = deliver.delivery_tag  # type: ignore[assignment]
         lane.settle.received(tag)
-        history = FIRST
+        history, entered = FIRST, False
         try:
             headers = message.header.properties.headers
             if headers or deliver.redelivered:
                 history = read(headers, bool(deliver.redelivered), deliver.exchange or "",
                                deliver.routing_key or "", sub.queue)
+                # Parked on arrival, counted as a return, taken at its limit: none of it runs
+                # the handler, so none of it waits for a turn.
+                action = decide(history, Outcome.ARRIVED, stream.rules)
+                if action is not HANDLE:
+                    await self._carry_out(stream, message, history, action, None)
+                    return
             if not probe:
                 alone = history is not FIRST and runs_alone(history, stream.rules.queue_type)
+                entered = True
                 if not lane.enter(task, alone):
                     turn = await lane.turn(task, alone, message.header.properties.message_id)
                     if turn == "hold":  # the lane paused before it started: back unchanged
@@ -219,7 +226,7 @@ class Session:
         except Exception as exc:
             await self._internal_error(stream, message, history, exc)
         finally:
-            if not probe:
+            if entered:
                 lane.left(task)
             sub.metrics.in_flight -= 1
             self.tasks.discard(task)
@@ -227,14 +234,9 @@ class Session:
     async def _handle(
         self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage, history: History
     ) -> None:
-        """Decide on arrival, run the handler if told to, decide on its outcome, carry it out."""
+        """Run the handler (``decide`` said so on arrival), decide on its outcome, carry it
+        out."""
         sub, rules = stream.sub, stream.rules
-        # A first delivery (no headers, not redelivered) has nothing that could stop it.
-        action = HANDLE if history is FIRST else decide(history, Outcome.ARRIVED, rules)
-        if action is not HANDLE:
-            stream.lane.ran(task)
-            await self._carry_out(stream, message, history, action, None)
-            return
         props = message.header.properties
         deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
         error: BaseException | None = None

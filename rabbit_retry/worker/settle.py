@@ -10,15 +10,15 @@ consuming channel's deliveries are settled through a ``Settler``:
   done or settled. One ``basic.ack(multiple=True)`` for the run's highest done tag acks them
   all. A delivery still running, waiting for its turn or being returned is open: its tag ends
   the run, so no ``multiple`` ack ever covers it.
-- The run is sent when it reaches ``run`` done deliveries, and otherwise once the event loop
-  has run what was ready (``call_soon``): deliveries finishing together share a frame, a lone
-  one waits no timer. ``flush`` sends what can be sent at once, before anything that needs the
+- The run is sent when ``run`` deliveries are done and not acked, and otherwise once the event
+  loop has run what was ready (``call_soon``): deliveries finishing together share a frame, a
+  lone one waits no timer. ``flush`` sends what can be sent at once, before anything that needs the
   channel's state known (a ``nack``, a cancel, a pause, a shutdown).
 - A done delivery stuck behind an open one (a slow handler) waits one flush for it, then is
   acked on its own: it must not hold a prefetch slot for the length of another's handler.
 
-Crash cost: what was done but not yet acked comes back after a ``kill -9``, at most one run
-per channel (an ``Idempotency`` consumer, which records a success before the ack, skips it).
+Crash cost: what was done but not yet acked comes back after a ``kill -9``: never more than
+``run`` deliveries per channel (an ``Idempotency`` consumer, which records a success before the ack, skips it).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ log = logging.getLogger("rabbit_retry.worker")
 
 
 class Settler:
-    __slots__ = ("_acking", "_channel", "_count", "_done", "_elsewhere", "_open", "_run",
-                 "_scheduled", "_waited")
+    __slots__ = ("_acking", "_channel", "_done", "_elsewhere", "_open", "_run", "_scheduled",
+                 "_waited")
 
     def __init__(self, channel: AbstractChannel, run: int) -> None:
         self._channel = channel
@@ -45,7 +45,6 @@ class Settler:
         self._done: set[int] = set()  # of those, the ones to ack
         self._elsewhere: set[int] = set()  # of those, settled some other way: never acked
         self._waited: set[int] = set()  # done tags a flush already found stuck behind an open one
-        self._count = 0  # done tags since the last flush
         self._scheduled = False
         self._acking: set[asyncio.Task[Any]] = set()
 
@@ -59,8 +58,7 @@ class Settler:
     def done(self, tag: int) -> None:
         """The delivery is done: ack it with the next run."""
         self._done.add(tag)
-        self._count += 1
-        if self._count >= self._run:
+        if len(self._done) >= self._run:
             self._send()
         elif not self._scheduled:
             self._scheduled = True
@@ -87,11 +85,10 @@ class Settler:
 
     def _idle(self) -> None:
         self._scheduled = False
-        if self._count:
+        if self._done:
             self._send()
 
     def _send(self) -> None:
-        self._count = 0
         open_, done, elsewhere = self._open, self._done, self._elsewhere
         top = None
         while open_:

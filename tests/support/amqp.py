@@ -9,8 +9,9 @@ each message confirmed and none returned: a test or a benchmark never loses its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -233,6 +234,25 @@ def publish_sync(settings: Settings, messages: Sequence[Outgoing], *, routing_ke
                  exchange: str = "") -> None:
     blocking(publish_raw(settings, [m.wire() for m in messages], routing_key=routing_key,
                          exchange=exchange))
+
+
+@contextlib.asynccontextmanager
+async def consuming(settings: Settings, queue: str) -> AsyncIterator[list[bytes]]:
+    """A plain consumer of ``queue`` (another replica) acking every message, for the block;
+    yields the bodies it took."""
+    connection = await aiormq.connect(settings.url)
+    taken: list[bytes] = []
+    try:
+        channel = await connection.channel()
+
+        async def take(message: aiormq.abc.DeliveredMessage) -> None:
+            taken.append(message.body)
+            await channel.basic_ack(message.delivery.delivery_tag)  # type: ignore[union-attr]
+
+        await channel.basic_consume(queue, take)
+        yield taken
+    finally:
+        await connection.close()
 
 
 def depth_sync(settings: Settings, queue: str) -> int | None:

@@ -406,3 +406,8 @@ def test_a_ttl_the_broker_moved_into_x_death_is_kept() -> None:
     ]}
     assert read(headers, False, "", Q, Q).moved_expiration == "60000"
     assert read(headers, False, "orders", "order.created", Q).moved_expiration is None
+
+
+def test_a_classic_queues_returns_are_read_from_the_copy_that_carries_them() -> None:
+    assert read({"return-count": 4}, False, "", Q, Q).returns == 4
+    assert read({"return-count": 4}, False, "orders", "order.created", Q).returns == 0
