@@ -197,7 +197,7 @@ def republish_properties(
     if not source.message_id and "message_id" not in changes:
         fields["message_id"] = new_message_id()
     if source.user_id and source.user_id != user:
-        fields["user_id"] = None
+        fields.setdefault("user_id", None)
         headers.setdefault(ORIGINAL_USER_ID, source.user_id)
     return copy_properties(source, headers, **fields)
 

@@ -143,6 +143,9 @@ class ParkingQueue:
             taken.properties,
             replay_headers(taken.message.headers, handle_again=handle_again),
             self._user,
+            # The broker checks a user_id against the publishing connection: what makes a
+            # worker believe ``handle-again`` from a replayer and from no publisher.
+            **({"user_id": self._user} if handle_again else {}),
         )
         try:
             await self._channel.basic_publish(
