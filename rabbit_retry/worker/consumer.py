@@ -15,8 +15,10 @@ Both are generic over the payload type, so a type checker learns it from the con
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 
 from rabbit_retry.errors import InputError
@@ -25,6 +27,8 @@ from rabbit_retry.worker.idempotency import Idempotency
 from rabbit_retry.worker.pause import Pause
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     from pydantic import TypeAdapter
 
 if TYPE_CHECKING:
@@ -135,6 +139,12 @@ def payload_error(delivery: Delivery[Any]) -> InvalidPayload | None:
     return delivery._invalid
 
 
+# ``async def middleware(delivery, call_next)``: runs around the handler; ``await
+# call_next(delivery)`` runs the rest (the next middleware, then the handler).
+Middleware = Callable[["Delivery[Any]", Callable[["Delivery[Any]"], Awaitable[Any]]],
+                      Awaitable[Any]]
+
+
 class RetryConsumer(Generic[PayloadT]):
     """Subclass, set ``queue``, write ``async def handle(self, delivery)`` (or a plain ``def``
     for blocking code: it runs in a thread pool of ``prefetch`` threads).
@@ -159,6 +169,17 @@ class RetryConsumer(Generic[PayloadT]):
     # Deliveries acknowledged at most in one ``basic.ack`` frame (``multiple``); None: a tenth of
     # ``prefetch``. 1 acks each delivery on its own.
     ack_run: int | None = None
+    # Around every handler call, outermost first: ``async def mw(delivery, call_next)`` (timing,
+    # tracing, a context variable); under the handler's timeout, before any decision.
+    middleware: tuple[Middleware, ...] = ()
+
+    async def on_start(self) -> None:
+        """Called once before the worker consumes (open a pool, warm a cache); raising stops
+        the worker with one line, before any message is taken."""
+
+    async def on_stop(self) -> None:
+        """Called once after the worker stopped consuming and its handlers finished (close what
+        ``on_start`` opened); also after a failed start, if ``on_start`` had succeeded."""
 
     def handle(self, delivery: Delivery[PayloadT]) -> Awaitable[None] | None:
         """Handle one message: ``async def`` (awaited) or plain ``def`` (run in a thread)."""
@@ -172,6 +193,25 @@ class RetryConsumer(Generic[PayloadT]):
 def ack_run(consumer: RetryConsumer[Any]) -> int:
     """How many done deliveries one ack frame may settle (``RetryConsumer.ack_run``)."""
     return consumer.ack_run or max(1, consumer.prefetch // 10)
+
+
+def handler_call(
+    consumer: RetryConsumer[Any], threads: Executor | None
+) -> Callable[[Delivery[Any]], Awaitable[Any]]:
+    """How the worker calls the handler: ``handle`` itself (``async def``), or its run in
+    ``threads`` (blocking code), inside the consumer's middleware."""
+    call: Callable[[Delivery[Any]], Awaitable[Any]]
+    if threads is None:
+        call = consumer.handle  # type: ignore[assignment]
+    else:
+        handle = consumer.handle
+
+        def call(delivery: Delivery[Any]) -> Awaitable[Any]:
+            return asyncio.get_running_loop().run_in_executor(threads, handle, delivery)
+
+    for middleware in reversed(consumer.middleware):
+        call = partial(middleware, call_next=call)  # type: ignore[call-arg]
+    return call
 
 
 def is_blocking(consumer: RetryConsumer[Any]) -> bool:
@@ -198,6 +238,12 @@ def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
         raise InputError(f"{name}.queue: set it to the name of a queue in the topology file")
     _check_handle(consumer, name)
     _check_numbers(consumer, name)
+    middleware = consumer.middleware
+    if not isinstance(middleware, tuple) or not all(callable(m) for m in middleware):
+        raise InputError(
+            f"{name}.middleware: expected a tuple of async functions (delivery, call_next), "
+            f"got {middleware!r}"
+        )
     require_exception_types(f"{name}.permanent_errors", consumer.permanent_errors)
     for attribute, kind in (("pause", Pause), ("idempotency", Idempotency)):
         value = getattr(consumer, attribute)

@@ -71,6 +71,8 @@ class Pausing:
         breaker = self.breaker
         if outcome is Outcome.SUCCESS:
             return outcome, breaker.succeeded()
+        if outcome is Outcome.HELD:  # cut off by a stop: says nothing of the downstream
+            return outcome, Change.NONE
         if outcome is Outcome.FAILED and error is not None and breaker.rule.watches(error):
             if breaker.paused:
                 return Outcome.HELD, Change.NONE

@@ -19,7 +19,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -89,6 +89,7 @@ class Subscription:
     metrics: QueueMetrics
     retry_exchange: str
     parking_queue: str
+    call: Callable[[Delivery[Any]], Awaitable[Any]]  # the handler, as ``handler_call`` wraps it
     # Blocking ``def handle`` runs here (``prefetch`` threads); None for ``async def``.
     threads: ThreadPoolExecutor | None = None
     breaker: Breaker | None = None  # the consumer's Pause; lives as long as the runner
@@ -125,6 +126,7 @@ class Session:
         self.streams: list[Stream] = []
         self.tasks: set[asyncio.Task[Any]] = set()
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.stopping = False  # a graceful stop: handlers cut off by the grace are sent back
         self.amqp.closing.add_done_callback(lambda f: self._set_lost("the connection closed", f))
         self.counting = counting((self.amqp.server_properties or {}).get("version"))
 
@@ -277,7 +279,14 @@ class Session:
                 sub.metrics.duplicates += 1
                 await self._carry_out(stream, message, history, ACK, None, duplicate=True)
                 return
-        outcome = await self._run(sub, task, delivery)
+        try:
+            outcome = await self._run(sub, task, delivery)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # Stopped past its grace: back to the queue as a copy, so that the next start
+            # does not take it for a crash's return (run alone, counted toward the limit).
+            outcome = Outcome.HELD
         if isinstance(outcome, BaseException):
             error = outcome
             outcome = classify(error, payload_invalid=payload_error(delivery) is not None,
@@ -310,11 +319,7 @@ class Session:
             # dropped (``ended``) before anything else of ours awaits: it never hits our ack.
             sub.deadlines.start(task, timeout)
         try:
-            if sub.threads is None:
-                result = await sub.consumer.handle(delivery)  # type: ignore[misc]
-            else:
-                result = await asyncio.get_running_loop().run_in_executor(
-                    sub.threads, sub.consumer.handle, delivery)
+            result = await sub.call(delivery)
             if result is not None and inspect.isawaitable(result):
                 # A handler that handed back its work (a decorator's wrapper, a plain def
                 # returning a coroutine) has not run it yet: run it, under the same timeout.
@@ -475,6 +480,7 @@ class Session:
         for stream in self.streams:
             await stream.lane.stop(shutdown.CANCEL_TIMEOUT)
         await asyncio.sleep(0)  # deliveries still waiting for their turn leave, unstarted
+        self.stopping = True
         await shutdown.finish(self.tasks, grace, force)
         await self.close()
 

@@ -18,7 +18,8 @@ consuming channel's deliveries are settled through a ``Settler``:
   acked on its own: it must not hold a prefetch slot for the length of another's handler.
 
 Crash cost: what was done but not yet acked comes back after a ``kill -9``: never more than
-``run`` deliveries per channel (an ``Idempotency`` consumer, which records a success before the ack, skips it).
+``run`` deliveries per channel (an ``Idempotency`` consumer, which records a success before the
+ack, skips them).
 """
 
 from __future__ import annotations

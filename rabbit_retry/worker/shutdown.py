@@ -1,8 +1,10 @@
 """Letting in-flight handlers finish when the worker stops (SIGTERM / SIGINT).
 
 The consumers are cancelled first, so nothing new arrives; what is running gets ``grace``
-seconds, or until a second signal (``force``); what has not finished by then is cancelled and
-not acked: the broker hands it out again when the connection closes.
+seconds, or until a second signal (``force``); a handler still running then is cancelled, and
+its message sent back to its queue as a confirmed copy (``session``): the next start takes it
+as a fresh delivery at full concurrency, not as a crash's return to run alone. What cannot be
+sent back is not acked: the broker hands it out again when the connection closes.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ async def finish(tasks: Collection[asyncio.Task[Any]], grace: float, force: asyn
         return
     await cancel(unfinished)
     log.warning(
-        "stopping: %d message(s) did not finish within the grace period; they were not acked"
-        " and go back to the broker",
+        "stopping: %d message(s) did not finish within the grace period; sent back to their"
+        " queue unfinished",
         len(unfinished),
     )
 

@@ -16,7 +16,7 @@ from rabbit_retry.worker import Delivery, InvalidPayload, Permanent, RetryConsum
 from rabbit_retry.worker.consumer import HandlerTimeout, check_consumer, is_blocking, payload_error
 from rabbit_retry.worker.decide import Outcome
 from rabbit_retry.worker.metrics import Metrics
-from rabbit_retry.worker.runner import subscribe
+from rabbit_retry.worker.runner import Runner, subscribe
 from rabbit_retry.worker.session import Session, Subscription
 
 TOPOLOGY = parse_topology(
@@ -195,3 +195,12 @@ def test_a_generator_handle_is_refused() -> None:
 
     with pytest.raises(InputError, match=r"Gen.handle: a generator"):
         check_consumer(Gen())
+
+
+def test_healthz_fails_once_the_event_loop_stops_turning() -> None:
+    runner = Runner.__new__(Runner)
+    runner._beat = time.monotonic()
+    assert runner._live() == (True, "alive")
+    runner._beat = time.monotonic() - 45
+    ok, why = runner._live()
+    assert not ok and why.startswith("the event loop has not run for 4")
