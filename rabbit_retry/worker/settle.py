@@ -14,8 +14,9 @@ consuming channel's deliveries are settled through a ``Settler``:
   loop has run what was ready (``call_soon``): deliveries finishing together share a frame, a
   lone one waits no timer. ``flush`` sends what can be sent at once, before anything that needs the
   channel's state known (a ``nack``, a cancel, a pause, a shutdown).
-- A done delivery stuck behind an open one (a slow handler) waits one flush for it, then is
-  acked on its own: it must not hold a prefetch slot for the length of another's handler.
+- A done delivery stuck behind an open one (a slow handler, a copy waiting for its confirm)
+  waits ``STRAGGLER_S`` for the run to reach it, then is acked on its own (at once when the run
+  is full): it must not hold a prefetch slot for the length of another's handler.
 
 Crash cost: what was done but not yet acked comes back after a ``kill -9``: never more than
 ``run`` deliveries per channel (an ``Idempotency`` consumer, which records a success before the
@@ -28,16 +29,20 @@ import asyncio
 import logging
 from bisect import insort
 from collections import deque
-from typing import Any
 
 from aiormq.abc import AbstractChannel
 
 log = logging.getLogger("rabbit_retry.worker")
 
 
+# How long a done delivery stuck behind an open one waits for the run to reach it before it is
+# acked on its own: one timer per channel, not per message.
+STRAGGLER_S = 0.05
+
+
 class Settler:
-    __slots__ = ("_acking", "_channel", "_done", "_elsewhere", "_open", "_run", "_scheduled",
-                 "_waited")
+    __slots__ = ("_channel", "_done", "_elsewhere", "_frames", "_open", "_run", "_scheduled",
+                 "_timer", "_writer")
 
     def __init__(self, channel: AbstractChannel, run: int) -> None:
         self._channel = channel
@@ -45,9 +50,10 @@ class Settler:
         self._open: deque[int] = deque()  # tags received and not yet acked or settled, in order
         self._done: set[int] = set()  # of those, the ones to ack
         self._elsewhere: set[int] = set()  # of those, settled some other way: never acked
-        self._waited: set[int] = set()  # done tags a flush already found stuck behind an open one
         self._scheduled = False
-        self._acking: set[asyncio.Task[Any]] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._frames: deque[tuple[int, bool]] = deque()  # ack frames not yet handed to aiormq
+        self._writer: asyncio.Future[None] | None = None
 
     def received(self, tag: int) -> None:
         """A delivery (or a ``basic.get``) arrived with ``tag``: open until settled."""
@@ -60,7 +66,7 @@ class Settler:
         """The delivery is done: ack it with the next run."""
         self._done.add(tag)
         if len(self._done) >= self._run:
-            self._send()
+            self._send(stragglers=True)
         elif not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._idle)
@@ -69,15 +75,15 @@ class Settler:
         """The delivery was settled without an ack (``nack``, ``reject``): skip it."""
         self._elsewhere.add(tag)
 
-    async def flush(self) -> None:
-        """Ack what can be acked now, and wait until the frames are written."""
-        self._send()
-        if self._acking:
-            await asyncio.gather(*list(self._acking), return_exceptions=True)
-
     def is_open(self, tag: int) -> bool:
         """Not settled yet (neither done nor settled otherwise)."""
         return tag not in self._done and tag not in self._elsewhere and tag in self._open
+
+    async def flush(self) -> None:
+        """Ack everything done now, and wait until the frames are written."""
+        self._send(stragglers=True)
+        if self._writer is not None and not self._writer.done():
+            await asyncio.shield(self._writer)
 
     @property
     def pending(self) -> int:
@@ -87,9 +93,16 @@ class Settler:
     def _idle(self) -> None:
         self._scheduled = False
         if self._done:
-            self._send()
+            self._send(stragglers=False)
 
-    def _send(self) -> None:
+    def _late(self) -> None:
+        self._timer = None
+        if self._done:
+            self._send(stragglers=True)
+
+    def _send(self, *, stragglers: bool) -> None:
+        """Ack the run; the done deliveries behind an open one go alone with ``stragglers``,
+        else once they have waited ``STRAGGLER_S`` for the run to reach them."""
         open_, done, elsewhere = self._open, self._done, self._elsewhere
         top = None
         while open_:
@@ -105,25 +118,36 @@ class Settler:
         if top is not None:
             self._ack(top, multiple=True)
         if not done:
-            self._waited.clear()
             return
-        # Done, but behind an open delivery: acked alone once they have waited a flush.
-        for tag in [t for t in done if t in self._waited]:
-            done.discard(tag)
-            elsewhere.add(tag)
-            self._ack(tag, multiple=False)
-        self._waited = set(done)
+        if stragglers:
+            for tag in sorted(done):
+                elsewhere.add(tag)  # acked: the run skips it when it gets there
+                self._ack(tag, multiple=False)
+            done.clear()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(STRAGGLER_S, self._late)
 
     def _ack(self, tag: int, *, multiple: bool) -> None:
+        """Queue an ack frame. One writer sends them in order: frames of separate tasks can
+        overtake each other in aiormq's bounded write queue, and a ``multiple`` ack overtaken by
+        a later one names a tag the broker no longer holds (it closes the channel)."""
         if self._channel.is_closed:
             return  # the broker has every unacked delivery back already
-        task = asyncio.ensure_future(self._channel.basic_ack(tag, multiple=multiple))
-        self._acking.add(task)
-        task.add_done_callback(self._sent)
+        self._frames.append((tag, multiple))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write())
 
-    def _sent(self, task: asyncio.Task[Any]) -> None:
-        self._acking.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            # The channel closed under the ack: its deliveries go back to the broker, and the
-            # session reconnects (it watches the channel).
-            log.debug("an ack could not be sent: %r", task.exception())
+    async def _write(self) -> None:
+        frames = self._frames
+        while frames:
+            tag, multiple = frames.popleft()
+            try:
+                # Handed to the connection's write queue in order, each without waiting to reach
+                # the socket (the writer would fall behind), but for the last: once it is
+                # written, every one before it is, and ``flush`` may close the channel.
+                await self._channel.basic_ack(tag, multiple=multiple, wait=not frames)
+            except Exception as exc:
+                # The channel closed under the ack: its deliveries go back to the broker, and
+                # the session reconnects (it watches the channel).
+                log.debug("an ack could not be sent: %r", exc)
+                frames.clear()
