@@ -20,7 +20,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
@@ -128,6 +128,10 @@ async def check_objects(
             await channel.close()
 
 
+async def _connect_worker(settings: Settings) -> AbstractConnection:
+    return await connect_amqp(settings, name="rabbit-retry worker")
+
+
 class Runner:
     """Runs consumers until stopped; see the module docstring for the guarantees."""
 
@@ -141,7 +145,10 @@ class Runner:
         metrics: Metrics | None = None,
         metrics_port: int | None = None,
         metrics_addr: str = "0.0.0.0",
+        connect: Callable[[Settings], Awaitable[AbstractConnection]] | None = None,
     ) -> None:
+        """``connect`` opens each connection the runner uses (default: ``connect_amqp`` to
+        ``settings``); ``rabbit_retry.testing`` passes its in-memory broker's."""
         if isinstance(topology, str | Path):
             self.hint = str(topology)
             topology = load_topology_apart(topology)
@@ -154,6 +161,7 @@ class Runner:
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self.user = self.settings.user
+        self.connect = connect or _connect_worker
         self.ready = asyncio.Event()  # consuming (cleared while reconnecting)
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
@@ -165,7 +173,7 @@ class Runner:
         self._stop.set()
 
     async def _open(self) -> Session:
-        connection = await connect_amqp(self.settings, name="rabbit-retry worker")
+        connection = await self.connect(self.settings)
         try:
             session = Session(connection, self.subscriptions, self.user)
             await check_objects(session.amqp, self.subscriptions, self.hint)
