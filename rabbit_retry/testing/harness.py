@@ -20,7 +20,7 @@ import asyncio
 import datetime
 import enum
 import json as jsonlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -547,6 +547,23 @@ class TestBroker:
         self.memory.expire(until)
         await self._rest(deadline)
         return self._unread()
+
+    async def wait_for(
+        self, check: Callable[[], object], *, what: str = "", within: float = DEFAULT_WITHIN
+    ) -> None:
+        """Until ``check()`` holds, the worker running meanwhile (real time: for what happens
+        while a handler is still running, which ``settle`` would wait out); ``SettleTimeout``
+        after ``within`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while not check():
+            self._raise_worker_errors()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise SettleTimeout(f"gave up after {within:g}s waiting for {what or check}"
+                                    f" (discarded by the broker: {self.memory.discarded})")
+            self.server.kick()
+            await self.server.changed(min(0.01, left))
 
     def _unread(self) -> list[Decision]:
         fresh = self._journal.decisions[self._read:]
