@@ -200,7 +200,28 @@ class Server:
             yield from connection.held()
 
 
-class Channel(AbstractChannel):
+class _Closes:
+    """What a channel and a connection share: a ``closing`` future that resolves (with the
+    reason, if it was not a client's own close) when it closes."""
+
+    _closing: asyncio.Future[Any]
+
+    @property
+    def closing(self) -> asyncio.Future[Any]:
+        return _observe(self._closing)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closing.done()
+
+    def _future_store_child(self) -> AbstractFutureStore:
+        raise _not_modelled("aiormq's future store")
+
+    async def _on_close(self, exc: ExceptionType | None = None) -> None:
+        return None
+
+
+class Channel(_Closes, AbstractChannel):
     """One channel of a test ``Connection``."""
 
     connection: Connection
@@ -237,25 +258,11 @@ class Channel(AbstractChannel):
 
     # --- lifecycle -----------------------------------------------------------------------------
 
-    @property
-    def closing(self) -> asyncio.Future[Any]:
-        return _observe(self._closing)
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closing.done()
-
-    def _future_store_child(self) -> AbstractFutureStore:
-        raise _not_modelled("a channel's future store")
-
     def create_task(self, coro: CoroutineType) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    async def _on_close(self, exc: ExceptionType | None = None) -> None:
-        return None
 
     async def open(self) -> spec.Channel.OpenOk:
         return spec.Channel.OpenOk()
@@ -617,7 +624,7 @@ class Channel(AbstractChannel):
         return spec.Confirm.SelectOk()
 
 
-class Connection(AbstractConnection):
+class Connection(_Closes, AbstractConnection):
     """A connection to the test broker, as ``aiormq.connect`` would give one."""
 
     def __init__(self, server: Server, *, user: str, name: str) -> None:
@@ -646,25 +653,11 @@ class Connection(AbstractConnection):
         return f"test connection {self.name!r}"
 
     @property
-    def closing(self) -> asyncio.Future[Any]:
-        return _observe(self._closing)
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closing.done()
-
-    @property
     def is_opened(self) -> bool:
         return not self.is_closed
 
-    def _future_store_child(self) -> AbstractFutureStore:
-        raise _not_modelled("a connection's future store")
-
     def create_task(self, coro: CoroutineType) -> asyncio.Task[Any]:
         return self.loop.create_task(coro)
-
-    async def _on_close(self, exc: ExceptionType | None = None) -> None:
-        return None
 
     async def channel(
         self, channel_number: int | None = None, publisher_confirms: bool = True,

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 DEFAULT_WITHIN = 10.0  # real seconds a settle may wait for the worker
 MAX_EXPIRIES = 100_000  # a settle(retries=True) that never ends is a bug: say so
+# Loop turns with nothing happening before a settle calls the worker at rest: what follows an
+# ack (a lane moving its consumer, a resumed consumer's first delivery) takes a few.
+QUIET_TURNS: Final = 5
 
 
 class SettleTimeout(TimeoutError):
@@ -608,11 +611,6 @@ class TestBroker:
                 await asyncio.sleep(0)  # the dispatch runs in this turn
             else:
                 await self.server.changed(min(0.05, left))
-
-
-# Loop turns with nothing happening before a settle calls the worker at rest: what follows an
-# ack (a lane moving its consumer, a resumed consumer's first delivery) takes a few.
-QUIET_TURNS: Final = 5
 
 
 class SyncTestBroker:

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rabbit_retry.testing import frames
+from rabbit_retry.topology.plan import Exchange
 
 Counting = Literal["3.x", "4.0", "4.3"]
 
@@ -147,17 +148,6 @@ class Binding:
 
 
 @dataclass(eq=False)
-class Exchange:
-    name: str
-    type: str
-    durable: bool = True
-    auto_delete: bool = False
-    internal: bool = False
-    arguments: Mapping[str, Any] = field(default_factory=dict)
-    bindings: list[Binding] = field(default_factory=list)
-
-
-@dataclass(eq=False)
 class Queue:
     name: str
     durable: bool
@@ -247,6 +237,7 @@ class Memory:
         self.exchanges: dict[str, Exchange] = {"": Exchange("", "direct")}
         for name, kind in DEFAULT_EXCHANGES:
             self.exchanges[name] = Exchange(name, kind)
+        self.bindings: dict[str, list[Binding]] = {}  # exchange -> its bindings
         self.queues: dict[str, Queue] = {}
         self.discarded: list[Discarded] = []
         self.changed: Callable[[], None] = lambda: None
@@ -323,8 +314,9 @@ class Memory:
         if exchange == "":
             raise BrokerError(403, "ACCESS_REFUSED - operation not permitted on the default "
                                    "exchange")
-        if binding not in target.bindings:
-            target.bindings.append(binding)
+        bound = self.bindings.setdefault(target.name, [])
+        if binding not in bound:
+            bound.append(binding)
         self.changed()
 
     def unbind(
@@ -333,16 +325,16 @@ class Memory:
     ) -> None:
         target = self.exchange(exchange)
         binding = Binding(queue, routing_key, dict(arguments or {}))
-        if binding in target.bindings:
-            target.bindings.remove(binding)
+        if binding in self.bindings.get(target.name, []):
+            self.bindings[target.name].remove(binding)
 
     def delete_queue(self, name: str) -> int:
         """Deletes ``name`` with its ready messages; its consumers are cancelled."""
         queue = self.queues.pop(name, None)
         if queue is None:
             return 0
-        for exchange in self.exchanges.values():
-            exchange.bindings = [b for b in exchange.bindings if b.queue != name]
+        for exchange, bound in self.bindings.items():
+            self.bindings[exchange] = [b for b in bound if b.queue != name]
         for consumer in list(queue.consumers):
             queue.consumers.remove(consumer)
             consumer.cancelled()
@@ -353,6 +345,7 @@ class Memory:
             raise BrokerError(403, f"ACCESS_REFUSED - operation not permitted on exchange "
                                    f"'{name}'")
         self.exchanges.pop(name, None)
+        self.bindings.pop(name, None)
 
     def purge(self, name: str) -> int:
         queue = self.queue(name)
@@ -376,7 +369,7 @@ class Memory:
             if current.name == "":
                 names = [routing_key] if routing_key in self.queues else []
             else:
-                names = [b.queue for b in current.bindings
+                names = [b.queue for b in self.bindings.get(current.name, [])
                          if _matches(current.type, b, routing_key, headers)]
             if names:
                 break

@@ -38,8 +38,10 @@ Check = Callable[[], bool | Awaitable[bool]]
 
 
 def orders_yaml(*, queue_type: str = "quorum", delays: str = "[300ms, 600ms]",
-                attempts: int = 4) -> str:
-    return f"""\
+                attempts: int = 4, sibling: bool = False) -> str:
+    """``Q`` bound to topic exchange ``orders``; with ``sibling``, a classic queue beside it
+    that takes ``order.*`` too."""
+    text = f"""\
 version: 1
 exchanges:
   orders: {{type: topic}}
@@ -49,6 +51,13 @@ queues:
     bindings: [{{exchange: orders, routing_key: order.created}}]
     retry: {{delays: {delays}, max_attempts: {attempts}}}
 """
+    if sibling:
+        text += """\
+  orders.audit:
+    queue_type: classic
+    bindings: [{exchange: orders, routing_key: "order.*"}]
+"""
+    return text
 
 
 class Env(Protocol):
