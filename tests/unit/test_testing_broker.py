@@ -324,6 +324,22 @@ async def test_requeue_and_reject_settle_as_asked(empty: TestBroker) -> None:
         "rejected, and the queue has no dead-letter exchange"]
 
 
+async def test_a_nack_with_multiple_settles_every_tag_up_to_it(empty: TestBroker) -> None:
+    channel = await channel_of(empty)
+    await channel.queue_declare("q", durable=True)
+    for body in ("a", "b", "c"):
+        empty.publish(queue="q", body=body)
+    got = await taker(channel, "q", prefetch=3)
+    await empty.settle()
+    await channel.basic_nack(got[1].delivery.delivery_tag, multiple=True, requeue=False)
+    assert [d.message.body for d in empty.decisions] == [b"a", b"b"]
+    assert [(d.queue, d.content.body) for d in empty.discarded] == [("q", b"a"), ("q", b"b")]
+    await channel.basic_cancel(next(iter(channel.consumers)))  # so that "c" stays in the queue
+    await channel.basic_nack(got[2].delivery.delivery_tag, multiple=True, requeue=True)
+    await empty.settle()
+    assert [(m.body, m.redelivered) for m in empty.messages("q")] == [(b"c", True)]
+
+
 async def test_a_deleted_queue_cancels_its_consumers(empty: TestBroker) -> None:
     channel = await channel_of(empty)
     await channel.queue_declare("q", durable=True)
