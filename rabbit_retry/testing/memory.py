@@ -766,8 +766,7 @@ def parse_expiration(expiration: object) -> int | None:
         return None
     text = str(expiration)
     if not (text.isascii() and text.isdigit()):
-        raise BrokerError(406, f"PRECONDITION_FAILED - invalid expiration '{text}': "
-                               "{value_negative,...} or not an integer")
+        raise BrokerError(406, f"PRECONDITION_FAILED - invalid expiration '{text}'")
     return int(text)
 
 
