@@ -20,7 +20,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
@@ -141,6 +141,10 @@ async def check_objects(
             await channel.close()
 
 
+async def _connect_worker(settings: Settings) -> AbstractConnection:
+    return await connect_amqp(settings, name="rabbit-retry worker")
+
+
 class Runner:
     """Runs consumers until stopped; see the module docstring for the guarantees."""
 
@@ -155,7 +159,10 @@ class Runner:
         metrics_port: int | None = None,
         metrics_addr: str = "0.0.0.0",
         ready_when_paused: bool = False,
+        connect: Callable[[Settings], Awaitable[AbstractConnection]] | None = None,
     ) -> None:
+        """``connect`` opens each connection the runner uses (default: ``connect_amqp`` to
+        ``settings``); ``rabbit_retry.testing`` passes its in-memory broker's."""
         if isinstance(topology, str | Path):
             self.hint = str(topology)
             topology = load_topology_apart(topology)
@@ -169,6 +176,7 @@ class Runner:
         self.metrics_addr = metrics_addr
         self.user = self.settings.user
         self.ready_when_paused = ready_when_paused
+        self.connect = connect or _connect_worker
         self.ready = asyncio.Event()  # consuming (cleared while reconnecting)
         self._beat = time.monotonic()
         self._stop = asyncio.Event()
@@ -181,7 +189,7 @@ class Runner:
         self._stop.set()
 
     async def _open(self) -> Session:
-        connection = await connect_amqp(self.settings, name="rabbit-retry worker")
+        connection = await self.connect(self.settings)
         try:
             session = Session(connection, self.subscriptions, self.user)
             await check_objects(session.amqp, self.subscriptions, self.hint)
