@@ -137,7 +137,7 @@ async def test_sigterm_returns_unfinished_messages_to_the_broker_after_the_grace
     assert set(back) == {f"m-{n}" for n in range(25)}
     for message_id in lines(tmp_path / "started"):
         assert not back[message_id].redelivered
-        assert "x-delivery-count" not in back[message_id].headers
+        assert not back[message_id].headers.get("x-delivery-count")  # 3.10 writes a 0
 
 
 async def test_messages_cut_off_by_a_stop_run_at_full_concurrency_on_the_next_start(
