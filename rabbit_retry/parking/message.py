@@ -75,10 +75,16 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, Decimal):
         return str(value)
     if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {_name(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
     return str(value)
+
+
+def _name(key: object) -> str:
+    # A header name that is not UTF-8 is decoded with surrogateescape (wire.py); JSON stores
+    # (PostgreSQL's jsonb) refuse lone surrogates, so a view shows those bytes as U+FFFD.
+    return str(key).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def body_fields(body: bytes) -> dict[str, str]:

@@ -18,6 +18,7 @@ from typing import Any
 import pamqp.frame
 from hypothesis import strategies as st
 from pamqp import commands as spec
+from pamqp import header
 
 _LONG = struct.Struct(">I")
 
@@ -177,3 +178,22 @@ def captured_headers() -> Iterator[list[Seen]]:
         yield seen
     finally:
         pamqp.frame.unmarshal = real
+
+
+def received(properties: spec.Basic.Properties) -> spec.Basic.Properties:
+    """``properties`` as a consumer of this process receives them: marshalled into a content
+    header frame and read back the way aiormq reads one (with ``wire``'s decoder, which every
+    connection the product opens installs)."""
+    from rabbit_retry.wire import keep_header_types
+
+    keep_header_types()
+    frame = header.ContentHeader(0, 3, properties).marshal()
+    back = header.ContentHeader()
+    back.unmarshal(frame)
+    result: spec.Basic.Properties = back.properties
+    return result
+
+
+def headers_bytes(properties: spec.Basic.Properties) -> bytes:
+    """The headers table ``properties`` put on the wire (b"" when they have none)."""
+    return _read_header_frame(header.ContentHeader(0, 3, properties).marshal()).headers
