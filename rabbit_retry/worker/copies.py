@@ -10,7 +10,8 @@ headers of the delivery (their properties: ``contract.republish_properties``), e
 - ``expiration`` is dropped from every copy and kept in the ``original-expiration`` header: a
   per-message TTL shorter than the tier's would cut the delay short, and in the parking queue
   (no dead-letter exchange) it would silently delete a parked message. The broker does the same
-  when it dead-letters.
+  when it dead-letters, keeping it only in ``x-death``'s ``original-expiration``: a copy of
+  such a message takes it from there. A replay moves it back (``parking.headers``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from rabbit_retry.contract import (
     PARKED_ID,
     PARKED_REASON,
     RETRY_COUNT,
+    X_DEATH,
+    as_text,
 )
 from rabbit_retry.wire import encoded_size
 
@@ -146,7 +149,20 @@ def _common(
     copied.setdefault(ORIGINAL_ROUTING_KEY, original[1])
     if expiration:
         copied[ORIGINAL_EXPIRATION] = expiration
+    elif ORIGINAL_EXPIRATION not in copied and (moved := _moved_expiration(copied)):
+        copied[ORIGINAL_EXPIRATION] = moved
     return copied
+
+
+def _moved_expiration(headers: Mapping[str, Any]) -> str | None:
+    # Where the broker dead-lettered the message itself (the one-tier nack path) it removed the
+    # expiration and kept it only in x-death, which a replay strips: carried over from there.
+    deaths = headers.get(X_DEATH)
+    if isinstance(deaths, list | tuple):
+        for entry in reversed(deaths):  # oldest first: the death that removed it
+            if isinstance(entry, Mapping) and (text := as_text(entry.get("original-expiration"))):
+                return text
+    return None
 
 
 def retry_headers(
