@@ -23,12 +23,11 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.amqp import blocking, depth, drain_sync, publish_raw
+from support.amqp import blocking, drain_sync, publish_raw
 from support.fieldtables import RawHeaders, Seen, captured_headers, split, tables
-from support.poll import eventually
 from support.provision import provision, topology
 from support.tools import in_ci, require
-from support.worker import running
+from support.worker import run_until_parked
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -72,15 +71,8 @@ def through_the_product(
     blocking(provision(settings, topology(TOPOLOGY)))
     publish()
 
-    async def parked() -> bool:
-        return await depth(settings, "orders.parking") == count
-
-    async def work() -> None:
-        async with running([AlwaysFails()], topology(TOPOLOGY), settings):
-            await eventually(parked, within=120, what=f"{count} parked")
-
     with captured_headers() as seen:
-        blocking(work(), timeout=180)
+        run_until_parked([AlwaysFails()], topology(TOPOLOGY), settings, "orders", count)
         done = run_cli("parking", "replay", "orders", "--yes", settings=settings)
         assert done.code == 0, done.err
         replayed = drain_sync(settings, "orders")

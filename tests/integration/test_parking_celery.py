@@ -9,10 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pika
-from support.amqp import blocking, depth
-from support.poll import eventually
+from support.amqp import blocking
 from support.provision import provision, topology
-from support.worker import running
+from support.worker import run_until_parked
 
 from rabbit_retry.settings import Settings
 from rabbit_retry.worker import Delivery, Permanent, RetryConsumer
@@ -50,14 +49,7 @@ def test_a_message_without_an_id_is_shown_by_its_correlation_id(
     finally:
         connection.close()
 
-    async def parked() -> bool:
-        return await depth(fresh_vhost, "tasks.parking") == 2
-
-    async def work() -> None:
-        async with running([Declines()], topo, fresh_vhost):
-            await eventually(parked, within=60, what="both parked")
-
-    blocking(work(), timeout=120)
+    run_until_parked([Declines()], topo, fresh_vhost, "tasks", 2)
     for _ in range(2):  # once parked, once parked again after a replay
         shown = run_cli("parking", "show", "tasks", "--json", settings=fresh_vhost)
         assert shown.code == 0, shown.err
@@ -70,7 +62,7 @@ def test_a_message_without_an_id_is_shown_by_its_correlation_id(
         assert table.count("(generated)") == 1 and "task-42" in table and "own-id" in table
         replayed = run_cli("parking", "replay", "tasks", "--yes", settings=fresh_vhost)
         assert replayed.code == 0, replayed.err
-        blocking(work(), timeout=120)
+        run_until_parked([Declines()], topo, fresh_vhost, "tasks", 2)
         again = json.loads(run_cli("parking", "show", "tasks", "--json",
                                    settings=fresh_vhost).out)["messages"]
         assert {m["message_id"] for m in again} == {celery["message_id"], "own-id"}

@@ -9,12 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from support.amqp import blocking, depth, drain_sync, publish
+from support.amqp import blocking, drain_sync, publish
 from support.broker import version
 from support.parked import look
-from support.poll import eventually
 from support.provision import provision, topology
-from support.worker import running
+from support.worker import run_until_parked
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -50,14 +49,7 @@ def test_a_per_message_ttl_is_parked_with_the_message_and_restored_by_replay(
     blocking(publish(fresh_vhost, b"{}", exchange="orders", routing_key="order.created",
                      count=3, expiration=600))  # aio-pika: seconds
 
-    async def parked() -> bool:
-        return await depth(fresh_vhost, "orders.parking") == 3
-
-    async def work() -> None:
-        async with running([AlwaysFails()], topo, fresh_vhost):
-            await eventually(parked, within=60, what="3 parked")
-
-    blocking(work(), timeout=120)
+    run_until_parked([AlwaysFails()], topo, fresh_vhost, "orders", 3)
     parked_copies = look(management, fresh_vhost, "orders.parking")
     assert len(parked_copies) == 3
     for copy in parked_copies:
