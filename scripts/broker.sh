@@ -194,8 +194,11 @@ up() {
     build
     mount_once
     say "starting $NODE, waiting up to ${TIMEOUT}s"
-    # The file-descriptor limit of a node decides how many quorum queues it can hold.
-    in_chroot sh -c "ulimit -n 65536 2>/dev/null; rabbitmq-server -detached" >/dev/null 2>&1 ||
+    # The file-descriptor limit of a node decides how many connections and (3.x) quorum queues
+    # it holds. Debian's rabbitmq-server wrapper switches user with su, whose PAM session
+    # resets the limit to 1024: switch here, raise it to the hard limit, start the node.
+    in_chroot su -s /bin/sh -c 'ulimit -n "$(ulimit -Hn)"; cd /var/lib/rabbitmq &&
+        exec /usr/lib/rabbitmq/bin/rabbitmq-server -detached' rabbitmq >/dev/null 2>&1 ||
         fail "rabbitmq-server -detached failed; see $DIR/var/log/rabbitmq/"
     wait_up
     say "RabbitMQ $(running_version) ready on 127.0.0.1:$PORT, management $MGMT_PORT"

@@ -126,7 +126,7 @@ start_node() {
     prepare "$n"
     say "starting $(node_name "$n") (AMQP $(amqp_port "$n"), management $(mgmt_port "$n"))"
     # The file-descriptor limit of a node decides how many quorum queues it can hold.
-    in_chroot_as "$n" sh -c "ulimit -n 65536 2>/dev/null; rabbitmq-server -detached" >/dev/null 2>&1 ||
+    in_chroot_as "$n" sh -c "ulimit -n 65536 2>/dev/null || ulimit -n \"\$(ulimit -Hn)\"; rabbitmq-server -detached" >/dev/null 2>&1 ||
         fail "rabbitmq-server -detached failed for $(node_name "$n"); see $(host_dir "$n")/log/"
 }
 

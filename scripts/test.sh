@@ -206,6 +206,8 @@ if [ -z "$only_unit" ]; then
     fi
     stage "idempotency stores: PostgreSQL and Redis"
     ensure_stores
+    stage "Node.js and amqplib (the header type tests' second foreign publisher)"
+    ensure_amqplib
     if [ -z "$only_cluster" ]; then
         stage "chromium and chromedriver (the failure desk page's browser tests)"
         ensure_chromium

@@ -538,7 +538,7 @@ class Channel(_Closes, AbstractChannel):
             self.server.observer.settled(held, how, True, None)
             self.memory.give_back(held.queue, held.entry, how)
             return
-        routed = self.memory.reject(held.queue, held.entry)
+        routed = self.memory.reject(held.queue, held.entry, how)
         self.server.observer.settled(held, how, False, routed)
 
     # --- publishing ----------------------------------------------------------------------------

@@ -16,7 +16,8 @@ docs/versions.md) and read in RabbitMQ's source:
   counts each in ``x-delivery-count``; a dead-letter cycle starts the message at zero again.
   4.0 counts each and counts the ``nack`` that dead-letters too; the count travels with the
   message and shows when the queue has none of its own. 4.3 keeps ``x-delivery-count`` across
-  dead-lettering, does not count a ``nack(requeue)`` there but in ``x-acquired-count``. Beyond
+  dead-lettering, does not count a ``nack(requeue)`` there but in ``x-acquired-count``, and
+  counts a ``reject(requeue=false)`` (not a ``nack``) in both before dead-lettering it. Beyond
   the queue's delivery limit (4.x: 20 unless set) the message is dead-lettered with reason
   ``delivery_limit``. Classic queues count nothing: only the ``redelivered`` flag.
 - **Dead-letter cycles.** A message dead-lettered (other than by a rejection) back into a queue
@@ -559,12 +560,18 @@ class Memory:
         else:
             bisect.insort(queue.ready, entry, key=lambda e: e.seq)
 
-    def reject(self, queue: Queue, entry: Entry) -> Routed:
+    def reject(
+        self, queue: Queue, entry: Entry, how: Literal["reject", "nack"] = "nack"
+    ) -> Routed:
         """``nack``/``reject`` without requeue: dead-lettered with reason ``rejected``."""
         if queue is not self.queues.get(queue.name):
             return Routed(())
         if queue.quorum and self.version.counting == "4.0":
-            entry.returns += 1  # 4.0 counts the nack that dead-letters it
+            entry.returns += 1  # 4.0 counts the nack or reject that dead-letters it
+        elif queue.quorum and self.version.counting == "4.3" and how == "reject":
+            # 4.3 counts a reject (not a nack) as a delivery, and the acquired count with it.
+            entry.returns += 1
+            entry.acquired = entry.returns
         return self._dead_letter(queue, entry, "rejected")
 
     # --- dead-lettering ------------------------------------------------------------------------

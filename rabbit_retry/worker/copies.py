@@ -10,7 +10,8 @@ headers of the delivery (their properties: ``contract.republish_properties``), e
 - ``expiration`` is dropped from every copy and kept in the ``original-expiration`` header: a
   per-message TTL shorter than the tier's would cut the delay short, and in the parking queue
   (no dead-letter exchange) it would silently delete a parked message. The broker does the same
-  when it dead-letters.
+  when it dead-letters, keeping it only in ``x-death``'s ``original-expiration``: a copy of
+  such a message takes it from there. A replay moves it back (``parking.headers``).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from typing import Any
 from rabbit_retry.contract import (
     MAX_COUNT,
     ORIGINAL_EXCHANGE,
+    ORIGINAL_EXPIRATION,
     ORIGINAL_ROUTING_KEY,
     RETRY_COUNT,
     RETURN_COUNT,
@@ -79,7 +80,8 @@ class History:
     redelivered: bool = False
     # Where it was first published, when that is not this delivery's own exchange/routing key.
     source: tuple[str, str] | None = None
-    # A per-message TTL the broker moved into ``x-death`` when it dead-lettered the message.
+    # A per-message TTL the broker moved into ``x-death`` when it dead-lettered the message (the
+    # one-tier ``nack`` path), unless a copy of ours already keeps one in ``original-expiration``.
     moved_expiration: str | None = None
     # False when the message carries an ``x-death`` the broker could not count on from in
     # place: a client's, or a garbled one (a 3.x quorum queue's dead-letter worker crashes on
@@ -130,7 +132,7 @@ def _read(headers: Mapping[str, Any], redelivered: bool, our_route: bool, queue:
     for entry in entries:
         if as_text(entry.get("queue")) != queue:
             continue
-        if moved_expiration is None:
+        if moved_expiration is None and ORIGINAL_EXPIRATION not in headers:
             moved_expiration = as_text(entry.get("original-expiration"))
         if as_text(entry.get("reason")) in FAILURE_REASONS:
             broker_failures += as_count(entry.get("count")) or 0

@@ -119,6 +119,8 @@ def test_show_lists_every_message_and_leaves_them_parked_in_order_twice(
     assert second == {
         "position": 2,
         "message_id": "m1",
+        "message_id_generated": False,
+        "correlation_id": None,
         "parked_at": second["parked_at"],
         "reason": "permanent",
         "exception_type": "KeyError",

@@ -31,6 +31,14 @@ STEPS = (
     "reject-requeue",
     "close",
 )
+# The same cycle through basic.reject(requeue=False), on a second message: what a consumer
+# other than the worker (one that rejects rather than nacks) does to the counts.
+REJECT_STEPS = (
+    "reject",  # from a count of 0
+    "reject",
+    "close",
+    "reject",  # from a non-zero count
+)
 RECORDED = ("x-delivery-count", "x-acquired-count")
 
 
@@ -96,7 +104,8 @@ async def _take(
 
 
 async def capture(url: str) -> dict[str, Any]:
-    """Runs ``STEPS`` on one message in a throwaway queue of ``url``'s vhost."""
+    """Runs ``STEPS`` on one message and ``REJECT_STEPS`` on another, each in a throwaway queue
+    of ``url``'s vhost."""
     return await capture_on(await aiormq.connect(url))
 
 
@@ -106,6 +115,22 @@ async def capture_on(
 ) -> dict[str, Any]:
     """``capture`` on an open ``connection`` (closed at the end); ``tier_passes`` lets the
     tier's TTL run out where time does not pass by itself."""
+    try:
+        version = (connection.server_properties or {}).get("version")
+        return {
+            "version": version.decode() if isinstance(version, bytes) else version,
+            "deliveries": await _run(connection, STEPS, tier_passes),
+            "rejects": await _run(connection, REJECT_STEPS, tier_passes),
+        }
+    finally:
+        await connection.close()
+
+
+async def _run(
+    connection: AbstractConnection,
+    steps: tuple[str, ...],
+    tier_passes: Callable[[], Awaitable[None]],
+) -> list[dict[str, Any]]:
     queue = f"rr-capture-{uuid.uuid4().hex[:8]}"
     admin = await connection.channel()
     try:
@@ -113,13 +138,14 @@ async def capture_on(
         await admin.basic_publish(
             b"{}", routing_key=queue, properties=aiormq.spec.Basic.Properties(delivery_mode=2)
         )
-        version = (connection.server_properties or {}).get("version")
         channel, tag, message = await _take(connection, queue, tier_passes)
         seen = [{"after": "publish", **summary(message)}]
-        for step in STEPS:
+        for step in steps:
             delivery_tag = message.delivery.delivery_tag  # type: ignore[union-attr]
             if step == "native":
                 await channel.basic_nack(delivery_tag, requeue=False)
+            elif step == "reject":
+                await channel.basic_reject(delivery_tag, requeue=False)
             elif step in ("nack-requeue", "reject-requeue"):
                 await channel.basic_cancel(tag)
                 if step == "nack-requeue":
@@ -131,15 +157,12 @@ async def capture_on(
             seen.append({"after": step, **summary(message)})
         await channel.basic_ack(message.delivery.delivery_tag)  # type: ignore[union-attr]
         await channel.close()
-        return {
-            "version": version.decode() if isinstance(version, bytes) else version,
-            "deliveries": [_rename(s, queue) for s in seen],
-        }
+        return [_rename(s, queue) for s in seen]
     finally:
         for name in (queue, f"{queue}.tier"):
             await admin.queue_delete(name)
         await admin.exchange_delete(f"{queue}.retry")
-        await connection.close()
+        await admin.close()
 
 
 def _rename(seen: dict[str, Any], queue: str) -> dict[str, Any]:

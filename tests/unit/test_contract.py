@@ -92,10 +92,14 @@ def test_a_copy_keeps_every_property_and_swaps_the_headers() -> None:
     assert set(PROPERTY_NAMES) == set(original.__slots__) - {"headers", "cluster_id"}
 
 
-def test_a_copy_is_persistent_and_has_a_message_id() -> None:
+def test_a_copy_is_persistent_and_has_a_message_id_marked_as_made_up() -> None:
     copy = republish_properties(spec.Basic.Properties(delivery_mode=1), {}, user="guest")
     assert copy.delivery_mode == 2
     assert copy.message_id
+    assert copy.headers == {"message-id-generated": True}
+    # A message with its own id (a copy of a copy among them) is not marked.
+    again = republish_properties(spec.Basic.Properties(message_id="m"), {}, user="guest")
+    assert again.message_id == "m" and again.headers == {}
 
 
 def test_a_user_id_of_another_user_moves_to_a_header() -> None:

@@ -2,8 +2,8 @@
 
 ``fixtures/deliveries-<version>.json`` were captured with ``tests/support/deliveries.py`` on
 RabbitMQ 3.10.8, 4.0.5 and 4.3.6 (one message taken through nack cycles, closed channels and
-requeues); ``tests/integration/test_redelivery_fixtures.py`` recaptures on the broker under test
-and compares, so these files stay true.
+requeues, another through reject cycles); ``tests/integration/test_redelivery_fixtures.py``
+recaptures on the broker under test and compares, so these files stay true.
 """
 
 from __future__ import annotations
@@ -241,3 +241,23 @@ def test_nothing_here_raises_on_garbled_headers(
     assert isinstance(is_suspect(headers, redelivered, "quorum"), bool)
     assert isinstance(native_ok(headers, rules), bool)
     assert returns(headers) >= 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_reject_cycle_counts_as_the_fixture_says(version: str) -> None:
+    """``basic.reject(requeue=False)`` through the tier and back, as a consumer other than the
+    worker may do it (docs/versions.md): ``x-death`` records a ``rejected`` death on every
+    version, as for the worker's ``nack``; 3.10 comes back clean as after a ``nack``; 4.0 and
+    4.3 come back redelivered with one return counted, from 0 too, which the worker reads as a
+    possible crash. 4.3 differs from its own ``nack`` cycle there, which keeps a 0 at 0."""
+    rejected = fixture(version)["rejects"][1]  # the first reject, from a count of 0
+    nacked = fixture(version)["deliveries"][1]  # the first nack, from a count of 0
+    assert rejected["after"] == "reject" and nacked["after"] == "native"
+    assert rejected["x-death"] == nacked["x-death"] == ["TIER:expired:1", "Q:rejected:1"]
+    comes_back_returned = version != "3.10"
+    assert rejected["redelivered"] is comes_back_returned
+    assert returns(rejected["headers"]) == (1 if comes_back_returned else 0)
+    assert is_suspect(rejected["headers"], rejected["redelivered"], "quorum") is (
+        comes_back_returned)
+    if version == "4.3":
+        assert not nacked["redelivered"] and returns(nacked["headers"]) == 0
