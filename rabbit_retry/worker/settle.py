@@ -11,9 +11,10 @@ consuming channel's deliveries are settled through a ``Settler``:
   all. A delivery still running, waiting for its turn or being returned is open: its tag ends
   the run, so no ``multiple`` ack ever covers it.
 - The run is sent when ``run`` deliveries are done and not acked, and otherwise once the event
-  loop has run what was ready (``call_soon``): deliveries finishing together share a frame, a
-  lone one waits no timer. ``flush`` sends what can be sent at once, before anything that needs the
-  channel's state known (a ``nack``, a cancel, a pause, a shutdown).
+  loop goes round without a delivery finishing (``call_soon``, checked again while deliveries
+  keep finishing): under load runs fill up, a lone delivery is acked at the next turn of the
+  loop, and no timer is set per message. ``flush`` sends what can be sent at once, before
+  anything that needs the channel's state known (a ``nack``, a cancel, a pause, a shutdown).
 - A done delivery stuck behind an open one (a slow handler, a copy waiting for its confirm)
   waits ``STRAGGLER_S`` for the run to reach it, then is acked on its own (at once when the run
   is full): it must not hold a prefetch slot for the length of another's handler.
@@ -41,8 +42,8 @@ STRAGGLER_S = 0.05
 
 
 class Settler:
-    __slots__ = ("_channel", "_done", "_elsewhere", "_frames", "_open", "_run", "_scheduled",
-                 "_timer", "_writer")
+    __slots__ = ("_busy", "_channel", "_done", "_elsewhere", "_frames", "_open", "_run",
+                 "_scheduled", "_timer", "_writer")
 
     def __init__(self, channel: AbstractChannel, run: int) -> None:
         self._channel = channel
@@ -51,6 +52,7 @@ class Settler:
         self._done: set[int] = set()  # of those, the ones to ack
         self._elsewhere: set[int] = set()  # of those, settled some other way: never acked
         self._scheduled = False
+        self._busy = False  # a delivery finished since the idle check was last scheduled
         self._timer: asyncio.TimerHandle | None = None
         self._frames: deque[tuple[int, bool]] = deque()  # ack frames not yet handed to aiormq
         self._writer: asyncio.Future[None] | None = None
@@ -67,7 +69,9 @@ class Settler:
         self._done.add(tag)
         if len(self._done) >= self._run:
             self._send(stragglers=True)
-        elif not self._scheduled:
+        elif self._scheduled:
+            self._busy = True
+        else:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._idle)
 
@@ -91,6 +95,10 @@ class Settler:
         return len(self._done)
 
     def _idle(self) -> None:
+        if self._busy:  # deliveries still finishing: look again at the next turn
+            self._busy = False
+            asyncio.get_running_loop().call_soon(self._idle)
+            return
         self._scheduled = False
         if self._done:
             self._send(stragglers=False)
