@@ -53,12 +53,13 @@ def configure(level: str = "info", fmt: Format = "text") -> None:
     aiormq and aio-pika log a lost connection with a traceback and every closed channel; the
     worker says each outage once, in one line of its own.
     """
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else _Masked(TEXT))
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
+    # Logging someone else set up (an application running the command in-process, a test
+    # runner) stays as it is, as ``logging.basicConfig`` leaves it.
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter() if fmt == "json" else _Masked(TEXT))
+        root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
     if level != "debug":
         for name in ("aiormq", "aio_pika"):
