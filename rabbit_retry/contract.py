@@ -33,8 +33,17 @@ EXCEPTION_STACKTRACE = "exception-stacktrace"
 ORIGINAL_EXCHANGE = "original-exchange"  # where it was first published, not the retry hop
 ORIGINAL_ROUTING_KEY = "original-routing-key"
 ORIGINAL_QUEUE = "original-queue"
+# Returns without a verdict of a delivery from a classic queue, which counts none itself: carried
+# on the copy that sends it back (a quorum queue's broker counts them in x-delivery-count).
+RETURN_COUNT = "return-count"
+# On a parked copy: failed attempts the broker recorded for another consumer of the queue (its
+# rejections in x-death), not this worker's handler calls.
+FAILURES_ELSEWHERE = "failures-elsewhere"
 ORIGINAL_EXPIRATION = "original-expiration"  # a per-message TTL, moved off the copy
 ORIGINAL_USER_ID = "original-user-id"  # a user_id the broker would refuse from us
+# true: the message had no message_id and the copy's was made by rabbit-retry (a Celery task, for
+# one, carries its id in correlation_id instead). Kept on replay: the id stays made up.
+MESSAGE_ID_GENERATED = "message-id-generated"
 
 # Written by the broker.
 X_DEATH = "x-death"
@@ -71,6 +80,8 @@ STRIPPED_ON_REPLAY = BROKER_HEADERS | {
     PARKED_AT,
     PARKED_ID,
     RETRY_COUNT,
+    RETURN_COUNT,
+    FAILURES_ELSEWHERE,
     EXCEPTION_TYPE,
     EXCEPTION_MESSAGE,
     EXCEPTION_STACKTRACE,
@@ -182,14 +193,15 @@ def republish_properties(
     - a ``user_id`` that is not ``user`` moves to ``original-user-id``: RabbitMQ refuses a
       publish whose ``user_id`` differs from the connection's user, which would hold the message
       for ever.
-    - a message without ``message_id`` gets one: the client matches a broker's ``basic.return``
-      (an unroutable copy) to its publish by message id.
+    - a message without ``message_id`` gets one, marked ``message-id-generated``: the client
+      matches a broker's ``basic.return`` (an unroutable copy) to its publish by message id.
     """
     fields: dict[str, Any] = {"delivery_mode": 2, **changes}
     if not source.message_id and "message_id" not in changes:
         fields["message_id"] = new_message_id()
+        headers[MESSAGE_ID_GENERATED] = True
     if source.user_id and source.user_id != user:
-        fields["user_id"] = None
+        fields.setdefault("user_id", None)
         headers.setdefault(ORIGINAL_USER_ID, source.user_id)
     return copy_properties(source, headers, **fields)
 

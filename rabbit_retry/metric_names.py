@@ -61,7 +61,15 @@ DUPLICATES = Series(
     "Deliveries acked without calling the handler: their idempotency key was done.",
 )
 
-WORKER = (MESSAGES, PARKED, HANDLER_SECONDS, IN_FLIGHT, PAUSED, PAUSES, DUPLICATES)
+INTERNAL_ERRORS = Series(
+    "rabbit_retry_internal_errors_total",
+    "counter",
+    ("queue",),
+    "Deliveries the worker's own code failed on (a bug): each was charged a failed attempt.",
+)
+
+WORKER = (MESSAGES, PARKED, HANDLER_SECONDS, IN_FLIGHT, PAUSED, PAUSES, DUPLICATES,
+          INTERNAL_ERRORS)
 
 # --- the failure desk ----------------------------------------------------------------------------
 

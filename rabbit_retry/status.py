@@ -9,6 +9,7 @@ command exit 1 for monitoring to alert on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -57,6 +58,8 @@ class QueueStatus:
     # (queue, messages) for Q and its tiers where a quorum queue holds messages it could not
     # dead-letter yet: a missing next queue, or a dead-letter cycle (docs/versions.md).
     held: tuple[tuple[str, int], ...] = ()
+    # The queues of ``held`` whose next queue is there: the broker's cycle check holds them.
+    stranded: tuple[str, ...] = ()
     # Each live quorum queue of Q (main, tiers, parking): its leader and replicas.
     replicas: tuple[Replication, ...] = ()
     # The policy (and operator policy) that applies to Q: the file's own, another that wins.
@@ -72,6 +75,7 @@ class QueueStatus:
             "parked": self.parked,
             "tiers": dict(self.tiers),
             "held_for_dead_lettering": dict(self.held),
+            "stranded_by_dead_letter_cycle": {q: n for q, n in self.held if q in self.stranded},
             "replicas": [r.to_json() for r in self.replicas],
             "policy": self.policy.to_json() if self.policy else None,
         }
@@ -245,6 +249,7 @@ def build_status(
                 policy=policies.get(main.name),
             )
         )
+        rows[-1] = _with_stranded(rows[-1], plan, changes)
     return Status(vhost, source, tuple(rows), drift_of(changes, plan))
 
 
@@ -356,14 +361,48 @@ def status_view(status: Status) -> RenderableType:
     parts.extend(_replicas_view(status))
     parts.extend(_policies_view(status))
     for row in status.queues:
-        for name, count in row.held:
-            parts.append(Text(
-                f"{name}: {plural(count, 'message')} held by the broker for dead-lettering: it "
-                "cannot hand them on (a missing next queue, or a dead-letter cycle after a "
-                "delivery limit; see docs/versions.md)",
-                style="bold yellow",
-            ))
+        parts.extend(Text(line, style="bold yellow") for line in held_lines(row, status.source))
     if not status.drift:
         parts.append(Text(f"no drift: the broker has every object {status.source} derives",
                           style="green"))
     return Group(*parts)
+
+
+# --- messages the broker holds for dead-lettering -----------------------------------------------
+
+
+def _with_stranded(row: QueueStatus, plan: Plan, changes: Sequence[Change]) -> QueueStatus:
+    """``row`` with ``stranded``: when every object of its queue's retry path exists, what holds
+    its messages for dead-lettering is RabbitMQ's dead-letter cycle check, not a missing queue
+    (docs/versions.md, "Stranded messages")."""
+    if not row.held or row.ready is None:
+        return row
+    if any(c.kind == "create" and _owner_and_role(c, plan)[0] == row.queue for c in changes):
+        return row
+    return dataclasses.replace(row, stranded=tuple(name for name, _ in row.held))
+
+
+def held_lines(row: QueueStatus, source: str) -> list[str]:
+    """One line per queue of ``row`` holding messages for dead-lettering: why, and what to do."""
+    lines = []
+    for name, count in row.held:
+        messages = plural(count, "message")
+        if name not in row.stranded:
+            lines.append(
+                f"{name}: {messages} held by the broker for dead-lettering: the queue they go to "
+                f"next is missing; `rabbit-retry apply {source}` recreates it and the broker "
+                "hands them on (it retries every 3 minutes)"
+            )
+            continue
+        way_out = (
+            "they can be moved out by hand, bindings of its retry exchange changed for up to "
+            "6 minutes" if name == row.queue else "no command can move them out"
+        )
+        lines.append(
+            f"{name}: {messages} stranded by RabbitMQ's dead-letter cycle check: they reached "
+            f"{row.queue}'s delivery limit without a verdict from the worker (another consumer "
+            "requeued them, or they were returned while no worker ran) and the broker will not "
+            f"dead-letter them on; {way_out} (docs/versions.md, \"Stranded messages\"); "
+            "purging or deleting the queue deletes them"
+        )
+    return lines

@@ -134,6 +134,26 @@ ensure_promtool() {
     note "installed $(promtool --version 2>&1 | head -n 1)"
 }
 
+# Node.js and its amqplib client: a publisher rabbit-retry did not write, for the header type
+# tests (tests/integration/test_header_types.py). amqplib goes into a cache outside the
+# repository (npm, pinned); exports RABBIT_RETRY_NODE_MODULES. Without Node those tests fail in
+# CI and skip elsewhere.
+AMQPLIB_VERSION=2.3.1
+ensure_amqplib() {
+    local cache="${RABBIT_RETRY_NODE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rabbit-retry/node}"
+    if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+        apt_optional "Node.js and npm" nodejs npm || return 0
+    fi
+    export RABBIT_RETRY_NODE_MODULES="$cache/node_modules"
+    if ! grep -qs "\"version\": \"$AMQPLIB_VERSION\"" "$cache/node_modules/amqplib/package.json"; then
+        mkdir -p "$cache"
+        timeout 300 npm install --prefix "$cache" --no-audit --no-fund --silent \
+            "amqplib@$AMQPLIB_VERSION" </dev/null >/dev/null 2>&1 ||
+            { note "npm install amqplib failed: its tests skip (fail with CI=true)"; return 0; }
+    fi
+    note "using Node $(node --version), amqplib $AMQPLIB_VERSION in $cache"
+}
+
 # Headless Chromium and its WebDriver (Debian's `chromium` and `chromium-driver`) for the failure
 # desk's browser tests (tests/browser, Selenium). Nothing downloads a browser build of its own:
 # the distribution's packages are the browser. Without them those tests fail in CI and skip

@@ -373,10 +373,12 @@ if [ -z "$only_unit" ]; then
     stage "idempotency stores: PostgreSQL and Redis"
     ensure_stores
     if [ -z "$only_cluster" ]; then
+        stage "Node.js and amqplib (the header type tests' second foreign publisher)"
+        ensure_amqplib
         stage "chromium and chromedriver (the failure desk page's browser tests)"
         ensure_chromium
     fi
-    took "PostgreSQL, Redis, chromium" "$began"
+    took "PostgreSQL, Redis, amqplib, chromium" "$began"
 fi
 
 

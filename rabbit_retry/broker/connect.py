@@ -15,6 +15,7 @@ from yarl import URL
 
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
+from rabbit_retry.wire import keep_header_types
 
 if TYPE_CHECKING:
     from aio_pika.abc import AbstractConnection
@@ -165,6 +166,8 @@ async def connect_amqp(
 
 
 async def _first_node(settings: Settings, open_node: Callable[[Settings], Awaitable[_C]]) -> _C:
+    # Every header read from here on keeps its AMQP type, so a copy writes it back unchanged.
+    keep_header_types()
     failures: list[str] = []
     for node in settings.nodes():
         try:

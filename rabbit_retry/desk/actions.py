@@ -11,8 +11,8 @@ it has run out and publishes what was not yet marked replayed. Nothing is lost; 
 just before the kill and not yet marked is published once more (each copy carries the replay's
 id in ``replay-id`` and its original ``message_id``, so a consumer can tell).
 
-Replayed copies get the CLI's replay headers (``parking.headers.replay_headers``): parking and
-death headers stripped, ``retry-count`` reset, ``replay-count`` + 1.
+Replayed copies get the CLI's replay properties (``parking.headers.replay_properties``): parking
+and death headers stripped, ``retry-count`` reset, ``replay-count`` + 1, a per-message TTL back.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from rabbit_retry.broker.connect import connect
 from rabbit_retry.desk.records import stored_body, stored_properties
 from rabbit_retry.desk.store import Claimed, Selection, Store
 from rabbit_retry.errors import InputError
-from rabbit_retry.parking.headers import replay_headers
+from rabbit_retry.parking.headers import replay_properties
 from rabbit_retry.settings import Settings
 
 log = logging.getLogger("rabbit_retry.desk")
@@ -326,8 +326,6 @@ class Copy:
 
 def _copy(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
     source = stored_properties(row, contract.kept_on_replay)  # the rest would be stripped
-    headers = replay_headers(source.headers)
-    headers[REPLAY_ID] = claimed.id
-    properties = contract.republish_properties(source, headers, user)
+    properties = replay_properties(source, user, extra={REPLAY_ID: claimed.id})
     return Copy(row["id"], str(properties.message_id or f"row-{row['id']}"),
                 claimed.to_queue or row["queue"], stored_body(row), properties)

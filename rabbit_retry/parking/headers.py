@@ -7,14 +7,20 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from pamqp import commands as spec
+
 from rabbit_retry.contract import (
     HANDLE_AGAIN,
+    ORIGINAL_EXPIRATION,
     PARKED_AT,
     REPLAY_COUNT,
     as_count,
+    as_text,
     header_text,
     kept_on_replay,
+    republish_properties,
 )
+from rabbit_retry.wire import CopyProperties
 
 
 def parked_at(headers: Mapping[str, Any]) -> datetime | None:
@@ -47,3 +53,26 @@ def replay_headers(
     if handle_again:
         out[HANDLE_AGAIN] = True
     return out
+
+
+def replay_properties(
+    source: spec.Basic.Properties, user: str, *, handle_again: bool = False,
+    extra: Mapping[str, Any] | None = None,
+) -> CopyProperties:
+    """The properties of a replayed copy of a parked message (CLI and desk): ``replay_headers``
+    plus ``extra``, published as ``user``; a per-message TTL the worker moved into
+    ``original-expiration`` goes back to ``expiration`` (the header removed), so the replayed
+    message expires as its publisher asked, counted from the replay. A value the broker would
+    refuse as an expiration (not a count) stays a header."""
+    headers = replay_headers(source.headers, handle_again=handle_again)
+    headers.update(extra or {})
+    changes: dict[str, Any] = {}
+    ttl = as_text(headers.get(ORIGINAL_EXPIRATION))
+    if not source.expiration and ttl is not None and as_count(ttl) is not None:
+        changes["expiration"] = str(as_count(ttl))
+        del headers[ORIGINAL_EXPIRATION]
+    if handle_again:
+        # The broker checks a user_id against the publishing connection: what makes a worker
+        # believe ``handle-again`` from a replayer and from no publisher.
+        changes["user_id"] = user
+    return republish_properties(source, headers, user, **changes)

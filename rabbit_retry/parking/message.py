@@ -34,6 +34,15 @@ class ParkedMessage:
         return contract.header_text(self.properties.get("message_id"))
 
     @property
+    def message_id_generated(self) -> bool:
+        """Whether ``message_id`` was made by rabbit-retry (the message came without one)."""
+        return contract.as_flag(self.headers.get(contract.MESSAGE_ID_GENERATED))
+
+    @property
+    def correlation_id(self) -> str | None:
+        return contract.header_text(self.properties.get("correlation_id"))
+
+    @property
     def reason(self) -> str | None:
         return self.header(contract.PARKED_REASON)
 
@@ -75,10 +84,16 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, Decimal):
         return str(value)
     if isinstance(value, Mapping):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {_name(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
     return str(value)
+
+
+def _name(key: object) -> str:
+    # A header name that is not UTF-8 is decoded with surrogateescape (wire.py); JSON stores
+    # (PostgreSQL's jsonb) refuse lone surrogates, so a view shows those bytes as U+FFFD.
+    return str(key).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def body_fields(body: bytes) -> dict[str, str]:
@@ -125,6 +140,8 @@ def summary_record(message: ParkedMessage) -> dict[str, Any]:
     return {
         "position": message.position,
         "message_id": message.message_id,
+        "message_id_generated": message.message_id_generated,
+        "correlation_id": message.correlation_id,
         "parked_at": message.header(contract.PARKED_AT),  # as the worker wrote it
         "reason": message.reason,
         "exception_type": message.exception_type,

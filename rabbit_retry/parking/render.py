@@ -16,19 +16,29 @@ from rabbit_retry.text import plural
 EXCEPTION_CHARS = 70
 
 
+GENERATED = " (generated)"
+
+
 def messages_table(messages: Sequence[ParkedMessage]) -> Table:
+    """One row per message; a ``correlation id`` column when any of them has one (a Celery task
+    is known by it: its message id is one rabbit-retry made up, marked ``(generated)``)."""
+    correlated = any(m.correlation_id for m in messages)
     table = new_table()
-    for column in ("#", "id", "parked at (UTC)", "reason", "exception", "attempts",
-                   "routing key", "body"):
+    for column in ("#", "id", *(["correlation id"] if correlated else []), "parked at (UTC)",
+                   "reason", "exception", "attempts", "routing key", "body"):
         table.add_column(column, justify="right" if column in ("#", "attempts") else "left")
     for message in messages:
         moment = message.parked_at
         exception = ": ".join(p for p in (message.exception_type, message.exception_message) if p)
         if len(exception) > EXCEPTION_CHARS:
             exception = exception[: EXCEPTION_CHARS - 1] + "…"
+        ident = message.message_id
+        if ident and message.message_id_generated:
+            ident += GENERATED
         table.add_row(
             cell(message.position),
-            cell(message.message_id),
+            cell(ident),
+            *([cell(message.correlation_id)] if correlated else []),
             cell(moment.strftime("%Y-%m-%d %H:%M:%S") if moment else
                   message.header(contract.PARKED_AT)),
             cell(message.reason),

@@ -31,9 +31,9 @@ from pamqp import commands as spec
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.requeue import REQUEUE_POLL_S, REQUEUE_WAIT_S, requeue_batches
-from rabbit_retry.contract import PROPERTY_NAMES, RETURN_COUNTERS, republish_properties
+from rabbit_retry.contract import PROPERTY_NAMES, RETURN_COUNTERS
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
-from rabbit_retry.parking.headers import replay_headers
+from rabbit_retry.parking.headers import replay_properties
 from rabbit_retry.parking.kinds import peek_refusal
 from rabbit_retry.parking.message import ParkedMessage
 from rabbit_retry.settings import Settings, mask
@@ -139,11 +139,7 @@ class ParkingQueue:
         ``mandatory`` makes a copy that cannot be routed (main queue deleted meanwhile) come back
         as an error instead of vanishing; the parked message then stays parked.
         """
-        properties = republish_properties(
-            taken.properties,
-            replay_headers(taken.message.headers, handle_again=handle_again),
-            self._user,
-        )
+        properties = replay_properties(taken.properties, self._user, handle_again=handle_again)
         try:
             await self._channel.basic_publish(
                 taken.message.body,

@@ -252,6 +252,18 @@ _PANELS = (
         ],
     ),
     _Panel(
+        "Worker internal errors",
+        "Deliveries the worker's own code failed on (a bug to report): each was charged a "
+        "failed attempt rather than left unacked.",
+        "ops",
+        [
+            (
+                f"sum by (queue) (rate({names.INTERNAL_ERRORS.name}{{{_QUEUE}}}[{_RATE}]))",
+                "{{queue}}",
+            )
+        ],
+    ),
+    _Panel(
         "Failure desk: ingested, replayed, discarded",
         "Parked messages taken into the desk, and what operators did with them.",
         "ops",

@@ -15,8 +15,10 @@ Both are generic over the payload type, so a type checker learns it from the con
 
 from __future__ import annotations
 
+import asyncio
 import inspect
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 
 from rabbit_retry.errors import InputError
@@ -25,6 +27,8 @@ from rabbit_retry.worker.idempotency import Idempotency
 from rabbit_retry.worker.pause import Pause
 
 if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
     from pydantic import TypeAdapter
 
 if TYPE_CHECKING:
@@ -135,6 +139,12 @@ def payload_error(delivery: Delivery[Any]) -> InvalidPayload | None:
     return delivery._invalid
 
 
+# ``async def middleware(delivery, call_next)``: runs around the handler; ``await
+# call_next(delivery)`` runs the rest (the next middleware, then the handler).
+Middleware = Callable[["Delivery[Any]", Callable[["Delivery[Any]"], Awaitable[Any]]],
+                      Awaitable[Any]]
+
+
 class RetryConsumer(Generic[PayloadT]):
     """Subclass, set ``queue``, write ``async def handle(self, delivery)`` (or a plain ``def``
     for blocking code: it runs in a thread pool of ``prefetch`` threads).
@@ -156,6 +166,20 @@ class RetryConsumer(Generic[PayloadT]):
     pause: Pause | None = None
     # Handle each message key once within a window.
     idempotency: Idempotency | None = None
+    # Deliveries acknowledged at most in one ``basic.ack`` frame (``multiple``); None: a tenth of
+    # ``prefetch``. 1 acks each delivery on its own.
+    ack_run: int | None = None
+    # Around every handler call, outermost first: ``async def mw(delivery, call_next)`` (timing,
+    # tracing, a context variable); under the handler's timeout, before any decision.
+    middleware: tuple[Middleware, ...] = ()
+
+    async def on_start(self) -> None:
+        """Called once before the worker consumes (open a pool, warm a cache); raising stops
+        the worker with one line, before any message is taken."""
+
+    async def on_stop(self) -> None:
+        """Called once after the worker stopped consuming and its handlers finished (close what
+        ``on_start`` opened); also after a failed start, if ``on_start`` had succeeded."""
 
     def handle(self, delivery: Delivery[PayloadT]) -> Awaitable[None] | None:
         """Handle one message: ``async def`` (awaited) or plain ``def`` (run in a thread)."""
@@ -164,6 +188,30 @@ class RetryConsumer(Generic[PayloadT]):
     @property
     def name(self) -> str:
         return type(self).__name__
+
+
+def ack_run(consumer: RetryConsumer[Any]) -> int:
+    """How many done deliveries one ack frame may settle (``RetryConsumer.ack_run``)."""
+    return consumer.ack_run or max(1, consumer.prefetch // 10)
+
+
+def handler_call(
+    consumer: RetryConsumer[Any], threads: Executor | None
+) -> Callable[[Delivery[Any]], Awaitable[Any]]:
+    """How the worker calls the handler: ``handle`` itself (``async def``), or its run in
+    ``threads`` (blocking code), inside the consumer's middleware."""
+    call: Callable[[Delivery[Any]], Awaitable[Any]]
+    if threads is None:
+        call = consumer.handle  # type: ignore[assignment]
+    else:
+        handle = consumer.handle
+
+        def call(delivery: Delivery[Any]) -> Awaitable[Any]:
+            return asyncio.get_running_loop().run_in_executor(threads, handle, delivery)
+
+    for middleware in reversed(consumer.middleware):
+        call = partial(middleware, call_next=call)  # type: ignore[call-arg]
+    return call
 
 
 def is_blocking(consumer: RetryConsumer[Any]) -> bool:
@@ -181,28 +229,20 @@ def is_blocking(consumer: RetryConsumer[Any]) -> bool:
 
 
 def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
-    """Refuse a misconfigured consumer with one line naming the attribute; the model adapter."""
+    """Refuse a misconfigured consumer with one line naming the attribute, before the first
+    message (a consumer the worker cannot run must not start consuming); the model adapter."""
     name = consumer.name
     if not isinstance(consumer, RetryConsumer):
         raise InputError(f"{name} is not a RetryConsumer subclass instance")
     if not isinstance(consumer.queue, str) or not consumer.queue:
         raise InputError(f"{name}.queue: set it to the name of a queue in the topology file")
-    if type(consumer).handle is RetryConsumer.handle or not callable(consumer.handle):
-        raise InputError(f"{name}: define async def handle(self, delivery) (or a plain def)")
-    if inspect.isasyncgenfunction(consumer.handle) or inspect.isgeneratorfunction(
-        consumer.handle
-    ):
-        raise InputError(f"{name}.handle: a generator; define async def handle(self, delivery)")
-    prefetch = consumer.prefetch
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= 65535:
-        raise InputError(f"{name}.prefetch: expected an integer from 1 to 65535, got {prefetch!r}")
-    timeout = consumer.handler_timeout
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
-    ):
+    _check_handle(consumer, name)
+    _check_numbers(consumer, name)
+    middleware = consumer.middleware
+    if not isinstance(middleware, tuple) or not all(callable(m) for m in middleware):
         raise InputError(
-            f"{name}.handler_timeout: expected a positive number of seconds or None, "
-            f"got {timeout!r}"
+            f"{name}.middleware: expected a tuple of async functions (delivery, call_next), "
+            f"got {middleware!r}"
         )
     require_exception_types(f"{name}.permanent_errors", consumer.permanent_errors)
     for attribute, kind in (("pause", Pause), ("idempotency", Idempotency)):
@@ -214,13 +254,90 @@ def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
                 f"{name}.{attribute}: expected {kind.__name__}(...) or None, got {value!r}"
             )
         value.check(name)
-    if consumer.model is None:
+    return model_adapter(consumer)
+
+
+def _check_handle(consumer: RetryConsumer[Any], name: str) -> None:
+    """``handle`` can be called as the worker calls it: with one delivery."""
+    handle = consumer.handle
+    if type(consumer).handle is RetryConsumer.handle or not callable(handle):
+        raise InputError(f"{name}: define async def handle(self, delivery) (or a plain def)")
+    if inspect.isasyncgenfunction(handle) or inspect.isgeneratorfunction(handle):
+        raise InputError(f"{name}.handle: a generator; define async def handle(self, delivery)")
+    try:
+        signature = inspect.signature(handle)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    try:
+        signature.bind(None)
+    except TypeError as exc:
+        raise InputError(
+            f"{name}.handle{signature}: the worker calls it with one delivery ({exc})"
+        ) from None
+
+
+def _check_numbers(consumer: RetryConsumer[Any], name: str) -> None:
+    prefetch = consumer.prefetch
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= 65535:
+        raise InputError(f"{name}.prefetch: expected an integer from 1 to 65535, got {prefetch!r}")
+    run = consumer.ack_run
+    if run is not None and (
+        isinstance(run, bool) or not isinstance(run, int) or not 1 <= run <= 65535
+    ):
+        raise InputError(
+            f"{name}.ack_run: expected an integer from 1 to 65535 or None, got {run!r}"
+        )
+    timeout = consumer.handler_timeout
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+    ):
+        raise InputError(
+            f"{name}.handler_timeout: expected a positive number of seconds or None, "
+            f"got {timeout!r}"
+        )
+
+
+def declared_payload(consumer: RetryConsumer[Any]) -> Any:
+    """The payload type of ``class C(RetryConsumer[Order])`` (None when it names none: no
+    argument, a type variable, ``Any``)."""
+    for klass in type(consumer).__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            if getattr(base, "__origin__", None) is RetryConsumer:
+                (argument,) = base.__args__
+                if isinstance(argument, TypeVar) or argument is Any:
+                    return None
+                return argument
+    return None
+
+
+def model_adapter(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
+    """The validator of the consumer's payload: its ``model``, or the type argument of
+    ``RetryConsumer[...]`` (said once is enough; said twice, both must agree). Built and
+    checked now, forward references included: a model pydantic cannot build fails the start,
+    not every message."""
+    name = consumer.name
+    declared, model = declared_payload(consumer), consumer.model
+    if isinstance(model, str):
+        raise InputError(f"{name}.model: {model!r} is a string; assign the class itself")
+    if model is not None and declared is not None and model is not declared:
+        raise InputError(
+            f"{name}: model = {getattr(model, '__name__', model)!r} but the class says "
+            f"RetryConsumer[{getattr(declared, '__name__', declared)}]; say it once, or agree"
+        )
+    target = model if model is not None else declared
+    if target is None:
         return None
     from pydantic import TypeAdapter  # only a consumer with a model needs pydantic
 
     try:
-        return TypeAdapter(consumer.model)
+        adapter = TypeAdapter(target)
+        rebuild = getattr(adapter, "rebuild", None)  # pydantic >= 2.10
+        if rebuild is not None:
+            rebuild(raise_errors=True)
     except Exception as exc:
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(
-            f"{name}.model: pydantic cannot validate {consumer.model!r}: {exc}"
+            f"{name}.model: pydantic cannot build a validator for {target!r}: {what}"
+            " (a type imported only under TYPE_CHECKING?)"
         ) from exc
+    return adapter

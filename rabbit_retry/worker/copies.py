@@ -5,12 +5,13 @@ A retry copy goes to ``Q.retry``; a parked copy goes to ``Q.parking``. Both keep
 headers of the delivery (their properties: ``contract.republish_properties``), except:
 
 - the broker's bookkeeping (``contract.BROKER_HEADERS``: ``x-death``, ``x-delivery-count``, ...)
-  is dropped from retry copies: counting lives in ``retry-count`` (see ``attempts``). Parked
+  is dropped from retry copies: counting lives in ``retry-count`` (see ``history``). Parked
   copies keep it as history.
 - ``expiration`` is dropped from every copy and kept in the ``original-expiration`` header: a
   per-message TTL shorter than the tier's would cut the delay short, and in the parking queue
   (no dead-letter exchange) it would silently delete a parked message. The broker does the same
-  when it dead-letters.
+  when it dead-letters, keeping it only in ``x-death``'s ``original-expiration``: a copy of
+  such a message takes it from there. A replay moves it back (``parking.headers``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import datetime
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rabbit_retry.contract import (
     BROKER_HEADERS,
     EXCEPTION_MESSAGE,
     EXCEPTION_STACKTRACE,
     EXCEPTION_TYPE,
+    FAILURES_ELSEWHERE,
     ORIGINAL_EXCHANGE,
     ORIGINAL_EXPIRATION,
     ORIGINAL_QUEUE,
@@ -34,8 +36,12 @@ from rabbit_retry.contract import (
     PARKED_ID,
     PARKED_REASON,
     RETRY_COUNT,
+    RETURN_COUNT,
 )
 from rabbit_retry.wire import encoded_size
+
+if TYPE_CHECKING:
+    from rabbit_retry.worker.history import History
 
 # Bounds on what an exception may add to a parked copy's headers. RabbitMQ's smallest allowed
 # frame_max is 4 KiB and its default 128 KiB; the content header frame (all properties and
@@ -125,6 +131,7 @@ class Failure:
 
 
 DELIVERY_LIMIT_REACHED = "rabbit_retry.worker.DeliveryLimitReached"
+EXHAUSTED_ON_ARRIVAL = "rabbit_retry.worker.ExhaustedOnArrival"
 
 
 def delivery_limit_failure(queue: str, limit: int) -> Failure:
@@ -138,12 +145,26 @@ def delivery_limit_failure(queue: str, limit: int) -> Failure:
     )
 
 
+def arrival_failure(queue: str, history: History, max_attempts: int) -> Failure:
+    """What a parked copy says of a message that arrived with no attempt left."""
+    return Failure(
+        type=EXHAUSTED_ON_ARRIVAL,
+        message=f"arrived with {history.failures} failed attempt(s) recorded (retry-count "
+        f"{history.retry_count}; rejections and delivery limits on {queue!r} in the broker's "
+        f"x-death: {history.broker_failures}) and max_attempts is {max_attempts}; parked "
+        "without calling the handler",
+        stacktrace="",
+    )
+
+
 def _common(
     headers: Mapping[str, Any] | None, original: tuple[str, str], expiration: str | None
 ) -> dict[str, Any]:
     copied = dict(headers or {})
-    copied.setdefault(ORIGINAL_EXCHANGE, original[0])
-    copied.setdefault(ORIGINAL_ROUTING_KEY, original[1])
+    # Overwritten, never kept: on a message a publisher sent through an exchange, an
+    # ``original-*`` header is the publisher's word (``history``), not where it came from.
+    copied[ORIGINAL_EXCHANGE] = original[0]
+    copied[ORIGINAL_ROUTING_KEY] = original[1]
     if expiration:
         copied[ORIGINAL_EXPIRATION] = expiration
     return copied
@@ -155,13 +176,30 @@ def retry_headers(
     retry_count: int,
     original: tuple[str, str],
     expiration: str | None = None,
+    returns: int = 0,
+    failure: Failure | None = None,
 ) -> dict[str, Any]:
-    """Headers of a retry copy: broker bookkeeping dropped, ``retry-count`` set."""
+    """Headers of a retry copy, or of a delivery sent back to the end of its queue: broker
+    bookkeeping dropped, ``retry-count`` set, ``return-count`` set where ``returns`` (a classic
+    queue's returns, which only the copy can carry); a retry copy says which exception failed
+    the attempt before (type and message; the stack trace only a parked copy carries)."""
     copied = {
-        k: v for k, v in _common(headers, original, expiration).items() if k not in BROKER_HEADERS
+        k: v
+        for k, v in _common(headers, original, expiration).items()
+        if k not in BROKER_HEADERS and k not in _FAILURE_HEADERS
     }
     copied[RETRY_COUNT] = retry_count
+    if returns:
+        copied[RETURN_COUNT] = returns
+    if failure is not None:
+        copied[EXCEPTION_TYPE] = truncate_head(failure.type, 255)
+        copied[EXCEPTION_MESSAGE] = failure.message
     return copied
+
+
+# What a copy says of an earlier failure or return: replaced on every copy, never carried over.
+_FAILURE_HEADERS = frozenset({RETURN_COUNT, EXCEPTION_TYPE, EXCEPTION_MESSAGE,
+                              EXCEPTION_STACKTRACE})
 
 
 def parked_headers(
@@ -176,6 +214,7 @@ def parked_headers(
     parked_id: str,
     expiration: str | None = None,
     frame_max: int = 131072,
+    elsewhere: int = 0,
 ) -> dict[str, Any]:
     """Headers of a parked copy (README, "The worker"), bounded to fit one content frame.
 
@@ -192,6 +231,10 @@ def parked_headers(
     )
     copied[PARKED_ID] = parked_id
     copied[RETRY_COUNT] = retry_count
+    if elsewhere:
+        copied[FAILURES_ELSEWHERE] = elsewhere
+    else:
+        copied.pop(FAILURES_ELSEWHERE, None)
     if failure is None:
         for key in (EXCEPTION_TYPE, EXCEPTION_MESSAGE, EXCEPTION_STACKTRACE):
             copied.pop(key, None)

@@ -11,6 +11,12 @@ cannot prevent without the side effect and the store sharing one transaction.
 
 A store that fails is retried with backoff while the delivery waits: the queue slows down
 instead of handling a message twice or losing it.
+
+An operator's replay may ask for a message to run although its key is done (``handle-again``,
+``parking replay --handle-again``). A publisher could write that header too, so it is believed
+only on a message whose ``user_id`` names one of the rule's ``replayers`` (the worker's own user
+by default): RabbitMQ refuses a publish whose ``user_id`` is not the publishing connection's
+user, and a replay publishes its copies under its own.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rabbit_retry.backoff import Backoff
 from rabbit_retry.contract import HANDLE_AGAIN, as_flag
 from rabbit_retry.settings import mask
 from rabbit_retry.worker.idempotency import Idempotency
@@ -55,9 +62,16 @@ class Deduper:
     """One consumer's ``Idempotency`` at work over an opened ``Store``."""
 
     def __init__(
-        self, rule: Idempotency, store: Store, scope: str, consumer: str, timeout: float | None
+        self,
+        rule: Idempotency,
+        store: Store,
+        scope: str,
+        consumer: str,
+        timeout: float | None,
+        user: str = "",
     ) -> None:
         self.rule = rule
+        self.replayers = frozenset(rule.replayers if rule.replayers is not None else (user,))
         self.store = store
         self.scope = scope
         self.consumer = consumer
@@ -69,8 +83,11 @@ class Deduper:
             self.lease = LEASE_WITHOUT_TIMEOUT
         self._said_no_key = False
 
-    async def admit(self, delivery: Delivery[Any], alive: Callable[[], bool]) -> Ticket:
-        """Claim the delivery's key, waiting while another worker holds it.
+    async def admit(
+        self, delivery: Delivery[Any], user_id: str | None, alive: Callable[[], bool]
+    ) -> Ticket:
+        """Claim the delivery's key, waiting while another worker holds it (``user_id``: the
+        message's, which the broker checked against its publisher).
 
         ``alive`` says whether the delivery can still be settled; once it cannot (its channel
         closed), waiting ends with a ticket that runs nothing (the broker has it back).
@@ -88,7 +105,7 @@ class Deduper:
                 )
             return Ticket(None, None)
         key = str(key)
-        if as_flag(delivery.headers.get(HANDLE_AGAIN)):
+        if as_flag(delivery.headers.get(HANDLE_AGAIN)) and user_id in self.replayers:
             return Ticket(key, None)  # an operator's replay asked to run it again
         token = uuid.uuid4().hex
         poll = BUSY_POLL[0]
@@ -126,16 +143,14 @@ class Deduper:
     async def _retrying(self, what: str, call: Callable[[], Any], alive: Callable[[], bool]) -> Any:
         """``call()`` until it works or the delivery is gone (then None); logged once per
         outage, not per try."""
-        delay = STORE_RETRY[0]
-        failing = False
+        backoff = Backoff(*STORE_RETRY)
         while True:
             try:
                 result = await call()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                if not failing:
-                    failing = True
+                if not backoff.failures:
                     log.warning(
                         "queue=%s: idempotency store %s failed (%s: %s); retrying, the message"
                         " waits",
@@ -147,10 +162,9 @@ class Deduper:
                     )
                 if not alive():
                     return None
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, STORE_RETRY[1])
+                await backoff.wait()
                 continue
-            if failing:
+            if backoff.succeeded():
                 log.warning("queue=%s: idempotency store works again", self.scope,
                             extra={"queue": self.scope, "event": "store_recovered"})
             return result if result is not None else True

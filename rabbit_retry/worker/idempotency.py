@@ -29,13 +29,15 @@ class Idempotency:
     ``store``: ``sqlite:///PATH`` (one machine), ``postgresql://...`` or ``redis://...`` (several
     workers). ``key``: a function of the delivery (``message_id`` by default); a message
     without a key is handled as usual. ``lease``: how long a claim holds when the worker holding
-    it dies (default: the handler's timeout plus 30 s).
+    it dies (default: the handler's timeout plus 30 s). ``replayers``: the users whose replays
+    may ask for a done key to run again (``handle-again``); default: the worker's own user.
     """
 
     store: str
     key: Callable[[Delivery[Any]], str | None] = by_message_id
     window: float = DEFAULT_WINDOW
     lease: float | None = None
+    replayers: tuple[str, ...] | None = None
 
     def check(self, owner: str) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -45,3 +47,9 @@ class Idempotency:
         require_seconds(f"{owner}.idempotency.window", self.window)
         if self.lease is not None:
             require_seconds(f"{owner}.idempotency.lease", self.lease)
+        if self.replayers is not None and (
+            not isinstance(self.replayers, tuple)
+            or not all(isinstance(u, str) and u for u in self.replayers)
+        ):
+            raise InputError(f"{owner}.idempotency.replayers: expected a tuple of user names or"
+                             f" None, got {self.replayers!r}")

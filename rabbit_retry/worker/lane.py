@@ -6,7 +6,7 @@ the innocent ones with the one that took the worker down. Left at that, the next
 them all again, and a delivery limit parks (or dead-letters) the bystanders with the culprit.
 So a lane keeps a crash charged to the one message that caused it:
 
-- A delivery that came back without a verdict (``redelivery.is_suspect``) never runs beside
+- A delivery that came back without a verdict (``decide.runs_alone``) never runs beside
   another: it waits until nothing else runs, and nothing starts while it runs.
 - Holding deliveries is what exposes them to a crash, so once a suspect arrives the lane stops
   taking more (``basic.cancel``), settles what it holds, and then consumes one message at a time
@@ -27,7 +27,8 @@ the queue unchanged) instead of running; ``resume`` consumes again at full prefe
 
 The session asks for a delivery's turn (``enter``, or ``turn`` when it must wait), says when its
 handler has run (``ran``) and when the delivery is gone (``left``): the rules live here, the
-session's one coroutine per delivery carries them out.
+session's one coroutine per delivery carries them out. The lane's channel settles its
+deliveries through one ``Settler`` (acks in groups), flushed before every cancel.
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
-from functools import partial
 from typing import Any, Literal
 
 from aiormq.abc import AbstractChannel, DeliveredMessage
 
-from rabbit_retry.worker.redelivery import is_suspect
+from rabbit_retry.worker.settle import Settler
 
 log = logging.getLogger("rabbit_retry.worker")
 
@@ -55,8 +55,9 @@ Task = asyncio.Task[Any]
 
 
 class Lane:
-    """Consumes ``queue`` on ``channel``, calling ``deliver(lane, message)`` per delivery (as
-    its own task), and gives each delivery its turn under the rules above.
+    """Consumes ``queue`` on ``channel``, calling ``deliver(message)`` per delivery (as its own
+    task, aiormq's), and gives each delivery its turn under the rules above; ``settle`` acks
+    the channel's deliveries, ``ack_run`` of them at most in one frame.
 
     ``on_error`` hears of a failure to change consumers (the channel died): the session treats
     it as a lost connection.
@@ -66,16 +67,16 @@ class Lane:
         self,
         channel: AbstractChannel,
         queue: str,
-        queue_type: str,
         prefetch: int,
-        deliver: Callable[[Lane, DeliveredMessage], Coroutine[Any, Any, None]],
+        ack_run: int,
+        deliver: Callable[[DeliveredMessage], Coroutine[Any, Any, None]],
         on_error: Callable[[str], None],
     ) -> None:
         self.channel = channel
         self.queue = queue
-        self.queue_type = queue_type
         self.prefetch = prefetch
-        self._deliver = partial(deliver, self)
+        self.settle = Settler(channel, ack_run)
+        self._deliver = deliver
         self._on_error = on_error
         self.paused = False
         self.mode: Mode = "probation"
@@ -104,6 +105,7 @@ class Lane:
         self._poke()  # waiting deliveries look again, and find the lane paused
         if tag is not None and not self._stopped:
             try:
+                await self.settle.flush()
                 await self.channel.basic_cancel(tag)
             except Exception as exc:  # the channel died: the session reconnects
                 self._on_error(f"pausing the consumer of {self.queue!r} failed: {exc!r}")
@@ -138,6 +140,7 @@ class Lane:
         tag, self.tag = self.tag, None
         if tag is not None:
             with suppress(Exception):
+                await self.settle.flush()
                 await self.channel.basic_cancel(tag, timeout=cancel_timeout)
 
     async def _consume(self, prefetch: int) -> None:
@@ -169,6 +172,7 @@ class Lane:
                 target = self._target
                 tag, self.tag = self.tag, None
                 if tag is not None:
+                    await self.settle.flush()
                     await self.channel.basic_cancel(tag)
                 if target == "probation":
                     # Let every running handler finish before taking the next one alone
@@ -188,41 +192,23 @@ class Lane:
         finally:
             self._poke()  # a delivery waiting for the change goes on
 
-    def enter(self, task: Task, message: DeliveredMessage) -> bool:
-        """A delivery arrived: whether it may run now, beside the others (most do). When not,
-        ``turn`` says what it may do, once it may."""
+    def enter(self, task: Task, alone: bool) -> bool:
+        """A delivery arrived (``alone``: it came back without a verdict): whether it may run
+        now, beside the others (most do). When not, ``turn`` says what it may do, once it may."""
         self._held += 1
-        if (self.paused or message.delivery.redelivered  # type: ignore[union-attr]
+        if (self.paused or alone
                 or self._alone is not None or len(self._shared) >= self.prefetch
                 or (self.mode == "probation" and self._target == "probation")):
             return False
         self._shared.add(task)
         return True
 
-    async def turn(self, task: Task, message: DeliveredMessage) -> Turn:
+    async def turn(self, task: Task, alone: bool, message_id: str | None) -> Turn:
         """The turn of a delivery ``enter`` did not let run, waiting for it where it must."""
         if self.paused:
             return "hold"
-        props = message.header.properties
-        redelivered = bool(getattr(message.delivery, "redelivered", False))
-        if is_suspect(props.headers, redelivered, self.queue_type):
-            if self.mode == "full" and self._target == "full":
-                log.info(
-                    "queue=%s message_id=%s came back without a verdict: handling returned"
-                    " messages one at a time",
-                    self.queue,
-                    props.message_id,
-                    extra={"queue": self.queue, "event": "probation"},
-                )
-                self._want("probation")
-            await self._until(lambda: self._stopped or self.paused
-                              or (self._alone is None and not self._shared))
-            if self._stopped:  # stopping: it goes back to the broker unstarted
-                return "stopped"
-            if self.paused:
-                return "hold"
-            self._alone = task
-            return "alone"
+        if alone:
+            return await self._alone_turn(task, message_id)
         if self.mode == "probation" and self._target == "probation":
             # Leave probation while this delivery is still unsettled: the probation consumer
             # then has no credit, so nothing can be on its way to it when it is cancelled.
@@ -239,12 +225,32 @@ class Lane:
                 lambda: self._stopped or self.paused
                 or (self._alone is None and len(self._shared) < self.prefetch)
             )
-            if self._stopped:
-                return "stopped"
-            if self.paused:
-                return "hold"
+            if self._stopped or self.paused:
+                return self._not_started()
         self._shared.add(task)
         return "shared"
+
+    async def _alone_turn(self, task: Task, message_id: str | None) -> Turn:
+        """A returned delivery: into probation, then its turn once nothing else runs."""
+        if self.mode == "full" and self._target == "full":
+            log.info(
+                "queue=%s message_id=%s came back without a verdict: handling returned"
+                " messages one at a time",
+                self.queue,
+                message_id,
+                extra={"queue": self.queue, "event": "probation"},
+            )
+            self._want("probation")
+        await self._until(lambda: self._stopped or self.paused
+                          or (self._alone is None and not self._shared))
+        if self._stopped or self.paused:
+            return self._not_started()
+        self._alone = task
+        return "alone"
+
+    def _not_started(self) -> Turn:
+        """Stopping: it goes back to the broker unstarted; paused: back to the queue."""
+        return "stopped" if self._stopped else "hold"
 
     def ran(self, task: Task) -> None:
         """The handler of ``task``'s delivery returned or raised (again: nothing happens).

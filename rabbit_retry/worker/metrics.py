@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rabbit_retry.worker.decide import ParkReason
 
@@ -25,6 +26,14 @@ if TYPE_CHECKING:
     from rabbit_retry import metric_names as names
 
 OUTCOMES = ("success", "retried", "parked")
+
+
+@dataclass(frozen=True)
+class Probes:
+    """What ``/healthz`` and ``/readyz`` answer: ``(ok, why)``, asked in the server's thread."""
+
+    live: Callable[[], tuple[bool, str]]
+    ready: Callable[[], tuple[bool, str]]
 
 # Handler durations from 1 ms to 5 min: fast handlers and ones near a 30 s timeout both show.
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -56,8 +65,8 @@ class Durations:
 class QueueMetrics:
     """The series of one queue, as numbers the session bumps (``success += 1``)."""
 
-    __slots__ = ("duplicates", "handler_seconds", "in_flight", "parked", "parked_by_reason",
-                 "paused", "pauses", "retried", "success")
+    __slots__ = ("duplicates", "handler_seconds", "in_flight", "internal_errors", "parked",
+                 "parked_by_reason", "paused", "pauses", "retried", "success")
 
     def __init__(self) -> None:
         self.success = 0
@@ -69,6 +78,7 @@ class QueueMetrics:
         self.paused = 0  # 1 while a Pause holds the queue
         self.pauses = 0
         self.duplicates = 0
+        self.internal_errors = 0
 
 
 class Metrics:
@@ -123,7 +133,8 @@ class Metrics:
             for reason, count in list(m.parked_by_reason.items()):
                 out[names.PARKED].add_metric([queue, reason], count)
             for series, value in ((names.IN_FLIGHT, m.in_flight), (names.PAUSED, m.paused),
-                                  (names.PAUSES, m.pauses), (names.DUPLICATES, m.duplicates)):
+                                  (names.PAUSES, m.pauses), (names.DUPLICATES, m.duplicates),
+                                  (names.INTERNAL_ERRORS, m.internal_errors)):
                 out[series].add_metric([queue], value)
             taken = m.handler_seconds
             durations.add_metric(
@@ -132,14 +143,44 @@ class Metrics:
         yield from out.values()
         yield durations
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` over HTTP in a daemon thread; the bound port (``0`` picks one)."""
+    def serve(self, port: int, addr: str = "0.0.0.0", probes: Probes | None = None) -> int:
+        """Serve ``/metrics`` (and with ``probes``, ``/healthz`` and ``/readyz``) over HTTP in a
+        daemon thread; the bound port (``0`` picks one). Any other path: 404."""
         if not self.exported:
             raise RuntimeError("Metrics(exported=False) cannot be served")
-        from prometheus_client import start_http_server
+        from socketserver import ThreadingMixIn
+        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-        self._server, self._thread = start_http_server(port, addr, registry=self.registry)
-        return int(self._server.server_port)
+        from prometheus_client import make_wsgi_app
+
+        metrics_app = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            path = environ.get("PATH_INFO") or "/"
+            if path == "/metrics":
+                return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            check = {"/healthz": probes.live, "/readyz": probes.ready}.get(path) if probes else None
+            if check is None:
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"not found: /metrics, /healthz and /readyz are served here\n"]
+            ok, why = check()
+            start_response("200 OK" if ok else "503 Service Unavailable",
+                           [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"{why}\n".encode()]
+
+        class Server(ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+
+        class Quiet(WSGIRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                """Scrapes and probes every few seconds are not news."""
+
+        server = make_server(addr, port, app, server_class=Server, handler_class=Quiet)
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True,
+                                        name="rabbit-retry-metrics")
+        self._thread.start()
+        return int(server.server_port)
 
     def close(self) -> None:
         if self._server is not None:

@@ -10,7 +10,9 @@ paused, a failure of the kind the pause watches sends its message back to the qu
 "In a row" counts distinct messages: one message failing again and again (a poison message
 walking its tiers) is that message's problem, which its attempts and parking already handle,
 not an outage, and must not stop the queue. A success resets the count; a failure of a kind the
-pause does not watch, a ``Permanent`` error and an invalid body leave it as it is.
+pause does not watch, a ``Permanent`` error and an invalid body leave it as it is, but end a
+pause: the downstream answered (so does a probe that finds the queue empty while another
+replica consumes it).
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ class Breaker:
 
     def succeeded(self) -> Change:
         self._streak.clear()
+        return self.answered()
+
+    def answered(self) -> Change:
+        """The downstream answered while the queue is paused: a probe's message failed for a
+        reason the pause does not watch (``Permanent``, an invalid body, another exception),
+        or found the queue empty while another replica consumes it. Resume: a queue that stays
+        paused while it works would never resume otherwise."""
         if self.paused:
             self.paused = False
             return Change.RESUMED

@@ -21,6 +21,7 @@ import aiormq.exceptions
 from aiormq import spec
 from aiormq.abc import AbstractChannel, AbstractConnection
 
+from rabbit_retry.backoff import Backoff
 from rabbit_retry.broker.connect import CONNECTION_ERRORS
 
 log = logging.getLogger("rabbit_retry.worker")
@@ -126,32 +127,17 @@ class Publisher:
         context: dict[str, Any],
     ) -> None:
         """Publish until confirmed, backing off; ``DeliveryGone`` once the delivery is gone."""
-        # Imported here: a worker whose messages all succeed or retry natively never needs it.
-        from tenacity import (
-            AsyncRetrying,
-            retry_if_exception_type,
-            stop_never,
-            wait_exponential_jitter,
-        )
-
         destination = (exchange, routing_key)
-        retrying = AsyncRetrying(
-            wait=wait_exponential_jitter(
-                multiplier=BACKOFF_INITIAL, max=BACKOFF_MAX, jitter=BACKOFF_INITIAL
-            ),
-            retry=retry_if_exception_type(PublishFailed),
-            stop=stop_never,
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                if not delivery_alive():
-                    raise DeliveryGone()
-                try:
-                    await self.publish(exchange, routing_key, body, properties)
-                except PublishFailed as exc:
-                    self._note_failure(destination, exc, context)
-                    raise
+        backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
+        while True:
+            if not delivery_alive():
+                raise DeliveryGone()
+            try:
+                await self.publish(exchange, routing_key, body, properties)
+                break
+            except PublishFailed as exc:
+                self._note_failure(destination, exc, context)
+            await backoff.wait()
         self._note_success(destination, context)
 
     def _note_failure(

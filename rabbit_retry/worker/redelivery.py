@@ -22,7 +22,7 @@ default delivery limit        none       20            20
 
 .. [#] 4.3 counts it in ``x-acquired-count`` instead, which no limit reads.
 
-Two conclusions the worker relies on:
+Two conclusions the worker relies on (``decide`` applies them to a delivery's ``history``):
 
 1. ``x-delivery-count`` is, on every version, the number the broker compares with the limit
    (returns beyond the limit dead-letter the message), so "one more return and the broker acts"
@@ -44,8 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rabbit_retry.contract import RETRY_COUNT, X_DELIVERY_COUNT, as_count, as_text
-from rabbit_retry.worker.attempts import broker_can_dead_letter
+from rabbit_retry.contract import as_text
 
 X_DELIVERY_LIMIT = "x-delivery-limit"  # a queue argument, not a header
 
@@ -127,52 +126,3 @@ def delivery_limit(
             return None
         return value
     return rules.default_limit if rules.default_limit is not None else WORKER_RETURN_LIMIT
-
-
-def returns(headers: Mapping[str, Any] | None) -> int:
-    """How often this message came back to a quorum queue without a verdict (garbled: 0)."""
-    if not headers:
-        return 0
-    try:
-        return as_count(headers.get(X_DELIVERY_COUNT)) or 0
-    except Exception:  # a hostile Mapping: garbled, so 0
-        return 0
-
-
-def is_suspect(headers: Mapping[str, Any] | None, redelivered: bool, queue_type: str) -> bool:
-    """Whether this delivery came back without a verdict, so that it may be what took a
-    worker down: such deliveries are run one at a time (``Lane``), so a crash is charged to
-    the one message that was running and to no other.
-
-    On a quorum queue the count decides (4.3 marks a clean ``nack(requeue)`` redelivered but
-    does not count it); a classic queue has only the flag. A count on a delivery the broker
-    does not call redelivered was forged by a publisher and means nothing.
-    """
-    if queue_type == "quorum":
-        return redelivered and returns(headers) > 0
-    return redelivered
-
-
-def at_delivery_limit(
-    headers: Mapping[str, Any] | None, redelivered: bool, limit: int | None
-) -> bool:
-    """Whether returning this delivery once more would make the broker dead-letter it (only a
-    redelivery: on a first delivery the count can only be a publisher's forgery)."""
-    return limit is not None and redelivered and returns(headers) >= limit
-
-
-def native_ok(headers: Mapping[str, Any] | None, rules: Counting) -> bool:
-    """Whether a failure may be retried by the broker's own ``nack`` cycle.
-
-    Only where that cycle leaves the message as a fresh copy would be (module docstring):
-    3.x always, 4.0-4.2 never, 4.3+ from a count of zero. Never once a ``retry-count`` is set
-    (the broker's count would restart below it, repeating attempts), nor for an ``x-death``
-    the broker could not safely update (``attempts.broker_can_dead_letter``).
-    """
-    if rules.native_cycle == "adds":
-        return False
-    if rules.native_cycle == "keeps" and returns(headers) > 0:
-        return False
-    if headers and as_count(headers.get(RETRY_COUNT)):
-        return False
-    return broker_can_dead_letter(headers)

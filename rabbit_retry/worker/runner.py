@@ -20,7 +20,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
@@ -29,15 +29,21 @@ from typing import TYPE_CHECKING, Any
 import aiormq.exceptions
 from aiormq.abc import AbstractConnection
 
+from rabbit_retry.backoff import Backoff
 from rabbit_retry.broker.absence import is_missing
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect_amqp
-from rabbit_retry.errors import BrokerError, InputError, NodeDownError
+from rabbit_retry.errors import BrokerError, InputError, NodeDownError, RabbitRetryError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.apart import load_topology_apart
 from rabbit_retry.topology.resolved import Topology
-from rabbit_retry.worker.consumer import RetryConsumer, check_consumer, is_blocking
-from rabbit_retry.worker.metrics import Metrics
+from rabbit_retry.worker.consumer import (
+    RetryConsumer,
+    check_consumer,
+    handler_call,
+    is_blocking,
+)
+from rabbit_retry.worker.metrics import Metrics, Probes
 from rabbit_retry.worker.pause import Breaker
 from rabbit_retry.worker.session import Session, Subscription
 
@@ -47,6 +53,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("rabbit_retry.worker")
 
 DEFAULT_GRACE = 30.0
+HEARTBEAT = 1.0  # how often the event loop notes that it turns
+LIVE_WITHIN = 30.0  # /healthz fails once it has not for this long
+
+
+class StartError(RabbitRetryError):
+    """A consumer's ``on_start`` failed: the worker does not consume (exit code 1)."""
 RECONNECT_INITIAL = 0.5
 RECONNECT_MAX = 30.0
 
@@ -84,6 +96,7 @@ def subscribe(
                 metrics=metrics.for_queue(config.name),
                 retry_exchange=naming.retry_exchange(config.name),
                 parking_queue=naming.parking_queue(config.name),
+                call=handler_call(consumer, threads),
                 threads=threads,
                 breaker=Breaker(consumer.pause) if consumer.pause is not None else None,
             )
@@ -128,6 +141,10 @@ async def check_objects(
             await channel.close()
 
 
+async def _connect_worker(settings: Settings) -> AbstractConnection:
+    return await connect_amqp(settings, name="rabbit-retry worker")
+
+
 class Runner:
     """Runs consumers until stopped; see the module docstring for the guarantees."""
 
@@ -141,7 +158,11 @@ class Runner:
         metrics: Metrics | None = None,
         metrics_port: int | None = None,
         metrics_addr: str = "0.0.0.0",
+        ready_when_paused: bool = False,
+        connect: Callable[[Settings], Awaitable[AbstractConnection]] | None = None,
     ) -> None:
+        """``connect`` opens each connection the runner uses (default: ``connect_amqp`` to
+        ``settings``); ``rabbit_retry.testing`` passes its in-memory broker's."""
         if isinstance(topology, str | Path):
             self.hint = str(topology)
             topology = load_topology_apart(topology)
@@ -154,7 +175,10 @@ class Runner:
         self.metrics_port = metrics_port
         self.metrics_addr = metrics_addr
         self.user = self.settings.user
+        self.ready_when_paused = ready_when_paused
+        self.connect = connect or _connect_worker
         self.ready = asyncio.Event()  # consuming (cleared while reconnecting)
+        self._beat = time.monotonic()
         self._stop = asyncio.Event()
         self._force = asyncio.Event()
 
@@ -165,7 +189,7 @@ class Runner:
         self._stop.set()
 
     async def _open(self) -> Session:
-        connection = await connect_amqp(self.settings, name="rabbit-retry worker")
+        connection = await self.connect(self.settings)
         try:
             session = Session(connection, self.subscriptions, self.user)
             await check_objects(session.amqp, self.subscriptions, self.hint)
@@ -178,7 +202,7 @@ class Runner:
 
     async def _first_open(self) -> Session | None:
         """``_open``, waiting out a node that is down (NodeDownError); None if stopped."""
-        delay = RECONNECT_INITIAL
+        backoff = Backoff(RECONNECT_INITIAL, RECONNECT_MAX)
         waiting_since: float | None = None
         while True:
             try:
@@ -187,10 +211,9 @@ class Runner:
                 if waiting_since is None:
                     waiting_since = time.monotonic()
                     log.warning("%s; waiting for it", exc, extra={"event": "node_down"})
-                await self._sleep_unless_stopped(delay)
+                await self._sleep_unless_stopped(backoff.failed())
                 if self._stop.is_set():
                     return None
-                delay = min(delay * 2, RECONNECT_MAX)
                 continue
             if waiting_since is not None:
                 log.warning("the node is back after %.1fs; consuming",
@@ -207,40 +230,23 @@ class Runner:
             why,
             extra={"event": "connection_lost"},
         )
-        from tenacity import (
-            AsyncRetrying,
-            retry_if_exception_type,
-            stop_never,
-            wait_exponential_jitter,
-        )
-
         started = time.monotonic()
         last_error = ""
         attempts = 0
-        retrying = AsyncRetrying(
-            wait=wait_exponential_jitter(
-                multiplier=RECONNECT_INITIAL, max=RECONNECT_MAX, jitter=RECONNECT_INITIAL
-            ),
-            retry=retry_if_exception_type(CONNECTION_ERRORS),
-            stop=stop_never,
-            sleep=self._sleep_unless_stopped,
-            reraise=True,
-        )
-        async for attempt in retrying:
-            with attempt:
-                if self._stop.is_set():
-                    return None
-                attempts += 1
-                try:
-                    session = await self._open()
-                except CONNECTION_ERRORS as exc:
-                    text = mask(str(exc)) or type(exc).__name__
-                    if text != last_error:  # once per distinct reason, never per attempt
-                        log.warning(
-                            "still reconnecting: %s", text, extra={"event": "reconnect_failed"}
-                        )
-                        last_error = text
-                    raise
+        backoff = Backoff(RECONNECT_INITIAL, RECONNECT_MAX)
+        while True:
+            if self._stop.is_set():
+                return None
+            attempts += 1
+            try:
+                session = await self._open()
+                break
+            except CONNECTION_ERRORS as exc:
+                text = mask(str(exc)) or type(exc).__name__
+                if text != last_error:  # once per distinct reason, never per attempt
+                    log.warning("still reconnecting: %s", text, extra={"event": "reconnect_failed"})
+                    last_error = text
+            await self._sleep_unless_stopped(backoff.failed())
         log.warning(
             "reconnected after %.1fs (%d attempt(s)); consuming again",
             time.monotonic() - started,
@@ -250,53 +256,26 @@ class Runner:
         return session
 
     async def run(self) -> None:
-        """Connect, check the topology, consume until ``stop()``; reconnect after losses.
+        """Start the consumers (``on_start``), connect, check the topology, consume until
+        ``stop()``; reconnect after losses; stop the consumers (``on_stop``).
 
         The first connection and check are not retried: a worker that cannot start says why
         and exits (``BrokerError``, exit code 1).
         """
         if self.metrics_port is not None:
-            port = self.metrics.serve(self.metrics_port, self.metrics_addr)
-            self.metrics_port = port
-            log.info("metrics on http://%s:%d/metrics", self.metrics_addr, port)
-        session: Session | None = None
-        rules = {
-            id(sub): sub.consumer.idempotency
-            for sub in self.subscriptions
-            if sub.consumer.idempotency is not None
-        }
+            probes = Probes(self._live, self._ready)
+            self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_addr, probes)
+            log.info("metrics on http://%s:%d/metrics (probes: /healthz, /readyz)",
+                     self.metrics_addr, self.metrics_port)
+        heartbeat = asyncio.create_task(self._heartbeat())
+        started: list[RetryConsumer[Any]] = []
         stores: dict[str, Store] = {}
-        if rules:
-            from rabbit_retry.worker.dedupe import Deduper, open_stores  # only for Idempotency
-
-            stores = await open_stores(rules)
-            self.subscriptions = [
-                replace(sub, deduper=Deduper(rule, stores[rule.store], sub.queue,
-                                             sub.consumer.name, sub.consumer.handler_timeout))
-                if (rule := sub.consumer.idempotency) is not None
-                else sub
-                for sub in self.subscriptions
-            ]
+        session: Session | None = None
         try:
+            await self._start_consumers(started)
+            stores = await self._open_stores()
             session = await self._first_open()
-            while session is not None:
-                self.ready.set()
-                stop_wait: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())
-                try:
-                    await asyncio.wait(
-                        {session.lost, stop_wait}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                finally:
-                    stop_wait.cancel()
-                self.ready.clear()
-                if self._stop.is_set():
-                    await session.shutdown(self.grace, self._force)
-                    session = None
-                    break
-                why = session.lost.result()
-                await session.close()
-                session = None
-                session = await self._reconnect(why)
+            session = await self._consume(session)
         finally:
             self.ready.clear()
             if session is not None:  # cancelled from outside: close without waiting
@@ -308,8 +287,92 @@ class Runner:
                 from rabbit_retry.worker.dedupe import close_stores
 
                 await close_stores(stores)
+            await self._stop_consumers(started)
+            heartbeat.cancel()
             self.metrics.close()
         log.info("stopped")
+
+    async def _consume(self, session: Session | None) -> Session | None:
+        """Until stopped: consume on ``session``, and on a new one whenever it is lost."""
+        while session is not None:
+            self.ready.set()
+            stop_wait: asyncio.Future[Any] = asyncio.ensure_future(self._stop.wait())
+            try:
+                await asyncio.wait({session.lost, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop_wait.cancel()
+            self.ready.clear()
+            if self._stop.is_set():
+                await session.shutdown(self.grace, self._force)
+                return None
+            why = session.lost.result()
+            await session.close()
+            session = None
+            session = await self._reconnect(why)
+        return None
+
+    async def _start_consumers(self, started: list[RetryConsumer[Any]]) -> None:
+        for consumer in dict.fromkeys(sub.consumer for sub in self.subscriptions):
+            try:
+                await consumer.on_start()
+            except Exception as exc:
+                raise StartError(f"{consumer.name}.on_start failed: "
+                                 f"{type(exc).__name__}: {mask(str(exc))}") from exc
+            started.append(consumer)
+
+    @staticmethod
+    async def _stop_consumers(started: list[RetryConsumer[Any]]) -> None:
+        for consumer in reversed(started):
+            try:
+                await consumer.on_stop()
+            except Exception:  # the others still get to close theirs
+                log.exception("%s.on_stop failed", consumer.name)
+
+    async def _open_stores(self) -> dict[str, Store]:
+        """Open the idempotency stores the consumers declare, and give each its ``Deduper``."""
+        rules = {
+            id(sub): sub.consumer.idempotency
+            for sub in self.subscriptions
+            if sub.consumer.idempotency is not None
+        }
+        if not rules:
+            return {}
+        from rabbit_retry.worker.dedupe import Deduper, open_stores  # only for Idempotency
+
+        stores = await open_stores(rules)
+        self.subscriptions = [
+            replace(sub, deduper=Deduper(rule, stores[rule.store], sub.queue, sub.consumer.name,
+                                         sub.consumer.handler_timeout, self.user))
+            if (rule := sub.consumer.idempotency) is not None
+            else sub
+            for sub in self.subscriptions
+        ]
+        return stores
+
+    async def _heartbeat(self) -> None:
+        """The event loop's pulse, which ``/healthz`` reads from the server's thread."""
+        while True:
+            self._beat = time.monotonic()
+            await asyncio.sleep(HEARTBEAT)
+
+    def _live(self) -> tuple[bool, str]:
+        """``/healthz``: the process is alive and its event loop turns (a handler that blocks
+        the loop, a deadlock: restart it)."""
+        silent = time.monotonic() - self._beat
+        if silent > LIVE_WITHIN:
+            return False, f"the event loop has not run for {silent:.0f}s"
+        return True, "alive"
+
+    def _ready(self) -> tuple[bool, str]:
+        """``/readyz``: connected and consuming every queue (a paused queue only counts as
+        ready with ``ready_when_paused``)."""
+        if not self.ready.is_set():
+            return False, "not consuming: connecting to the broker"
+        paused = [sub.queue for sub in self.subscriptions
+                  if sub.breaker is not None and sub.breaker.paused]
+        if paused and not self.ready_when_paused:
+            return False, f"paused (its downstream fails): {', '.join(paused)}"
+        return True, "consuming"
 
 
 async def run_consumers(
@@ -321,6 +384,7 @@ async def run_consumers(
     metrics_port: int | None = None,
     metrics_addr: str = "0.0.0.0",
     handle_signals: bool = True,
+    ready_when_paused: bool = False,
 ) -> None:
     """Run ``consumers`` in this process until SIGTERM / SIGINT (or cancellation).
 
@@ -336,6 +400,7 @@ async def run_consumers(
         metrics=Metrics(exported=False) if metrics_port is None else None,
         metrics_port=metrics_port,
         metrics_addr=metrics_addr,
+        ready_when_paused=ready_when_paused,
     )
     loop = asyncio.get_running_loop()
     installed = []
@@ -360,6 +425,7 @@ def run(
     metrics_port: int | None = None,
     metrics_addr: str = "0.0.0.0",
     handle_signals: bool = True,
+    ready_when_paused: bool = False,
 ) -> None:
     """Blocking form of :func:`run_consumers`, for a ``main()``."""
     asyncio.run(
@@ -371,5 +437,6 @@ def run(
             metrics_port=metrics_port,
             metrics_addr=metrics_addr,
             handle_signals=handle_signals,
+            ready_when_paused=ready_when_paused,
         )
     )

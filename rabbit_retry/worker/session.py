@@ -1,18 +1,16 @@
 """One connection's worth of consuming: deliveries in, decisions carried out, acks out.
 
-Per delivery: count the failures so far (``attempts``), park it at once if no attempt is left,
-validate the body against the consumer's model, claim its idempotency key (``idempotency``),
-run the handler under its timeout, decide (``decide``) and carry the decision out: ack,
-``nack``, or publish a copy (``copies``) through the confirming ``Publisher`` and ack only once
-the copy is confirmed. Every ack goes to the channel the delivery came on. When the connection
-or a consuming channel is lost, ``lost`` resolves and whatever is still in flight is dropped:
-the broker has it back already.
+A delivery's way through the worker is one sentence: read its history from its headers once
+(``history``), run its handler if ``decide`` says so, ask ``decide`` for the one action its
+outcome calls for, carry the action out. Carrying out is all this module does: an ack (in
+groups: ``settle``), a ``nack``, or a copy published through the confirming ``Publisher`` (to a
+tier, to parking, back to the queue) and acked only once confirmed. Every ack goes to the
+channel the delivery came on. When the connection or a consuming channel is lost, ``lost``
+resolves and whatever is still in flight is dropped: the broker has it back already.
 
-A consumer's ``Pause`` (``pause``) is carried out here too: its ``Breaker`` says when to pause
-and resume the queue's ``Lane``; while paused, a probe takes one message every
-``probe_every`` seconds with ``basic.get``, and a watched failure sends its message back to the
-queue as a confirmed copy with its count unchanged (a ``nack`` with requeue would be counted
-as a return by 3.x and 4.0-4.2 quorum queues, and marks the message redelivered).
+Around it: a ``Lane`` per consumer (prefetch, and returned deliveries one at a time), its
+``Pausing`` (a consumer's ``Pause``), ``journal`` (one log line per decision), ``shutdown``
+(in-flight handlers finish within a grace period).
 """
 
 from __future__ import annotations
@@ -21,52 +19,52 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextlib import suppress
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import aiormq.exceptions
 from aiormq import spec
-from aiormq.abc import AbstractConnection, DeliveredMessage
+from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
 
 from rabbit_retry.contract import new_message_id, republish_properties
 from rabbit_retry.settings import mask
 from rabbit_retry.topology.resolved import QueueConfig
-from rabbit_retry.worker.attempts import failures_so_far, original_source
+from rabbit_retry.worker import journal, shutdown
 from rabbit_retry.worker.consumer import (
     NOT_DECODED,
     Delivery,
     RetryConsumer,
+    ack_run,
     payload_error,
 )
 from rabbit_retry.worker.deadlines import Deadlines
 from rabbit_retry.worker.decide import (
-    Ack,
+    ACK,
+    HANDLE,
     Action,
+    Cause,
     NativeRetry,
     Outcome,
     Park,
-    ParkReason,
+    Requeue,
+    Rules,
     TierRetry,
-    before_handler,
     classify,
     decide,
+    runs_alone,
+    uses_native_retry,
 )
+from rabbit_retry.worker.history import FIRST, History, read
 from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.pause import Breaker, Change
+from rabbit_retry.worker.pausing import Pausing
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
-from rabbit_retry.worker.redelivery import (
-    at_delivery_limit,
-    counting,
-    delivery_limit,
-    native_ok,
-    with_policy_limit,
-)
+from rabbit_retry.worker.redelivery import counting, delivery_limit, with_policy_limit
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -78,16 +76,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rabbit_retry.worker")
 
-CANCEL_TIMEOUT = 5.0
-
 _NO_HEADERS: MappingProxyType[str, Any] = MappingProxyType({})
-
-
-def _digest(body: bytes) -> str:
-    """Tells messages without a message_id apart, for a Pause's count."""
-    import hashlib  # only a Pause's failures need it
-
-    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -100,6 +89,7 @@ class Subscription:
     metrics: QueueMetrics
     retry_exchange: str
     parking_queue: str
+    call: Callable[[Delivery[Any]], Awaitable[Any]]  # the handler, as ``handler_call`` wraps it
     # Blocking ``def handle`` runs here (``prefetch`` threads); None for ``async def``.
     threads: ThreadPoolExecutor | None = None
     breaker: Breaker | None = None  # the consumer's Pause; lives as long as the runner
@@ -109,6 +99,17 @@ class Subscription:
     @property
     def queue(self) -> str:
         return self.config.name
+
+
+@dataclass(eq=False)
+class Stream:
+    """One subscription consumed on this session: its rules for ``decide``, its lane (and the
+    lane's settler), its pausing."""
+
+    sub: Subscription
+    rules: Rules
+    lane: Lane = field(init=False)
+    pausing: Pausing | None = None
 
 
 class Session:
@@ -122,22 +123,12 @@ class Session:
         self.user = user
         self.frame_max = int(self.amqp.connection_tune.frame_max or 131072)
         self.publisher = Publisher(self.amqp)
-        self.lanes: list[Lane] = []
-        self._lane_of: dict[int, Lane] = {}  # id(subscription) -> its lane
-        self._probes: dict[int, asyncio.Task[None]] = {}
+        self.streams: list[Stream] = []
         self.tasks: set[asyncio.Task[Any]] = set()
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._debug = log.isEnabledFor(logging.DEBUG)
+        self.stopping = False  # a graceful stop: handlers cut off by the grace are sent back
         self.amqp.closing.add_done_callback(lambda f: self._set_lost("the connection closed", f))
         self.counting = counting((self.amqp.server_properties or {}).get("version"))
-        self.delivery_limits = {
-            sub.queue: delivery_limit(
-                sub.config.queue_type,
-                with_policy_limit(sub.config.arguments, sub.config.policy),
-                self.counting,
-            )
-            for sub in subscriptions
-        }
 
     def _set_lost(self, what: str, future: asyncio.Future[Any] | None = None) -> None:
         if self.lost.done():
@@ -152,116 +143,105 @@ class Session:
     async def start(self) -> None:
         for sub in self.subscriptions:
             channel = await self.amqp.channel(publisher_confirms=False)
-            channel.closing.add_done_callback(self._on_channel_closed(sub.queue))
-
-            async def cancelled(_frame: Any, q: str = sub.queue) -> None:
-                self._set_lost(f"the broker cancelled the consumer of {q!r}")
-
-            channel.on_consumer_cancel_callbacks.add(cancelled)
-            lane = Lane(
-                channel,
-                sub.queue,
-                sub.config.queue_type,
-                sub.consumer.prefetch,
-                partial(self._deliver, sub),
-                self._set_lost,
+            self._watch(channel, sub.queue)
+            config = sub.config
+            rules = Rules(
+                config.retry,
+                config.queue_type,
+                delivery_limit(config.queue_type,
+                               with_policy_limit(config.arguments, config.policy), self.counting),
+                self.counting,
             )
+            consumer = sub.consumer
+            stream = Stream(sub, rules)
+            lane = stream.lane = Lane(channel, sub.queue, consumer.prefetch, ack_run(consumer),
+                                      partial(self._deliver, stream), self._set_lost)
+            if sub.breaker is not None:
+                stream.pausing = Pausing(
+                    sub.breaker, lane, consumer.name, sub.metrics,
+                    partial(self._deliver, stream, probe=True),
+                    self._set_lost,
+                )
+            self.streams.append(stream)
             paused = sub.breaker is not None and sub.breaker.paused
             await lane.start(paused=paused)
-            self.lanes.append(lane)
-            self._lane_of[id(sub)] = lane
-            if paused:
+            if stream.pausing is not None and paused:
                 log.info("queue=%s stays paused; probing", sub.queue,
                          extra={"queue": sub.queue, "event": "paused"})
-                self._start_probe(sub, lane)
+                stream.pausing.start_probe()
                 continue
-            log.info(
-                "consuming queue=%s consumer=%s prefetch=%d",
-                sub.queue,
-                sub.consumer.name,
-                sub.consumer.prefetch,
-                extra={"queue": sub.queue, "event": "consuming"},
-            )
+            log.info("consuming queue=%s consumer=%s prefetch=%d", sub.queue, consumer.name,
+                     consumer.prefetch, extra={"queue": sub.queue, "event": "consuming"})
 
-    def _on_channel_closed(self, queue: str) -> Callable[[asyncio.Future[Any]], None]:
+    def _watch(self, channel: AbstractChannel, queue: str) -> None:
         def closed(future: asyncio.Future[Any]) -> None:
             self._set_lost(f"the consuming channel of {queue!r} closed", future)
 
-        return closed
+        async def cancelled(_frame: Any) -> None:
+            self._set_lost(f"the broker cancelled the consumer of {queue!r}")
+
+        channel.closing.add_done_callback(closed)
+        channel.on_consumer_cancel_callbacks.add(cancelled)
 
     async def _deliver(
-        self, sub: Subscription, lane: Lane | None, message: DeliveredMessage
+        self, stream: Stream, message: DeliveredMessage, probe: bool = False
     ) -> None:
-        """A delivery's task, from ``lane``'s consumer (None: a probe's ``basic.get``): its
-        turn on the lane, then ``_handle``; tracked for shutdown, counted in flight, and our own
-        failures logged rather than raised into aiormq. One coroutine for all of it: this is
-        most of the traffic, and each level of calls costs."""
+        """A delivery's task (aiormq's; a probe's ``basic.get`` runs in the probe's): its
+        history, its turn on the lane, then ``_handle``; tracked for shutdown, counted in
+        flight. One coroutine for all of it: this is most of the traffic, and each level of
+        calls costs."""
         task = asyncio.current_task()
         assert task is not None
         self.tasks.add(task)
-        metrics = sub.metrics
-        metrics.in_flight += 1
+        sub, lane = stream.sub, stream.lane
+        sub.metrics.in_flight += 1
+        # Consumers only get deliveries. (Annotations, not ``cast`` calls: each call costs.)
+        deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+        tag: int = deliver.delivery_tag  # type: ignore[assignment]
+        lane.settle.received(tag)
+        history, entered = FIRST, False
         try:
-            if lane is not None and not lane.enter(task, message):
-                turn = await lane.turn(task, message)
-                if turn == "hold":
-                    await self._hold(sub, message)
+            headers = message.header.properties.headers
+            if headers or deliver.redelivered:
+                history = read(headers, bool(deliver.redelivered), deliver.exchange or "",
+                               deliver.routing_key or "", sub.queue)
+                # Parked on arrival, counted as a return, taken at its limit: none of it runs
+                # the handler, so none of it waits for a turn.
+                action = decide(history, Outcome.ARRIVED, stream.rules)
+                if action is not HANDLE:
+                    await self._carry_out(stream, message, history, action, None)
                     return
-                if turn == "stopped":  # it goes back to the broker unstarted
-                    return
-            await self._handle(sub, lane, task, message)
-        except DeliveryGone:
-            log.debug("queue=%s: delivery dropped, its channel closed", sub.queue)
-        except aiormq.exceptions.ChannelInvalidStateError:
-            log.debug("queue=%s: could not settle a delivery, its channel closed", sub.queue)
-        except Exception:
-            # A bug of ours, not the handler's: the delivery stays unacked (and goes back
-            # to the broker with the channel) rather than being guessed at.
-            log.exception(
-                "queue=%s message_id=%s: internal error, message left unacked",
-                sub.queue,
-                message.header.properties.message_id,
-            )
+            if not probe:
+                alone = history is not FIRST and runs_alone(history, stream.rules.queue_type)
+                entered = True
+                if not lane.enter(task, alone):
+                    turn = await lane.turn(task, alone, message.header.properties.message_id)
+                    if turn == "hold":  # the lane paused before it started: back unchanged
+                        await self._carry_out(stream, message, history,
+                                              decide(history, Outcome.HELD, stream.rules), None)
+                        return
+                    if turn == "stopped":  # it goes back to the broker unstarted
+                        return
+            await self._handle(stream, task, message, history)
+        except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
+            log.debug("queue=%s: a delivery's channel closed; the broker has it back", sub.queue)
+        except Exception as exc:
+            await self._internal_error(stream, message, history, exc)
         finally:
-            if lane is not None:
+            if entered:
                 lane.left(task)
-            metrics.in_flight -= 1
+            sub.metrics.in_flight -= 1
             self.tasks.discard(task)
 
     async def _handle(
-        self, sub: Subscription, lane: Lane | None, task: asyncio.Task[Any],
-        message: DeliveredMessage,
+        self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage, history: History
     ) -> None:
-        """Count, check, run the handler, decide; the decision is carried out by ``_carry_out``
-        (the success path here: it is most of the traffic)."""
-        # Consumers only get deliveries. (Annotations, not ``cast`` calls: each call costs.)
-        deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+        """Run the handler (``decide`` said so on arrival), decide on its outcome, carry it
+        out."""
+        sub, rules = stream.sub, stream.rules
         props = message.header.properties
-        headers = props.headers
-        queue = sub.queue
-        policy = sub.config.retry
-        failures = 0
-        # A first delivery (no headers, not redelivered) has no failure or return to count:
-        # nothing below could park it (max_attempts >= 1), so it skips the checks.
-        if headers or deliver.redelivered:
-            failures = failures_so_far(headers, queue) if headers else 0
-            early = before_handler(failures, policy)
-            if early is not None:
-                await self._carry_out(sub, lane, task, message, early, failures, None)
-                return
-            limit = self.delivery_limits[queue]
-            if at_delivery_limit(headers, bool(deliver.redelivered), limit):
-                # One more return and the broker would dead-letter it into a cycle it refuses
-                # (see redelivery.py): the worker counts the returns as one failure and routes
-                # it itself.
-                assert limit is not None
-                action = self._decide(sub, Outcome.FAILED, failures, headers)
-                from rabbit_retry.worker import copies  # the failure paths load it
-
-                failure = copies.delivery_limit_failure(queue, limit)
-                await self._carry_out(sub, lane, task, message, action, failures, failure)
-                return
-
+        deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+        error: BaseException | None = None
         payload: Any = NOT_DECODED
         if sub.adapter is not None:
             from pydantic import ValidationError  # loaded already: the adapter is pydantic's
@@ -269,17 +249,13 @@ class Session:
             try:
                 payload = sub.adapter.validate_json(message.body)
             except ValidationError as exc:
-                from rabbit_retry.worker.copies import Failure
-
-                park = Park(ParkReason.INVALID, failures)
-                await self._carry_out(sub, lane, task, message, park, failures,
-                                      Failure.from_exception(exc))
+                stream.lane.ran(task)
+                await self._carry_out(stream, message, history,
+                                      decide(history, Outcome.INVALID, rules), exc)
                 return
-
-        exchange = deliver.exchange or ""
-        routing_key = deliver.routing_key or ""
-        if headers:  # a retried message: where it was first published, not the retry hop
-            exchange, routing_key = original_source(headers, queue, exchange, routing_key)
+        exchange, routing_key = history.source or (deliver.exchange or "",
+                                                   deliver.routing_key or "")
+        headers = props.headers
         delivery: Delivery[Any] = Delivery(
             message.body,
             MappingProxyType(headers) if headers else _NO_HEADERS,
@@ -287,23 +263,54 @@ class Session:
             props.correlation_id,
             routing_key,
             exchange,
-            queue,
-            failures + 1,  # attempt
-            policy.max_attempts,
+            sub.queue,
+            history.failures + 1,  # attempt
+            rules.policy.max_attempts,
             payload,
         )
-        timeout = sub.consumer.handler_timeout
         ticket: Ticket | None = None
         if sub.deduper is not None:
-            ticket = await sub.deduper.admit(delivery, lambda: not message.channel.is_closed)
+            ticket = await sub.deduper.admit(delivery, props.user_id,
+                                             lambda: not message.channel.is_closed)
             if ticket.gone:
                 return
             if ticket.duplicate:
-                await message.channel.basic_ack(deliver.delivery_tag)  # type: ignore[arg-type]
+                stream.lane.ran(task)
                 sub.metrics.duplicates += 1
-                if self._debug:
-                    self._log_decision(sub, props.message_id, failures, "duplicate")
+                await self._carry_out(stream, message, history, ACK, None, duplicate=True)
                 return
+        try:
+            outcome = await self._run(sub, task, delivery)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # Stopped past its grace: back to the queue as a copy, so that the next start
+            # does not take it for a crash's return (run alone, counted toward the limit).
+            outcome = Outcome.HELD
+        if isinstance(outcome, BaseException):
+            error = outcome
+            outcome = classify(error, payload_invalid=payload_error(delivery) is not None,
+                               permanent_errors=sub.consumer.permanent_errors)
+            if outcome is Outcome.INVALID:
+                error = payload_error(delivery) or error
+        stream.lane.ran(task)
+        change = Change.NONE
+        if stream.pausing is not None:  # told as the handler returns, before anything awaits
+            outcome, change = stream.pausing.heard(outcome, error, message)
+        if ticket is not None:  # the success is recorded before the ack: a redelivery is a
+            await self._settle_ticket(sub, ticket, outcome, message)  # duplicate then
+        await self._carry_out(stream, message, history, decide(history, outcome, rules), error)
+        if change is not Change.NONE:
+            assert stream.pausing is not None
+            await stream.pausing.carry_out(change)
+
+    @staticmethod
+    async def _run(
+        sub: Subscription, task: asyncio.Task[Any], delivery: Delivery[Any]
+    ) -> Outcome | Exception:
+        """The handler, under its timeout: SUCCESS, or the exception it raised (a timeout is
+        a ``HandlerTimeout``)."""
+        timeout = sub.consumer.handler_timeout
         started = time.perf_counter()
         if timeout is not None:
             # The consumer's ``Deadlines`` (one timer for all its deliveries) rather than
@@ -312,7 +319,7 @@ class Session:
             # dropped (``ended``) before anything else of ours awaits: it never hits our ack.
             sub.deadlines.start(task, timeout)
         try:
-            result = await self._call(sub, delivery)
+            result = await sub.call(delivery)
             if result is not None and inspect.isawaitable(result):
                 # A handler that handed back its work (a decorator's wrapper, a plain def
                 # returning a coroutine) has not run it yet: run it, under the same timeout.
@@ -322,374 +329,186 @@ class Session:
             if not isinstance(what, Exception):  # a cancellation (shutdown), an exit
                 raise
             sub.metrics.handler_seconds.observe(time.perf_counter() - started)
-            await self._failed(sub, lane, task, message, delivery, ticket, failures, what)
-            return
+            return what
         if timeout is not None:
             sub.deadlines.ended(task, None, timeout)
         sub.metrics.handler_seconds.observe(time.perf_counter() - started)
-        if lane is not None:
-            lane.ran(task)
-        # Told to the breaker as the handler returns, in the order of the failures it counts
-        # (not after the ack, when failures that came later may have been counted already).
-        resumed = sub.breaker is not None and sub.breaker.succeeded() is Change.RESUMED
-        if ticket is not None:  # done before the ack: a redelivery is then a duplicate
-            await self._deduper(sub).succeeded(ticket, lambda: not message.channel.is_closed)
-        await message.channel.basic_ack(deliver.delivery_tag)  # type: ignore[arg-type]
-        sub.metrics.success += 1
-        if self._debug:
-            self._log_decision(sub, props.message_id, failures, "success")
-        if resumed:
-            await self._resume(sub)
-
-    async def _failed(
-        self,
-        sub: Subscription,
-        lane: Lane | None,
-        task: asyncio.Task[Any],
-        message: DeliveredMessage,
-        delivery: Delivery[Any],
-        ticket: Ticket | None,
-        failures: int,
-        exc: Exception,
-    ) -> None:
-        """The handler raised ``exc``: classify, tell the breaker and the deduper, decide."""
-        invalid = payload_error(delivery)
-        outcome = classify(
-            exc,
-            payload_invalid=invalid is not None,
-            permanent_errors=sub.consumer.permanent_errors,
-        )
-        from rabbit_retry.worker.copies import Failure  # loaded by the first failure
-
-        failure = Failure.from_exception(invalid or exc)
-        # The breaker hears of it before anything of ours awaits (see the success path).
-        breaker = sub.breaker
-        uncharged = paused = False
-        if outcome is Outcome.FAILED and breaker is not None and breaker.rule.watches(exc):
-            uncharged = breaker.paused  # the queue is paused: this one is not charged
-            if not uncharged:
-                props = message.header.properties
-                change = breaker.failed(props.message_id or _digest(message.body))
-                paused = change is Change.PAUSED
-        if ticket is not None:
-            await self._deduper(sub).failed(ticket, lambda: not message.channel.is_closed)
-        if uncharged:
-            if lane is not None:
-                lane.ran(task)
-            await self._return_unchanged(sub, message, failures)
-            return
-        if paused:
-            await self._pause(sub, failure)
-        action = self._decide(sub, outcome, failures, message.header.properties.headers)
-        await self._carry_out(sub, lane, task, message, action, failures, failure)
+        return Outcome.SUCCESS
 
     @staticmethod
-    def _deduper(sub: Subscription) -> Deduper:
+    async def _settle_ticket(
+        sub: Subscription, ticket: Ticket, outcome: Outcome, message: DeliveredMessage
+    ) -> None:
         assert sub.deduper is not None, "a ticket comes from the deduper"
-        return sub.deduper
-
-    async def _hold(self, sub: Subscription, message: DeliveredMessage) -> None:
-        """A delivery that reached a paused lane before it started: back to the queue."""
-        headers = message.header.properties.headers
-        await self._return_unchanged(
-            sub, message, failures_so_far(headers, sub.queue) if headers else 0
-        )
-
-    async def _return_unchanged(
-        self, sub: Subscription, message: DeliveredMessage, failures: int
-    ) -> None:
-        """Back to the end of the queue as a confirmed copy that counts no failure more."""
-        from rabbit_retry.worker import copies
-
-        props = message.header.properties
-        headers = copies.retry_headers(
-            props.headers,
-            retry_count=failures,
-            original=self._original(sub, message),
-            expiration=props.expiration,
-        )
-        await self._publish_then_ack(sub, message, "", sub.queue, headers, failures)
-
-    async def _pause(self, sub: Subscription, failure: Failure) -> None:
-        breaker = sub.breaker
-        assert breaker is not None
-        breaker.since = time.monotonic()
-        sub.metrics.paused = 1
-        sub.metrics.pauses += 1
-        log.warning(
-            "paused queue=%s consumer=%s after %d failures in a row of different messages"
-            " (last: %s); probing every %gs",
-            sub.queue,
-            sub.consumer.name,
-            breaker.rule.after,
-            failure.type,
-            breaker.rule.probe_every,
-            extra={"queue": sub.queue, "event": "paused"},
-        )
-        lane = self._lane_of[id(sub)]
-        await lane.pause()
-        self._start_probe(sub, lane)
-
-    async def _resume(self, sub: Subscription) -> None:
-        breaker = sub.breaker
-        assert breaker is not None
-        sub.metrics.paused = 0
-        log.warning(
-            "resumed queue=%s consumer=%s after %.1fs paused: a message succeeded",
-            sub.queue,
-            sub.consumer.name,
-            time.monotonic() - breaker.since,
-            extra={"queue": sub.queue, "event": "resumed"},
-        )
-        lane = self._lane_of.get(id(sub))
-        if lane is not None:
-            await lane.resume()
-
-    def _start_probe(self, sub: Subscription, lane: Lane) -> None:
-        running = self._probes.get(id(sub))
-        if running is None or running.done():
-            self._probes[id(sub)] = asyncio.create_task(self._probe(sub, lane))
-
-    async def _probe(self, sub: Subscription, lane: Lane) -> None:
-        """While paused: every ``probe_every`` seconds, once nothing of the lane runs, take one
-        message with ``basic.get`` and handle it; its success resumes the lane."""
-        breaker = sub.breaker
-        assert breaker is not None
-        try:
-            while breaker.paused and not self.lost.done():
-                await asyncio.sleep(breaker.rule.probe_every)
-                await lane.idle()
-                if not breaker.paused or self.lost.done():
-                    return
-                message = await lane.channel.basic_get(sub.queue, no_ack=False)
-                if isinstance(message.delivery, spec.Basic.GetOk):
-                    log.info("queue=%s: probing with message_id=%s", sub.queue,
-                             message.header.properties.message_id,
-                             extra={"queue": sub.queue, "event": "probe"})
-                    await self._deliver(sub, None, message)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the channel died: the session reconnects, still paused
-            self._set_lost(f"probing {sub.queue!r} failed: {exc!r}")
-
-    def _decide(
-        self, sub: Subscription, outcome: Outcome, failures: int, headers: Mapping[str, Any] | None
-    ) -> Action:
-        native = native_ok(headers, self.counting)
-        return decide(outcome, failures, sub.config.retry, sub.config.queue_type, native_ok=native)
-
-    @staticmethod
-    def _call(sub: Subscription, delivery: Delivery[Any]) -> Awaitable[Any]:
-        """The handler's awaitable: the coroutine itself, or its run in the thread pool."""
-        if sub.threads is None:
-            return sub.consumer.handle(delivery)  # type: ignore[return-value]  # async def
-        return asyncio.get_running_loop().run_in_executor(
-            sub.threads, sub.consumer.handle, delivery
-        )
+        alive = lambda: not message.channel.is_closed  # noqa: E731
+        if outcome is Outcome.SUCCESS:
+            await sub.deduper.succeeded(ticket, alive)
+        else:
+            await sub.deduper.failed(ticket, alive)
 
     async def _carry_out(
         self,
-        sub: Subscription,
-        lane: Lane | None,
-        task: asyncio.Task[Any],
+        stream: Stream,
         message: DeliveredMessage,
+        history: History,
         action: Action,
-        failures: int,
-        failure: Failure | None,
+        error: BaseException | None,
+        *,
+        duplicate: bool = False,
     ) -> None:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
-        if lane is not None:
-            lane.ran(task)  # no user code runs from here on
-        from rabbit_retry.worker import copies
-
-        channel = message.channel
-        tag = cast(int, cast(spec.Basic.Deliver, message.delivery).delivery_tag)
-        if isinstance(action, Ack):
-            await channel.basic_ack(tag)
-            sub.metrics.success += 1
-        elif isinstance(action, NativeRetry):
-            await channel.basic_nack(tag, requeue=False)
-            sub.metrics.retried += 1
-            self._log_retry(sub, message, failures, action.retry_count, action.delay_ms,
-                            "native", failure)
-        elif isinstance(action, TierRetry):
-            headers = copies.retry_headers(
-                message.header.properties.headers,
-                retry_count=action.retry_count,
-                original=self._original(sub, message),
-                expiration=message.header.properties.expiration,
-            )
-            await self._publish_then_ack(sub, message, sub.retry_exchange, action.tier, headers,
-                                         failures)
-            sub.metrics.retried += 1
-            self._log_retry(sub, message, failures, action.retry_count, action.delay_ms,
-                            action.tier, failure)
+        sub, settle = stream.sub, stream.lane.settle
+        metrics = sub.metrics
+        tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        if action is ACK:  # most of the traffic: nothing else to build or say
+            settle.done(tag)
+            if not duplicate:
+                metrics.success += 1
+            if log.isEnabledFor(logging.DEBUG):
+                journal.decision(sub.queue, message.header.properties.message_id,
+                                 history.failures + 1, action, None, duplicate=duplicate)
+            return
+        failure = self._failure(stream, history, action, error)
+        if isinstance(action, NativeRetry):
+            await settle.flush()  # the channel's acks go out before its nack
+            await message.channel.basic_nack(tag, requeue=False)
+            settle.elsewhere(tag)
+            metrics.retried += 1
         else:
-            headers = copies.parked_headers(
-                message.header.properties.headers,
-                reason=action.reason.value,
-                retry_count=action.retry_count,
-                queue=sub.queue,
-                original=self._original(sub, message),
-                failure=failure,
-                now=datetime.now(UTC),
-                parked_id=new_message_id(),
-                expiration=message.header.properties.expiration,
-                frame_max=self.frame_max,
+            from rabbit_retry.worker import copies  # loaded by the first failure
+
+            props = message.header.properties
+            deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+            original = history.source or (deliver.exchange or "", deliver.routing_key or "")
+            expiration = props.expiration or history.moved_expiration
+            if isinstance(action, Park):
+                exchange, routing_key = "", sub.parking_queue
+                headers = copies.parked_headers(
+                    props.headers, reason=action.reason.value, retry_count=action.retry_count,
+                    queue=sub.queue, original=original, failure=failure,
+                    now=datetime.now(UTC), parked_id=new_message_id(), expiration=expiration,
+                    frame_max=self.frame_max, elsewhere=self._elsewhere(stream, history),
+                )
+            elif isinstance(action, TierRetry):
+                exchange, routing_key = sub.retry_exchange, action.tier
+                headers = copies.retry_headers(props.headers, retry_count=action.retry_count,
+                                               original=original, expiration=expiration,
+                                               failure=failure)
+            else:
+                assert isinstance(action, Requeue)
+                exchange, routing_key = "", sub.queue
+                headers = copies.retry_headers(props.headers, retry_count=action.retry_count,
+                                               original=original, expiration=expiration,
+                                               returns=action.returns)
+            await self.publisher.publish_held(
+                exchange, routing_key, message.body,
+                republish_properties(props, headers, self.user, expiration=None),
+                delivery_alive=lambda: not message.channel.is_closed,
+                context={"queue": sub.queue, "message_id": props.message_id,
+                         "attempt": history.failures + 1},
             )
-            await self._publish_then_ack(sub, message, "", sub.parking_queue, headers, failures)
-            sub.metrics.parked += 1
-            sub.metrics.parked_by_reason[action.reason.value] += 1
-            self._log_park(sub, message, failures, action, failure)
+            settle.done(tag)
+            if isinstance(action, Park):
+                metrics.parked += 1
+                metrics.parked_by_reason[action.reason.value] += 1
+            elif isinstance(action, TierRetry):
+                metrics.retried += 1
+        journal.decision(sub.queue, message.header.properties.message_id, history.failures + 1,
+                         action, failure)
 
     @staticmethod
-    def _original(sub: Subscription, message: DeliveredMessage) -> tuple[str, str]:
-        deliver = cast(spec.Basic.Deliver, message.delivery)
-        return original_source(
-            message.header.properties.headers,
-            sub.queue,
-            deliver.exchange or "",
-            deliver.routing_key or "",
-        )
+    def _failure(
+        stream: Stream, history: History, action: Action, error: BaseException | None
+    ) -> Failure | None:
+        """What a copy records of why: the handler's exception, or what stood in for a call."""
+        if isinstance(action, Requeue):
+            return None
+        from rabbit_retry.worker import copies  # loaded by the first failure
 
-    async def _publish_then_ack(
-        self,
-        sub: Subscription,
-        message: DeliveredMessage,
-        exchange: str,
-        routing_key: str,
-        headers: dict[str, Any],
-        failures: int,
-    ) -> None:
-        """The copy, confirmed (retried with backoff while the delivery lives), then the ack."""
-        channel = message.channel
-        props = message.header.properties
-        await self.publisher.publish_held(
-            exchange,
-            routing_key,
-            message.body,
-            republish_properties(props, headers, self.user, expiration=None),
-            delivery_alive=lambda: not channel.is_closed,
-            context={"queue": sub.queue, "message_id": props.message_id, "attempt": failures + 1},
-        )
-        await channel.basic_ack(cast(int, cast(spec.Basic.Deliver, message.delivery).delivery_tag))
+        cause = getattr(action, "cause", Cause.HANDLER)
+        if cause is Cause.DELIVERY_LIMIT:
+            return copies.delivery_limit_failure(stream.sub.queue, stream.rules.return_limit or 0)
+        if cause is Cause.ON_ARRIVAL:
+            return copies.arrival_failure(stream.sub.queue, history,
+                                          stream.rules.policy.max_attempts)
+        return copies.Failure.from_exception(error) if error is not None else None
 
     @staticmethod
-    def _log_decision(
-        sub: Subscription, message_id: str | None, failures: int, outcome: str
-    ) -> None:
-        log.debug(
-            "decision queue=%s message_id=%s attempt=%d outcome=%s",
-            sub.queue,
-            message_id,
-            failures + 1,
-            outcome,
-            extra={"queue": sub.queue, "message_id": message_id, "attempt": failures + 1,
-                   "outcome": outcome},
-        )
+    def _elsewhere(stream: Stream, history: History) -> int:
+        """Failures the broker recorded that were not this worker's: where the worker never
+        lets the broker retry (``nack``) for this queue, every rejection in ``x-death`` is
+        another consumer's. (Where it does, the two cannot be told apart.)"""
+        rules = stream.rules
+        native = uses_native_retry(rules.policy, rules.queue_type)
+        if native and rules.counting.native_cycle != "adds":
+            return 0
+        return history.broker_failures
 
-    @staticmethod
-    def _log_retry(
-        sub: Subscription,
-        message: DeliveredMessage,
-        failures: int,
-        retry_count: int,
-        delay_ms: int,
-        via: str,
-        failure: Failure | None,
+    async def _internal_error(
+        self, stream: Stream, message: DeliveredMessage, history: History, exc: Exception
     ) -> None:
+        """A bug of ours, not the handler's. The delivery must not sit unacked holding a slot of
+        the queue's prefetch: it is charged one failed attempt with the error (retried or
+        parked like any failure), or if even that fails, sent through its retry tiers by the
+        broker (``nack``). Counted in ``rabbit_retry_internal_errors_total``."""
+        sub = stream.sub
+        sub.metrics.internal_errors += 1
         message_id = message.header.properties.message_id
-        log.info(
-            "decision queue=%s message_id=%s attempt=%d outcome=retried retry_count=%d"
-            " delay_ms=%d via=%s error=%s",
-            sub.queue,
-            message_id,
-            failures + 1,
-            retry_count,
-            delay_ms,
-            via,
-            failure.type if failure else "-",
-            extra={"queue": sub.queue, "message_id": message_id, "attempt": failures + 1,
-                   "outcome": "retried", "delay_ms": delay_ms},
-        )
-
-    @staticmethod
-    def _log_park(
-        sub: Subscription,
-        message: DeliveredMessage,
-        failures: int,
-        action: Park,
-        failure: Failure | None,
-    ) -> None:
-        message_id = message.header.properties.message_id
-        log.warning(
-            "decision queue=%s message_id=%s attempt=%d outcome=parked reason=%s"
-            " retry_count=%d error=%s",
-            sub.queue,
-            message_id,
-            failures + 1,
-            action.reason.value,
-            action.retry_count,
-            failure.type if failure else "-",
-            extra={"queue": sub.queue, "message_id": message_id, "attempt": failures + 1,
-                   "outcome": "parked", "reason": action.reason.value},
-        )
+        log.exception("queue=%s message_id=%s: internal error; the message is charged a failed"
+                      " attempt", sub.queue, message_id,
+                      extra={"queue": sub.queue, "message_id": message_id,
+                             "event": "internal_error"})
+        tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        if not stream.lane.settle.is_open(tag) or message.channel.is_closed:
+            return
+        try:
+            await self._carry_out(stream, message, history,
+                                  decide(history, Outcome.FAILED, stream.rules), exc)
+        except Exception:
+            log.exception("queue=%s message_id=%s: the failure could not be carried out either;"
+                          " the broker retries it (nack)", sub.queue, message_id)
+            if stream.lane.settle.is_open(tag) and not message.channel.is_closed:
+                try:
+                    await message.channel.basic_nack(tag, requeue=False)
+                    stream.lane.settle.elsewhere(tag)
+                except Exception:  # the channel is gone: the broker has it back
+                    pass
 
     async def shutdown(self, grace: float, force: asyncio.Event) -> None:
         """Stop new deliveries, give in-flight ones ``grace`` seconds, then close."""
         await self._stop_probes()
-        for lane in self.lanes:
-            await lane.stop(CANCEL_TIMEOUT)
+        for stream in self.streams:
+            await stream.lane.stop(shutdown.CANCEL_TIMEOUT)
         await asyncio.sleep(0)  # deliveries still waiting for their turn leave, unstarted
-        pending = {t for t in self.tasks if not t.done()}
-        if pending:
-            log.info("stopping: waiting up to %gs for %d in-flight message(s)", grace, len(pending))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + grace
-            forced: asyncio.Future[Any] = asyncio.ensure_future(force.wait())
-            try:
-                while not forced.done():
-                    pending = {t for t in pending if not t.done()}
-                    left = deadline - loop.time()
-                    if not pending or left <= 0:
-                        break
-                    await asyncio.wait(
-                        {*pending, forced}, timeout=left, return_when=asyncio.FIRST_COMPLETED
-                    )
-            finally:
-                forced.cancel()
-            unfinished = [t for t in pending if not t.done()]
-            for task in unfinished:
-                task.cancel()
-            if unfinished:
-                await asyncio.wait(unfinished, timeout=CANCEL_TIMEOUT)
-                log.warning(
-                    "stopping: %d message(s) did not finish within the grace period; they were"
-                    " not acked and go back to the broker",
-                    len(unfinished),
-                )
+        self.stopping = True
+        await shutdown.finish(self.tasks, grace, force)
         await self.close()
 
     async def _stop_probes(self) -> None:
-        probes = [t for t in self._probes.values() if not t.done()]
-        for task in probes:
-            task.cancel()
-        if probes:
-            await asyncio.wait(probes, timeout=CANCEL_TIMEOUT)
+        for stream in self.streams:
+            if stream.pausing is not None:
+                await stream.pausing.stop()
 
     async def close(self) -> None:
-        """Close the connection and drop whatever is still in flight: the broker requeues
-        every unacked delivery of a closed channel, so finishing them here would only ack on a
-        dead channel or race their redelivery."""
+        """Send the acks still due, close the connection, and drop whatever is still in
+        flight: the broker requeues every unacked delivery of a closed channel, so finishing
+        them here would only ack on a dead channel or race their redelivery."""
         await self._stop_probes()
+        for stream in self.streams:
+            if not stream.lane.channel.is_closed:
+                try:
+                    await stream.lane.settle.flush()
+                except Exception as exc:  # a closing channel: those come back, as any unacked
+                    log.debug("queue=%s: the last acks could not be sent: %r",
+                              stream.sub.queue, exc)
         stale = [t for t in self.tasks if not t.done()]
-        for task in stale:
-            task.cancel()
         if stale:
-            # A handler that swallows cancellation must not hold the runner forever.
-            await asyncio.wait(stale, timeout=CANCEL_TIMEOUT)
+            await shutdown.cancel(stale)
             log.info("dropped %d in-flight delivery(ies); the broker redelivers them", len(stale))
         await self.publisher.close()
-        with suppress(Exception):
+        try:
             # As aio-pika closes it, so that a closing connection reads as closed on purpose.
             await self.amqp.close(aiormq.exceptions.ConnectionClosed)
+        except Exception as exc:
+            log.debug("closing the connection: %r", exc)
+

@@ -119,6 +119,8 @@ def test_show_lists_every_message_and_leaves_them_parked_in_order_twice(
     assert second == {
         "position": 2,
         "message_id": "m1",
+        "message_id_generated": False,
+        "correlation_id": None,
         "parked_at": second["parked_at"],
         "reason": "permanent",
         "exception_type": "KeyError",
@@ -250,6 +252,8 @@ def test_replay_handle_again_marks_the_copies_and_the_next_replay_drops_the_mark
     assert result.code == 0, result.err
     (marked,) = drain_sync(fresh_vhost, "orders")
     assert (marked.message_id, marked.headers["handle-again"]) == ("a", True)
+    # Published as the replayer's own user, which the broker checked: what a worker trusts.
+    assert marked.properties.user_id == fresh_vhost.user
     # Parked again and replayed without the flag: the mark does not stick.
     asyncio.run(park(fresh_vhost, "orders", [Parked(b"x", message_id="a",
                                                    headers=sent(marked.headers))]))

@@ -22,4 +22,6 @@ async def test_the_broker_counts_redeliveries_as_its_fixture_says(fresh_vhost: S
         f"no fixture for RabbitMQ {seen['version']}: capture one with "
         f"`python tests/support/deliveries.py URL > {path.relative_to(Path.cwd())}`"
     )
-    assert seen["deliveries"] == json.loads(path.read_text())["deliveries"]
+    fixture = json.loads(path.read_text())
+    assert seen["deliveries"] == fixture["deliveries"]
+    assert seen["rejects"] == fixture["rejects"]

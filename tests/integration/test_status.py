@@ -16,6 +16,7 @@ from urllib.parse import quote
 import aio_pika
 import pytest
 from support.amqp import on_channel, publish
+from support.broker import version
 from support.parked import Parked, park
 from support.provision import provision
 
@@ -110,9 +111,10 @@ def test_status_counts_what_each_queue_holds(
         {"queue": "orders", "ready": 4, "unacked": 2, "consumers": 1, "retrying": 6,
          "parked": 5,
          "tiers": {"orders.retry.1h": 3, "orders.retry.2h": 1, "orders.retry.5m": 2},
-         "held_for_dead_lettering": {}},
+         "held_for_dead_lettering": {}, "stranded_by_dead_letter_cycle": {}},
         {"queue": "payments", "ready": 1, "unacked": 0, "consumers": 0, "retrying": 0,
-         "parked": 2, "tiers": {"payments.retry.1h": 0}, "held_for_dead_lettering": {}},
+         "parked": 2, "tiers": {"payments.retry.1h": 0}, "held_for_dead_lettering": {},
+         "stranded_by_dead_letter_cycle": {}},
     ]
     with Holder(fresh_vhost, "orders", prefetch=2):
         deadline = time.monotonic() + DEADLINE_S
@@ -218,10 +220,13 @@ queues:
 MAX_RETURNS = 50  # far above the test's x-delivery-limit of 1: the broker must have acted
 
 
-async def _return_until_dead_lettered(settings: Settings, queue: str) -> int:
+async def _return_until_dead_lettered(
+    settings: Settings, queue: str, *, through_the_tier_first: bool = False
+) -> int:
     """Publish one message to ``queue`` and requeue it (reject, requeue) until the broker's
     delivery limit dead-letters it; the number of deliveries seen. A reject, because since 4.3
-    a nack(requeue) no longer counts towards the limit (docs/versions.md)."""
+    a nack(requeue) no longer counts towards the limit (docs/versions.md). With
+    ``through_the_tier_first``, it is first nacked through the tier and back (once retried)."""
     connection = await aio_pika.connect(settings.url)
     async with connection:
         channel = await connection.channel()
@@ -230,6 +235,9 @@ async def _return_until_dead_lettered(settings: Settings, queue: str) -> int:
             routing_key=queue,
         )
         q = await channel.get_queue(queue, ensure=False)
+        if through_the_tier_first:
+            first = await q.get(no_ack=False)
+            await first.nack(requeue=False)
         deliveries = 0
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline and deliveries < MAX_RETURNS:
@@ -265,6 +273,32 @@ def test_messages_stuck_in_dead_lettering_are_reported(
             break
         time.sleep(1)
     assert (code, held) == (0, {"stuck.retry.200ms": 1})
+    assert data["queues"][0]["stranded_by_dead_letter_cycle"] == {"stuck.retry.200ms": 1}
     result = run_cli("status", str(path), settings=fresh_vhost)
-    assert "stuck.retry.200ms: 1 message held by the broker for dead-lettering: it cannot hand " \
-           "them on" in " ".join(result.out.split())
+    assert "stuck.retry.200ms: 1 message stranded by RabbitMQ's dead-letter cycle check: they " \
+           "reached stuck's delivery limit" in " ".join(result.out.split())
+
+
+def test_messages_stranded_in_the_main_queue_are_reported_with_their_way_out(
+    fresh_vhost: Settings, run_cli: Run, tmp_path: Path, management: Management
+) -> None:
+    """A message retried once (it has the tier in its x-death) that then reaches the delivery
+    limit is stranded in the main queue itself on 4.x (docs/versions.md, "Stranded messages")."""
+    if version(management) < (4, 0):
+        pytest.skip("3.10 dead-letters it to the tier and back into the queue: nothing held")
+    path = tmp_path / "stuck.yml"
+    path.write_text(STUCK_TOPOLOGY, encoding="utf-8")
+    asyncio.run(provision(fresh_vhost, STUCK_TOPOLOGY))
+    asyncio.run(_return_until_dead_lettered(fresh_vhost, "stuck", through_the_tier_first=True))
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        code, data = status_json(run_cli, fresh_vhost, path)
+        row = data["queues"][0]
+        if row["held_for_dead_lettering"] or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert (code, row["stranded_by_dead_letter_cycle"]) == (0, {"stuck": 1})
+    result = run_cli("status", str(path), settings=fresh_vhost)
+    assert "stuck: 1 message stranded by RabbitMQ's dead-letter cycle check" in " ".join(
+        result.out.split())
+    assert "can be moved out by hand" in " ".join(result.out.split())

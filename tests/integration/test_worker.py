@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import decimal
 import itertools
 import logging
 import re
@@ -21,6 +20,7 @@ from support.amqp import all_empty, depth, drain, persistent, publish, publish_r
 from support.poll import eventually
 from support.provision import provision, topology
 from support.worker import running, scraped
+from support.worker_cases import USER_HEADERS, fail_until, orders_yaml
 
 from rabbit_retry import metric_names
 from rabbit_retry.broker.management import Management
@@ -32,32 +32,6 @@ from rabbit_retry.worker.redelivery import counting
 
 Q = "orders.fraud-check"
 PARKING = Q + ".parking"
-
-
-def orders_yaml(
-    *,
-    queue_type: str = "quorum",
-    delays: str = "[300ms, 600ms]",
-    attempts: int = 4,
-    sibling: bool = False,
-) -> str:
-    text = f"""\
-version: 1
-exchanges:
-  orders: {{type: topic}}
-queues:
-  {Q}:
-    queue_type: {queue_type}
-    bindings: [{{exchange: orders, routing_key: order.created}}]
-    retry: {{delays: {delays}, max_attempts: {attempts}}}
-"""
-    if sibling:
-        text += """\
-  orders.audit:
-    queue_type: classic
-    bindings: [{exchange: orders, routing_key: "order.*"}]
-"""
-    return text
 
 
 class Recorder(RetryConsumer):
@@ -80,14 +54,6 @@ class Recorder(RetryConsumer):
 
     def attempts(self, message_id: str) -> list[tuple[float, Delivery]]:
         return [c for c in self.calls if c[1].message_id == message_id]
-
-
-def fail_until(success_attempt: int) -> Any:
-    def behaviour(delivery: Delivery) -> None:
-        if delivery.attempt < success_attempt:
-            raise RuntimeError(f"boom {delivery.attempt}")
-
-    return behaviour
 
 
 async def depth_is(settings: Settings, queue: str, expected: int) -> bool:
@@ -271,7 +237,10 @@ async def test_message_arriving_exhausted_is_parked_without_calling_the_handler(
     headers = message.headers
     assert headers["parked-reason"] == "exhausted"
     assert headers["retry-count"] == 5
-    assert "exception-type" not in headers
+    # It says the handler was not called, and where its attempts were charged.
+    assert headers["exception-type"] == "rabbit_retry.worker.ExhaustedOnArrival"
+    assert "retry-count 5" in headers["exception-message"]
+    assert "without calling the handler" in headers["exception-message"]
 
 
 async def test_handler_timeout_is_a_transient_failure(fresh_vhost: Settings) -> None:
@@ -401,21 +370,6 @@ async def test_payload_of_a_body_that_is_not_json_parks_invalid(fresh_vhost: Set
 
 
 # --- fidelity ----------------------------------------------------------------------------------
-
-
-USER_HEADERS: dict[str, Any] = {
-    "tenant": "acme",
-    "double": 0.1,
-    "big": 2**40,
-    "negative": -7,
-    "flag": True,
-    "nothing": None,
-    "binary": b"\xff\x00\xfe",
-    "price": decimal.Decimal("12.50"),
-    "when": datetime.datetime(2024, 5, 1, 12, 0, tzinfo=datetime.UTC),
-    "nested": {"list": [1, "two", {"three": 3.5}], "empty": {}},
-    "unicode": "grüße ✓",
-}
 
 
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])

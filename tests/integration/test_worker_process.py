@@ -4,6 +4,7 @@ message, and one-line errors with the exit codes the README lists under "Command
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.amqp import depth, publish
+from support.amqp import depth, drain, publish
 from support.poll import eventually
 from support.process import CLI
 from support.provision import provision, topology
@@ -41,6 +42,8 @@ from rabbit_retry import Delivery, RetryConsumer
 def note(name: str, line: str) -> None:
     with open(os.path.join(os.environ["WORK_DIR"], name), "a") as f:
         f.write(line + "\\n")
+    with open(os.path.join(os.environ["WORK_DIR"], "events"), "a") as f:
+        f.write(name + "\\n")
 
 
 class Slow(RetryConsumer):
@@ -57,6 +60,12 @@ class Slow(RetryConsumer):
 
 def lines(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
+
+
+def _events(tmp_path: Path) -> list[str]:
+    """``started`` / ``done`` in the order the handlers wrote them, since the last start."""
+    events = lines(tmp_path / "events")
+    return events[len(events) - 16:]
 
 
 async def start_worker(
@@ -122,6 +131,36 @@ async def test_sigterm_returns_unfinished_messages_to_the_broker_after_the_grace
     # held one more delivery, waiting for a free slot: it goes back too.
     assert len(lines(tmp_path / "started")) == 10
     assert "10 message(s) did not finish within the grace period" in err.decode()
+    # Sent back as copies, not left unacked: the next start takes them as fresh deliveries, not
+    # as a crash's returns to run one at a time.
+    back = {t.message_id: t for t in await drain(fresh_vhost, Q)}
+    assert set(back) == {f"m-{n}" for n in range(25)}
+    for message_id in lines(tmp_path / "started"):
+        assert not back[message_id].redelivered
+        assert not back[message_id].headers.get("x-delivery-count")  # 3.10 writes a 0
+
+
+async def test_messages_cut_off_by_a_stop_run_at_full_concurrency_on_the_next_start(
+    fresh_vhost: Settings, tmp_path: Path
+) -> None:
+    """Eight messages of three seconds, a stop past the grace, a start: all eight run at once
+    (before, they came back as returns and ran one at a time: 18 s instead of about 6)."""
+    await setup(tmp_path, fresh_vhost, 8)
+    worker = await start_worker(tmp_path, fresh_vhost, "--grace", "0.2", handler_seconds=3)
+    await eventually(lambda: len(lines(tmp_path / "started")) == 8, what="8 in flight")
+    worker.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(worker.communicate(), timeout=60)
+    (tmp_path / "started").unlink()
+    worker = await start_worker(tmp_path, fresh_vhost, "--grace", "30", handler_seconds=3)
+    try:
+        await eventually(lambda: len(lines(tmp_path / "done")) == 8, within=60, what="8 done")
+        # All eight had started before the first one finished: they ran side by side.
+        assert len(lines(tmp_path / "started")) == 8
+        order = _events(tmp_path)
+        assert order[:8] == ["started"] * 8, order
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(worker.communicate(), timeout=60)
 
 
 async def test_second_signal_stops_at_once(fresh_vhost: Settings, tmp_path: Path) -> None:
@@ -134,6 +173,50 @@ async def test_second_signal_stops_at_once(fresh_vhost: Settings, tmp_path: Path
     _, err = await asyncio.wait_for(worker.communicate(), timeout=60)
     assert worker.returncode == 0, err.decode()
     assert await depth(fresh_vhost, Q) == 5
+
+
+async def test_json_logs_set_from_the_environment_carry_each_decision(
+    fresh_vhost: Settings, tmp_path: Path
+) -> None:
+    """Every option from the environment (as a Kubernetes deployment sets them), JSON logs: one
+    object per line with the decision's fields; never a body."""
+    (tmp_path / "topology.yml").write_text(TOPOLOGY)
+    await provision(fresh_vhost, topology(TOPOLOGY))
+    (tmp_path / "app.py").write_text(APP + """
+
+class Declines(Slow):
+    async def handle(self, delivery: Delivery) -> None:
+        from rabbit_retry import Permanent
+
+        raise Permanent(f"card declined for {delivery.message_id}")
+""")
+    env = {**os.environ, "WORK_DIR": str(tmp_path), "HANDLER_SECONDS": "0",
+           "RABBIT_RETRY_URL": fresh_vhost.url, "RABBIT_RETRY_CONSUMERS": "app:Declines",
+           "RABBIT_RETRY_TOPOLOGY": "topology.yml", "RABBIT_RETRY_LOG_FORMAT": "json",
+           "RABBIT_RETRY_GRACE": "1"}
+    worker = await asyncio.create_subprocess_exec(
+        CLI, "worker", cwd=tmp_path, env=env, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        await publish(fresh_vhost, b'{"secret": "card 4111"}', exchange="orders",
+                      routing_key="order.created", message_id="o-1")
+        await eventually(lambda: depth_is(fresh_vhost, Q + ".parking", 1), what="parked")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(worker.communicate(), timeout=60)
+    records = [json.loads(line) for line in err.decode().splitlines()]
+    [parked] = [r for r in records if r.get("outcome") == "parked"]
+    assert parked["level"] == "warning" and parked["logger"] == "rabbit_retry.worker"
+    assert (parked["queue"], parked["message_id"], parked["attempt"]) == (Q, "o-1", 1)
+    assert parked["reason"] == "permanent"
+    assert parked["exception_type"] == "rabbit_retry.worker.consumer.Permanent"
+    assert parked["exception_message"] == "card declined for o-1"
+    assert any(r.get("event") == "consuming" for r in records)
+    assert "4111" not in err.decode()
+
+
+async def depth_is(settings: Settings, queue: str, count: int) -> bool:
+    return await depth(settings, queue) == count
 
 
 # --- one-line errors -----------------------------------------------------------------------------

@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.amqp import all_empty, counts, depth, persistent, publish, publish_stream
+from support.amqp import (
+    all_empty,
+    consuming,
+    counts,
+    depth,
+    drain,
+    persistent,
+    publish,
+    publish_stream,
+)
 from support.poll import eventually
 from support.provision import provision, topology
 from support.stores import POSTGRES_URL, REDIS_URL
@@ -20,7 +29,7 @@ from support.worker import running, scraped
 from rabbit_retry import metric_names
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
-from rabbit_retry.worker import Delivery, Idempotency, Pause, RetryConsumer
+from rabbit_retry.worker import Delivery, Idempotency, Pause, Permanent, RetryConsumer
 
 Q = "payments.charge"
 OTHER = "payments.audit"
@@ -203,6 +212,87 @@ async def test_a_poison_message_alone_does_not_pause_the_queue(fresh_vhost: Sett
         # It failed three times in a row, more than ``after``, yet paused nothing.
         assert value(runner, "messages", Q, "retried") == 2
         assert value(runner, "pauses", Q) == 0
+
+
+async def _paused(settings: Settings, runner: Any, gateway: Gateway, count: int) -> None:
+    """The gateway down and ``count`` charges published: the runner's queue pauses."""
+    gateway.up = False
+    await publish_ids(settings, [f"m-{i}" for i in range(count)])
+    await eventually(lambda: value(runner, "paused", Q) == 1, within=30, what="paused")
+
+
+async def held(settings: Settings, count: int) -> bool:
+    return await depth(settings, Q) == count and await all_empty(settings, Q + ".retry.1s")
+
+
+async def test_a_paused_worker_resumes_when_another_consumer_drains_the_queue(
+    fresh_vhost: Settings,
+) -> None:
+    """Another replica resumed and drains the queue: this one's probes find nothing to ask the
+    downstream with, and it must not stay paused for ever (its alert firing on a healthy
+    queue). An empty queue nobody consumes says nothing, and the pause holds."""
+    topo = topology(charge_yaml())
+    await provision(fresh_vhost, topo)
+    gateway = Gateway()
+    consumer = Charge(gateway, pause=Pause(after=3, on=(GatewayDown,), probe_every=0.3))
+    async with running([consumer], topo, fresh_vhost) as runner:
+        await _paused(fresh_vhost, runner, gateway, 3)
+        await eventually(lambda: held(fresh_vhost, 3), within=30,
+                         what="the tripping failures back and held in the queue")
+        await drain(fresh_vhost, Q)
+        await asyncio.sleep(1.5)  # five probes of an empty queue nobody consumes
+        assert value(runner, "paused", Q) == 1
+        async with consuming(fresh_vhost, Q):  # another replica, resumed
+            await eventually(lambda: value(runner, "paused", Q) == 0, within=10,
+                             what="resumed at the next probe")
+        gateway.up = True
+        await publish_ids(fresh_vhost, ["after"])
+        await eventually(lambda: "after" in gateway.charged, within=10, what="consuming again")
+
+
+async def test_a_probe_failing_for_another_reason_resumes_the_queue(
+    fresh_vhost: Settings,
+) -> None:
+    """A probe whose message fails for a reason the pause does not watch (here ``Permanent``):
+    the downstream answered, the queue resumes; the message parks as it would anyway."""
+    topo = topology(charge_yaml())
+    await provision(fresh_vhost, topo)
+    gateway = Gateway()
+
+    class Declining(Charge):
+        async def handle(self, delivery: Delivery) -> None:
+            if delivery.message_id == "declined":
+                raise Permanent("card declined")
+            await super().handle(delivery)
+
+    consumer = Declining(gateway, pause=Pause(after=3, on=(GatewayDown,), probe_every=0.5))
+    async with running([consumer], topo, fresh_vhost) as runner:
+        await _paused(fresh_vhost, runner, gateway, 3)
+        await eventually(lambda: held(fresh_vhost, 3), within=30,
+                         what="the tripping failures back and held in the queue")
+        await drain(fresh_vhost, Q)
+        await publish_ids(fresh_vhost, ["declined"])
+        await eventually(lambda: value(runner, "messages", Q, "parked") == 1, within=10,
+                         what="the probe's message parked")
+        await eventually(lambda: value(runner, "paused", Q) == 0, within=5, what="resumed")
+
+
+async def test_two_paused_workers_both_resume_after_an_outage(fresh_vhost: Settings) -> None:
+    topo = topology(charge_yaml())
+    await provision(fresh_vhost, topo)
+    gateway = Gateway()
+    pause = Pause(after=3, on=(GatewayDown,), probe_every=0.5)
+    one, two = Charge(gateway, pause=pause), Charge(gateway, pause=pause)
+    async with running([one], topo, fresh_vhost) as a, running([two], topo, fresh_vhost) as b:
+        gateway.up = False
+        await publish_ids(fresh_vhost, [f"m-{i}" for i in range(40)])
+        await eventually(lambda: value(a, "paused", Q) == 1 and value(b, "paused", Q) == 1,
+                         within=30, what="both paused")
+        gateway.up = True
+        await eventually(lambda: len(set(gateway.charged)) == 40, within=60, what="40 charges")
+        await eventually(lambda: value(a, "paused", Q) == 0 and value(b, "paused", Q) == 0,
+                         within=10, what="both resumed")
+        assert value(a, "messages", Q, "parked") + value(b, "messages", Q, "parked") == 0
 
 
 # --- idempotency -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ What a message makes the handler do is written in its JSON body::
     {"id": "m-3", "fixable": true}       # Permanent until the file $RR_RECORD_DIR/fixed exists
     {"id": "m-4", "raise": "huge-message"}   # one of the nasty exceptions of ``nasty()``
     {"id": "m-5", "crash": 300}          # after 300 ms the whole process dies (os._exit)
+    {"id": "m-6", "sleep": 5000}         # takes 5 s (a slow one among fast ones)
 
 A body that is not JSON makes ``delivery.payload`` raise, which parks the message ``invalid``.
 Lines are ``<message id> <attempt> <pid>``; the message id is the AMQP ``message_id``.
@@ -95,6 +96,8 @@ class _Behaviour(RetryConsumer):
             await asyncio.sleep(SLEEP_S)
         if not isinstance(spec, dict):
             spec = {}
+        if spec.get("sleep"):  # this message's own handling time, in ms
+            await asyncio.sleep(float(spec["sleep"]) / 1000)
         if spec.get("permanent"):
             raise Permanent(f"declined {delivery.message_id}")
         if spec.get("fixable") and not FIXED.exists():

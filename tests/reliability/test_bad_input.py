@@ -35,7 +35,7 @@ from rabbit_retry.broker.management import Management
 from rabbit_retry.contract import copy_properties
 from rabbit_retry.settings import Settings
 from rabbit_retry.wire import encoded_size
-from rabbit_retry.worker.attempts import failures_so_far
+from rabbit_retry.worker.history import read
 
 MiB = 1024 * 1024
 FRAME_MAX = 131072  # RabbitMQ's default, which the test broker uses
@@ -325,7 +325,8 @@ def _check_headers(settings: Settings, worker: Worker, parked: Parked,
     ends: Counter[str] = Counter()
     for queue, by_id in cases.items():
         for message_id, headers in by_id.items():
-            first = failures_so_far(_as_delivered(headers), queue) + 1
+            # Published straight to the queue: the route the worker believes its headers on.
+            first = read(_as_delivered(headers), False, "", queue, queue).failures + 1
             want = _expected_path(first, QUEUES[queue])
             end = "ok" if message_id in ok else "exhausted"
             got = (calls.get(message_id, []), end)

@@ -6,7 +6,8 @@ with other deliveries in flight beside it: the broker counts a return on each of
 innocent ones must all be handled and none parked; the poison one is counted one failed attempt
 per delivery limit's worth of crashes, and parked ``exhausted``. Both with a small
 ``x-delivery-limit`` in the file and with the broker's own default (20 on 4.x; on 3.x, which has
-none, the worker's own 20).
+none, the worker's own 20); and on a classic queue, which counts no returns at all: the worker
+counts them on the copy that sends a returned delivery back (``return-count``), up to its 20.
 """
 
 from __future__ import annotations
@@ -28,18 +29,18 @@ PREFETCH = 10
 
 
 @pytest.mark.parametrize(
-    ("limit", "max_attempts", "crashes_per_attempt"),
-    [(3, 2, 3), (None, 1, 20)],
-    ids=["x-delivery-limit-3", "broker-default-limit"],
+    ("queue_type", "limit", "max_attempts", "crashes_per_attempt"),
+    [("quorum", 3, 2, 3), ("quorum", None, 1, 20), ("classic", None, 1, 20)],
+    ids=["x-delivery-limit-3", "broker-default-limit", "classic"],
 )
 def test_a_crash_looping_message_is_parked_alone(
     fresh_vhost: Settings, tmp_path: Path, records: Path, worker_guard: list[Worker],
-    limit: int | None, max_attempts: int, crashes_per_attempt: int,
+    queue_type: str, limit: int | None, max_attempts: int, crashes_per_attempt: int,
 ) -> None:
     arguments = f"\n    arguments: {{x-delivery-limit: {limit}}}" if limit else ""
     topology = tmp_path / "crash.yml"
     topology.write_text(
-        "version: 1\nqueues:\n  rel.orders:\n    queue_type: quorum\n"
+        f"version: 1\nqueues:\n  rel.orders:\n    queue_type: {queue_type}\n"
         f"    retry: {{delays: [200ms], max_attempts: {max_attempts}}}{arguments}\n"
     )
     apply(fresh_vhost, topology)

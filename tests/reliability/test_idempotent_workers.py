@@ -49,7 +49,8 @@ def test_two_idempotent_workers_one_killed_twice_lose_nothing_and_run_no_duplica
     run = uuid.uuid4().hex[:6]  # the PostgreSQL and Redis stores outlive the test
     expected: dict[str, str] = {}
     messages: list[Outgoing] = []
-    for i in range(500):
+    # Long enough that two kills and restarts land mid-stream, however fast the workers are.
+    for i in range(1500):
         mid = f"{run}-{i:04d}"
         # A fifth fail once and retry; 150 are published twice, the copy right behind.
         body = spec_body(mid, fail=1) if i % 5 == 4 else spec_body(mid)

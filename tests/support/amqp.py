@@ -9,8 +9,9 @@ each message confirmed and none returned: a test or a benchmark never loses its 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -239,6 +240,25 @@ def publish_stream_sync(settings: Settings, routing_key: str, count: int,
                         make: Callable[[int], aio_pika.Message], **kwargs: Any) -> float:
     """``publish_stream`` from synchronous code, however long it takes: the seconds it took."""
     return blocking(publish_stream(settings, routing_key, count, make, **kwargs), timeout=None)
+
+
+@contextlib.asynccontextmanager
+async def consuming(settings: Settings, queue: str) -> AsyncIterator[list[bytes]]:
+    """A plain consumer of ``queue`` (another replica) acking every message, for the block;
+    yields the bodies it took."""
+    connection = await aiormq.connect(settings.url)
+    taken: list[bytes] = []
+    try:
+        channel = await connection.channel()
+
+        async def take(message: aiormq.abc.DeliveredMessage) -> None:
+            taken.append(message.body)
+            await channel.basic_ack(message.delivery.delivery_tag)  # type: ignore[union-attr]
+
+        await channel.basic_consume(queue, take)
+        yield taken
+    finally:
+        await connection.close()
 
 
 def depth_sync(settings: Settings, queue: str) -> int | None:

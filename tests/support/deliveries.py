@@ -4,7 +4,9 @@ a worker meets: the source of the per-version fixtures in tests/unit/fixtures/ (
     python -m tests.support.deliveries URL     # prints the capture as JSON
 
 The integration test ``test_redelivery_fixtures`` recaptures on the broker under test and
-compares with the fixture of its version, so the fixtures stay what the brokers really do.
+compares with the fixture of its version, so the fixtures stay what the brokers really do; the
+unit test ``test_testing_broker`` runs the same capture on ``rabbit_retry.testing``'s in-memory
+broker, so it counts as the real ones do.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import json
 import sys
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiormq
@@ -27,6 +30,14 @@ STEPS = (
     "nack-requeue",  # consumer cancelled first, so the requeue is not redelivered at once
     "reject-requeue",
     "close",
+)
+# The same cycle through basic.reject(requeue=False), on a second message: what a consumer
+# other than the worker (one that rejects rather than nacks) does to the counts.
+REJECT_STEPS = (
+    "reject",  # from a count of 0
+    "reject",
+    "close",
+    "reject",  # from a non-zero count
 )
 RECORDED = ("x-delivery-count", "x-acquired-count")
 
@@ -72,8 +83,12 @@ async def _declare(channel: AbstractChannel, queue: str) -> None:
     await channel.queue_bind(f"{queue}.tier", f"{queue}.retry", routing_key=queue)
 
 
+async def _real_time() -> None:
+    """On a real broker the tier's 100 ms pass while the capture waits for the message."""
+
+
 async def _take(
-    connection: AbstractConnection, queue: str
+    connection: AbstractConnection, queue: str, tier_passes: Callable[[], Awaitable[None]]
 ) -> tuple[AbstractChannel, str, DeliveredMessage]:
     channel = await connection.channel()
     await channel.basic_qos(prefetch_count=1)
@@ -83,13 +98,39 @@ async def _take(
         got.put_nowait(message)
 
     ok = await channel.basic_consume(queue, put)
+    await tier_passes()
     message = await asyncio.wait_for(got.get(), 30)
     return channel, str(ok.consumer_tag), message
 
 
 async def capture(url: str) -> dict[str, Any]:
-    """Runs ``STEPS`` on one message in a throwaway queue of ``url``'s vhost."""
-    connection = await aiormq.connect(url)
+    """Runs ``STEPS`` on one message and ``REJECT_STEPS`` on another, each in a throwaway queue
+    of ``url``'s vhost."""
+    return await capture_on(await aiormq.connect(url))
+
+
+async def capture_on(
+    connection: AbstractConnection,
+    tier_passes: Callable[[], Awaitable[None]] = _real_time,
+) -> dict[str, Any]:
+    """``capture`` on an open ``connection`` (closed at the end); ``tier_passes`` lets the
+    tier's TTL run out where time does not pass by itself."""
+    try:
+        version = (connection.server_properties or {}).get("version")
+        return {
+            "version": version.decode() if isinstance(version, bytes) else version,
+            "deliveries": await _run(connection, STEPS, tier_passes),
+            "rejects": await _run(connection, REJECT_STEPS, tier_passes),
+        }
+    finally:
+        await connection.close()
+
+
+async def _run(
+    connection: AbstractConnection,
+    steps: tuple[str, ...],
+    tier_passes: Callable[[], Awaitable[None]],
+) -> list[dict[str, Any]]:
     queue = f"rr-capture-{uuid.uuid4().hex[:8]}"
     admin = await connection.channel()
     try:
@@ -97,13 +138,14 @@ async def capture(url: str) -> dict[str, Any]:
         await admin.basic_publish(
             b"{}", routing_key=queue, properties=aiormq.spec.Basic.Properties(delivery_mode=2)
         )
-        version = (connection.server_properties or {}).get("version")
-        channel, tag, message = await _take(connection, queue)
+        channel, tag, message = await _take(connection, queue, tier_passes)
         seen = [{"after": "publish", **summary(message)}]
-        for step in STEPS:
+        for step in steps:
             delivery_tag = message.delivery.delivery_tag  # type: ignore[union-attr]
             if step == "native":
                 await channel.basic_nack(delivery_tag, requeue=False)
+            elif step == "reject":
+                await channel.basic_reject(delivery_tag, requeue=False)
             elif step in ("nack-requeue", "reject-requeue"):
                 await channel.basic_cancel(tag)
                 if step == "nack-requeue":
@@ -111,19 +153,16 @@ async def capture(url: str) -> dict[str, Any]:
                 else:
                     await channel.basic_reject(delivery_tag, requeue=True)
             await channel.close()  # "close": with the delivery still unacked
-            channel, tag, message = await _take(connection, queue)
+            channel, tag, message = await _take(connection, queue, tier_passes)
             seen.append({"after": step, **summary(message)})
         await channel.basic_ack(message.delivery.delivery_tag)  # type: ignore[union-attr]
         await channel.close()
-        return {
-            "version": version.decode() if isinstance(version, bytes) else version,
-            "deliveries": [_rename(s, queue) for s in seen],
-        }
+        return [_rename(s, queue) for s in seen]
     finally:
         for name in (queue, f"{queue}.tier"):
             await admin.queue_delete(name)
         await admin.exchange_delete(f"{queue}.retry")
-        await connection.close()
+        await admin.close()
 
 
 def _rename(seen: dict[str, Any], queue: str) -> dict[str, Any]:

@@ -51,3 +51,21 @@ def scraped(runner: Runner, series: metric_names.Series, *labels: str) -> float:
     value = runner.metrics.registry.get_sample_value(series.name, dict(zip(series.labels, labels,
                                                                             strict=True)))
     return 0.0 if value is None else value
+
+
+def run_until_parked(
+    consumers: Sequence[RetryConsumer], topo: Topology, settings: Settings, queue: str,
+    count: int, *, within: float = 120.0,
+) -> None:
+    """From synchronous code: run a worker until ``queue``'s parking queue holds ``count``
+    messages, then stop it."""
+    from .amqp import blocking, depth
+
+    async def parked() -> bool:
+        return await depth(settings, f"{queue}.parking") == count
+
+    async def work() -> None:
+        async with running(consumers, topo, settings):
+            await eventually(parked, within=within, what=f"{count} parked in {queue}.parking")
+
+    blocking(work(), timeout=within + 60)

@@ -61,7 +61,8 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]
         (["validate", "t.yml", "--url"], "error: option '--url' requires an argument"),
         # Long options are never abbreviated.
         (["worker", "m:C", "-t", "t.yml", "--metrics", "1"],
-         "error: no such option '--metrics'. Did you mean '--metrics-port'?"),
+         "error: no such option '--metrics'. (Did you mean one of: '--metrics-addr',"
+         " '--metrics-port'?)"),
         # A password given where it does not belong is masked like everywhere else.
         (["validate", "t.yml", "amqp://guest:secret@h/"],
          "error: got unexpected extra argument (amqp://guest:***@h/)"),

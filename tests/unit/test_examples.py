@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,13 @@ import pytest
 from rabbit_retry.topology import Topology, compile_topology, load_topology
 from rabbit_retry.topology.export import to_definitions, to_mermaid
 
-EXAMPLES = Path(__file__).parents[2] / "topologies"
+ROOT = Path(__file__).parents[2]
+EXAMPLES = ROOT / "topologies"
+# ``examples`` is not an installed package: import it the way users run it, from the repo root.
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from examples import test_fraud_check  # noqa: E402
 
 
 def load(name: str) -> Topology:
@@ -88,3 +96,27 @@ def test_audit_fans_out_to_independent_queues() -> None:
     for tier in (q for q in plan.queues if q.role == "tier"):
         assert tier.arguments["x-dead-letter-exchange"] == ""
         assert tier.arguments["x-dead-letter-routing-key"] == tier.owner
+
+
+# --- "Testing your consumer" ---------------------------------------------------------------
+
+
+def test_the_readme_shows_the_example_consumer_test_as_it_is() -> None:
+    example = (ROOT / "examples" / "test_fraud_check.py").read_text()
+    code = example.split('"""', 2)[2].lstrip("\n")  # the file without its docstring
+    assert f"```python\n{code}```" in (ROOT / "README.md").read_text()
+
+
+CONSUMER_TESTS = [f for name, f in vars(test_fraud_check).items() if name.startswith("test_")]
+
+
+@pytest.mark.parametrize("case", CONSUMER_TESTS, ids=lambda f: f.__name__)
+async def test_the_example_consumer_test_passes(
+    case: Callable[[], Awaitable[None]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)  # it names topologies/orders.yml as a user's test would
+    await case()
+
+
+def test_every_example_consumer_test_is_run() -> None:
+    assert len(CONSUMER_TESTS) == 4

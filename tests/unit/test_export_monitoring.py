@@ -331,6 +331,7 @@ def test_dashboard_is_valid_json_with_the_variables_and_panels() -> None:
         "In flight",
         "Paused",
         "Duplicates",
+        "Worker internal errors",
         "Failure desk: ingested, replayed, discarded",
     ]
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])

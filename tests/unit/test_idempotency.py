@@ -39,16 +39,16 @@ async def store(tmp_path: Path) -> Any:
 
 async def test_a_done_key_is_a_duplicate_and_a_failed_one_is_free_again(store: Store) -> None:
     one = Deduper(Idempotency("sqlite:///x"), store, "q", "C", timeout=5.0)
-    first = await one.admit(delivery("m-1"), alive)
+    first = await one.admit(delivery("m-1"), None, alive)
     assert first.token is not None and not first.duplicate
     await one.failed(first, alive)
-    again = await one.admit(delivery("m-1"), alive)
+    again = await one.admit(delivery("m-1"), None, alive)
     assert again.token is not None and not again.duplicate
     await one.succeeded(again, alive)
-    assert (await one.admit(delivery("m-1"), alive)).duplicate
+    assert (await one.admit(delivery("m-1"), None, alive)).duplicate
     # The scope is the queue: the same id fanned out to another queue is handled there too.
     other = Deduper(Idempotency("sqlite:///x"), store, "q2", "C", timeout=5.0)
-    assert not (await other.admit(delivery("m-1"), alive)).duplicate
+    assert not (await other.admit(delivery("m-1"), None, alive)).duplicate
 
 
 async def test_a_key_held_elsewhere_is_waited_for_and_its_success_makes_a_duplicate(
@@ -56,8 +56,8 @@ async def test_a_key_held_elsewhere_is_waited_for_and_its_success_makes_a_duplic
 ) -> None:
     one = Deduper(Idempotency("sqlite:///x"), store, "q", "A", timeout=5.0)
     two = Deduper(Idempotency("sqlite:///x"), store, "q", "B", timeout=5.0)
-    held = await one.admit(delivery("m-1"), alive)
-    waiting = asyncio.ensure_future(two.admit(delivery("m-1"), alive))
+    held = await one.admit(delivery("m-1"), None, alive)
+    waiting = asyncio.ensure_future(two.admit(delivery("m-1"), None, alive))
     await asyncio.sleep(0.3)
     assert not waiting.done()  # positive control below: it finishes once the key is done
     await one.succeeded(held, alive)
@@ -70,16 +70,16 @@ async def test_a_key_held_by_a_dead_worker_is_taken_when_its_lease_runs_out(
 ) -> None:
     dead = Deduper(Idempotency("sqlite:///x", lease=0.3), store, "q", "A", timeout=None)
     live = Deduper(Idempotency("sqlite:///x", lease=0.3), store, "q", "B", timeout=None)
-    assert (await dead.admit(delivery("m-1"), alive)).token is not None
-    ticket = await asyncio.wait_for(live.admit(delivery("m-1"), alive), 10)
+    assert (await dead.admit(delivery("m-1"), None, alive)).token is not None
+    ticket = await asyncio.wait_for(live.admit(delivery("m-1"), None, alive), 10)
     assert ticket.token is not None and not ticket.duplicate
 
 
 async def test_waiting_ends_when_the_delivery_is_gone(store: Store) -> None:
     one = Deduper(Idempotency("sqlite:///x"), store, "q", "A", timeout=5.0)
     two = Deduper(Idempotency("sqlite:///x"), store, "q", "B", timeout=5.0)
-    await one.admit(delivery("m-1"), alive)
-    gone = await asyncio.wait_for(two.admit(delivery("m-1"), lambda: False), 10)
+    await one.admit(delivery("m-1"), None, alive)
+    gone = await asyncio.wait_for(two.admit(delivery("m-1"), None, lambda: False), 10)
     assert gone.gone and gone.token is None
 
 
@@ -89,7 +89,7 @@ async def test_no_key_runs_the_handler_and_says_so_once(
     caplog.set_level(logging.WARNING, logger="rabbit_retry.worker")
     one = Deduper(Idempotency("sqlite:///x"), store, "q", "C", timeout=5.0)
     for _ in range(3):
-        ticket = await one.admit(delivery(None), alive)
+        ticket = await one.admit(delivery(None), None, alive)
         assert ticket.key is None and not ticket.duplicate and not ticket.gone
     said = [r for r in caplog.records if "without a key" in r.getMessage()]
     assert len(said) == 1
@@ -97,12 +97,21 @@ async def test_no_key_runs_the_handler_and_says_so_once(
 
 async def test_handle_again_runs_a_done_key_and_a_custom_key_is_used(store: Store) -> None:
     rule = Idempotency("sqlite:///x", key=lambda d: d.headers.get("order"))
-    one = Deduper(rule, store, "q", "C", timeout=5.0)
-    ticket = await one.admit(delivery("m-1", order="o-7"), alive)
+    one = Deduper(rule, store, "q", "C", timeout=5.0, user="worker")
+    ticket = await one.admit(delivery("m-1", order="o-7"), None, alive)
     await one.succeeded(ticket, alive)
-    assert (await one.admit(delivery("m-2", order="o-7"), alive)).duplicate
-    again = await one.admit(delivery("m-2", order="o-7", **{HANDLE_AGAIN: True}), alive)
+    assert (await one.admit(delivery("m-2", order="o-7"), None, alive)).duplicate
+    asked = delivery("m-2", order="o-7", **{HANDLE_AGAIN: True})
+    # Believed only from a replayer: the message's user_id, which the broker checked against
+    # the connection that published it (the worker's own user by default).
+    assert (await one.admit(asked, None, alive)).duplicate
+    assert (await one.admit(asked, "publisher", alive)).duplicate
+    again = await one.admit(asked, "worker", alive)
     assert not again.duplicate and again.key == "o-7"
+    ops = Deduper(Idempotency("sqlite:///x", key=rule.key, replayers=("ops",)), store, "q", "C",
+                  timeout=5.0, user="worker")
+    assert (await ops.admit(asked, "worker", alive)).duplicate
+    assert not (await ops.admit(asked, "ops", alive)).duplicate
 
 
 class Flaky:
@@ -125,7 +134,7 @@ async def test_a_failing_store_is_retried_while_the_delivery_waits(
     caplog.set_level(logging.WARNING, logger="rabbit_retry.worker")
     flaky = Flaky(store, failures=5)
     one = Deduper(Idempotency("sqlite:///x"), flaky, "q", "C", timeout=5.0)  # type: ignore[arg-type]
-    ticket = await one.admit(delivery("m-1"), alive)
+    ticket = await one.admit(delivery("m-1"), None, alive)
     assert ticket.token is not None and flaky.failures == 0
     messages = [r.getMessage() for r in caplog.records]
     assert sum("idempotency store claim failed" in m for m in messages) == 1

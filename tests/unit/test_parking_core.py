@@ -9,6 +9,7 @@ import json
 from decimal import Decimal
 
 import pytest
+from rich.console import Console
 
 from rabbit_retry.contract import ORIGINAL_QUEUE
 from rabbit_retry.parking import headers as parking_headers
@@ -24,6 +25,7 @@ from rabbit_retry.parking.message import (
     preview,
     summary_record,
 )
+from rabbit_retry.parking.render import messages_table
 from rabbit_retry.parking.session import Target, candidates
 
 NOW = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.UTC)
@@ -198,6 +200,8 @@ def test_summary_record_is_what_show_json_prints() -> None:
     assert summary_record(_message()) == {
         "position": 1,
         "message_id": "m-7",
+        "message_id_generated": False,
+        "correlation_id": None,
         "parked_at": "2024-05-01T10:00:00.000Z",
         "reason": "exhausted",
         "exception_type": "TimeoutError",
@@ -297,3 +301,29 @@ async def test_pacer_without_rate_never_sleeps() -> None:
     assert clock.sleeps == []
     with pytest.raises(ValueError):
         Pacer(0)
+
+
+def test_a_message_without_its_own_id_is_shown_by_its_correlation_id() -> None:
+    """A Celery task has no message_id (its id is the correlation_id): the id a copy got is
+    marked as made up, and the correlation id is shown, in the table and in --json."""
+    celery = ParkedMessage(1, b"{}", {**PARKED, "message-id-generated": True},
+                           {"message_id": "3f2a", "correlation_id": "task-42"})
+    plain = _message(2)
+    assert summary_record(celery)["message_id_generated"] is True
+    assert summary_record(celery)["correlation_id"] == "task-42"
+    console = Console(width=200, record=True)
+    console.print(messages_table([celery, plain]))
+    lines = console.export_text().splitlines()
+    assert "correlation id" in lines[0]
+    assert "3f2a (generated)" in lines[2] and "task-42" in lines[2]
+    assert "m-7" in lines[3] and "generated" not in lines[3]
+    # Without any correlation id the table keeps its usual columns.
+    console = Console(width=200, record=True)
+    console.print(messages_table([plain]))
+    assert "correlation id" not in console.export_text()
+
+
+def test_a_header_name_that_is_not_utf8_reads_as_replacement_characters() -> None:
+    # wire decodes such a name with surrogateescape; JSON stores refuse lone surrogates.
+    assert jsonable({"\udcff\udcfe": 1, "ok": {"\udcff": 2}}) == {
+        "\ufffd\ufffd": 1, "ok": {"\ufffd": 2}}

@@ -67,7 +67,7 @@ def test_counts_per_main_queue_with_old_tiers_still_draining() -> None:
         "queue": "orders", "ready": 7, "unacked": 2, "consumers": 1, "retrying": 8,
         "parked": 5,
         "tiers": {"orders.retry.1m": 1, "orders.retry.1s": 3, "orders.retry.5m": 4},
-        "held_for_dead_lettering": {}, "replicas": [],
+        "held_for_dead_lettering": {}, "stranded_by_dead_letter_cycle": {}, "replicas": [],
         "policy": {"name": None, "priority": None, "definition": {}, "tied": [],
                    "operator_policy": None, "operator_definition": {}, "ours": None,
                    "ours_applies": False},
@@ -124,9 +124,27 @@ def test_messages_a_quorum_queue_holds_for_dead_lettering_are_reported_per_queue
                               q.consumers, messages_dlx=stuck.get(name, 0))
               for name, q in live.queues.items()}
     live = LiveState(queues, live.exchanges, live.bindings)
-    orders, payments = build_status(plan, live, (), vhost="v", source="t.yml").queues
+    status = build_status(plan, live, diff(plan, live), vhost="v", source="t.yml")
+    orders, payments = status.queues
     assert orders.to_json()["held_for_dead_lettering"] == {"orders": 2, "orders.retry.1s": 3}
     assert payments.held == ()
+    # Every object of the retry path is there: the broker's cycle check holds them.
+    assert orders.to_json()["stranded_by_dead_letter_cycle"] == {"orders": 2,
+                                                                 "orders.retry.1s": 3}
+    lines = " ".join(" ".join(printed(status_view(status))).split())
+    assert ("orders.retry.1s: 3 messages stranded by RabbitMQ's dead-letter cycle check: they "
+            "reached orders's delivery limit") in lines
+    assert "no command can move them out" in lines and "purging or deleting" in lines
+    # A missing tier is what holds them instead: apply recreates it and they move on.
+    without_tier = LiveState({n: q for n, q in live.queues.items() if n != "orders.retry.1s"},
+                             live.exchanges, live.bindings)
+    status = build_status(plan, without_tier, diff(plan, without_tier), vhost="v",
+                          source="t.yml")
+    orders = status.queues[0]
+    assert orders.to_json()["stranded_by_dead_letter_cycle"] == {}
+    assert ("orders: 2 messages held by the broker for dead-lettering: the queue they go to next "
+            "is missing; `rabbit-retry apply t.yml` recreates it") in " ".join(
+                " ".join(printed(status_view(status))).split())
 
 
 def printed(renderable: RenderableType) -> list[str]:

@@ -2,8 +2,8 @@
 
 ``fixtures/deliveries-<version>.json`` were captured with ``tests/support/deliveries.py`` on
 RabbitMQ 3.10.8, 4.0.5 and 4.3.6 (one message taken through nack cycles, closed channels and
-requeues); ``tests/integration/test_redelivery_fixtures.py`` recaptures on the broker under test
-and compares, so these files stay true.
+requeues, another through reject cycles); ``tests/integration/test_redelivery_fixtures.py``
+recaptures on the broker under test and compares, so these files stay true.
 """
 
 from __future__ import annotations
@@ -17,15 +17,34 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rabbit_retry.worker.redelivery import (
-    at_delivery_limit,
-    counting,
-    delivery_limit,
-    is_suspect,
-    native_ok,
-    parse_version,
-    returns,
-)
+from rabbit_retry.topology.resolved import QueueType, RetryPolicy
+from rabbit_retry.worker import decide as decisions
+from rabbit_retry.worker.history import read
+from rabbit_retry.worker.redelivery import Counting, counting, delivery_limit, parse_version
+
+Q = "q"
+
+
+# The rules applied to a delivery as the worker reads it: back on its queue by the route the
+# broker's dead-lettering takes (the default exchange, routing key Q).
+def returns(headers: Any, redelivered: bool = True) -> int:
+    return read(headers, redelivered, "", Q, Q).returns
+
+
+def is_suspect(headers: Any, redelivered: bool, queue_type: QueueType) -> bool:
+    return decisions.runs_alone(read(headers, redelivered, "", Q, Q), queue_type)
+
+
+def native_ok(headers: Any, rules: Counting, redelivered: bool = True) -> bool:
+    return decisions.native_ok(read(headers, redelivered, "", Q, Q), rules)
+
+
+def at_delivery_limit(headers: Any, redelivered: bool, limit: int | None) -> bool:
+    policy = RetryPolicy(delays_ms=(1000,), max_attempts=5)
+    rules = decisions.Rules(policy, "quorum", limit, counting("4.3.6"))
+    action = decisions.decide(read(headers, redelivered, "", Q, Q), decisions.Outcome.ARRIVED,
+                              rules)
+    return getattr(action, "cause", None) is decisions.Cause.DELIVERY_LIMIT
 
 FIXTURES = Path(__file__).parent / "fixtures"
 VERSIONS = ("3.10", "4.0", "4.3")
@@ -53,10 +72,11 @@ def test_a_nack_cycle_the_worker_allows_leaves_the_message_as_a_fresh_copy(versi
     rules = counting(fixture(version)["version"])
     allowed = 0
     for before, after in steps(version):
-        if after["after"] != "native" or not native_ok(before["headers"], rules):
+        if after["after"] != "native" or not native_ok(before["headers"], rules,
+                                                       before["redelivered"]):
             continue
         allowed += 1
-        assert returns(after["headers"]) == 0, (version, before, after)
+        assert returns(after["headers"], after["redelivered"]) == 0, (version, before, after)
         assert not is_suspect(after["headers"], after["redelivered"], "quorum")
     # 3.x resets the count on every cycle, 4.3 keeps a zero, 4.0 adds one to it.
     assert allowed == {"3.10": 2, "4.0": 0, "4.3": 1}[version]
@@ -70,7 +90,8 @@ def test_the_cycles_the_worker_refuses_would_have_carried_a_count(version: str) 
     refused = [
         after
         for before, after in steps(version)
-        if after["after"] == "native" and not native_ok(before["headers"], rules)
+        if after["after"] == "native"
+        and not native_ok(before["headers"], rules, before["redelivered"])
     ]
     assert len(refused) == {"3.10": 0, "4.0": 2, "4.3": 1}[version]
     for after in refused:
@@ -220,3 +241,23 @@ def test_nothing_here_raises_on_garbled_headers(
     assert isinstance(is_suspect(headers, redelivered, "quorum"), bool)
     assert isinstance(native_ok(headers, rules), bool)
     assert returns(headers) >= 0
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_reject_cycle_counts_as_the_fixture_says(version: str) -> None:
+    """``basic.reject(requeue=False)`` through the tier and back, as a consumer other than the
+    worker may do it (docs/versions.md): ``x-death`` records a ``rejected`` death on every
+    version, as for the worker's ``nack``; 3.10 comes back clean as after a ``nack``; 4.0 and
+    4.3 come back redelivered with one return counted, from 0 too, which the worker reads as a
+    possible crash. 4.3 differs from its own ``nack`` cycle there, which keeps a 0 at 0."""
+    rejected = fixture(version)["rejects"][1]  # the first reject, from a count of 0
+    nacked = fixture(version)["deliveries"][1]  # the first nack, from a count of 0
+    assert rejected["after"] == "reject" and nacked["after"] == "native"
+    assert rejected["x-death"] == nacked["x-death"] == ["TIER:expired:1", "Q:rejected:1"]
+    comes_back_returned = version != "3.10"
+    assert rejected["redelivered"] is comes_back_returned
+    assert returns(rejected["headers"]) == (1 if comes_back_returned else 0)
+    assert is_suspect(rejected["headers"], rejected["redelivered"], "quorum") is (
+        comes_back_returned)
+    if version == "4.3":
+        assert not nacked["redelivered"] and returns(nacked["headers"]) == 0

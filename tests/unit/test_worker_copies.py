@@ -46,16 +46,31 @@ def test_retry_copy_drops_broker_bookkeeping_and_sets_retry_count() -> None:
     }
 
 
-def test_retry_copy_keeps_an_existing_original_source() -> None:
+def test_retry_copy_writes_the_source_the_history_believed() -> None:
+    """The caller passes where the message was first published as ``history`` read it; a
+    publisher's own ``original-*`` headers are replaced, never carried on."""
     headers = copies.retry_headers(
-        {"original-exchange": "billing", "original-routing-key": "x"},
+        {"original-exchange": "evil", "original-routing-key": "evil.rk"},
         retry_count=3,
-        original=("", "q"),
+        original=("billing", "x"),
         expiration="60000",
     )
     assert headers["original-exchange"] == "billing"
     assert headers["original-routing-key"] == "x"
     assert headers["original-expiration"] == "60000"
+
+
+def test_retry_copy_says_what_failed_the_attempt_before_and_forgets_older_failures() -> None:
+    failure = copies.Failure("app.GatewayDown", "gateway said 503", "Traceback ...")
+    headers = copies.retry_headers(
+        {"exception-stacktrace": "old", "return-count": 4, "exception-type": "old.Error"},
+        retry_count=1, original=("orders", "k"), failure=failure,
+    )
+    assert headers["exception-type"] == "app.GatewayDown"
+    assert headers["exception-message"] == "gateway said 503"
+    assert "exception-stacktrace" not in headers and "return-count" not in headers
+    back = copies.retry_headers(headers, retry_count=1, original=("orders", "k"), returns=2)
+    assert back["return-count"] == 2 and "exception-type" not in back
 
 
 def test_parked_headers_the_readme_lists() -> None:

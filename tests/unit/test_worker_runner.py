@@ -14,8 +14,9 @@ from rabbit_retry.errors import InputError
 from rabbit_retry.topology import parse_topology
 from rabbit_retry.worker import Delivery, InvalidPayload, Permanent, RetryConsumer
 from rabbit_retry.worker.consumer import HandlerTimeout, check_consumer, is_blocking, payload_error
+from rabbit_retry.worker.decide import Outcome
 from rabbit_retry.worker.metrics import Metrics
-from rabbit_retry.worker.runner import subscribe
+from rabbit_retry.worker.runner import Runner, subscribe
 from rabbit_retry.worker.session import Session, Subscription
 
 TOPOLOGY = parse_topology(
@@ -161,19 +162,24 @@ async def test_a_blocking_handle_runs_in_a_thread_pool_of_prefetch_threads() -> 
     sub = subscription(consumer)
     assert is_blocking(consumer) and not is_blocking(Sleeper(0))
     assert sub.threads is not None and sub.threads._max_workers == 2
-    await asyncio.gather(*(Session._call(sub, delivery()) for _ in range(4)))
+
+    async def run_one() -> object:
+        task = asyncio.current_task()
+        assert task is not None
+        return await Session._run(sub, task, delivery())
+
+    assert await asyncio.gather(*(run_one() for _ in range(4))) == [Outcome.SUCCESS] * 4
     assert consumer.threads and all(t.startswith("rabbit-retry-Blocking") for t in consumer.threads)
     sub.threads.shutdown()
 
 
 async def test_a_blocking_handle_times_out_too() -> None:
-    sub = subscription(Blocking(0.5))
+    consumer = Blocking(0.5)
+    consumer.handler_timeout = 0.05
+    sub = subscription(consumer)
     task = asyncio.current_task()
     assert task is not None
-    sub.deadlines.start(task, 0.05)
-    with pytest.raises(asyncio.CancelledError) as cancelled:
-        await Session._call(sub, delivery())
-    what = sub.deadlines.ended(task, cancelled.value, 0.05)
+    what = await Session._run(sub, task, delivery())
     assert isinstance(what, HandlerTimeout)
     assert str(what) == "the handler did not finish within 0.05s"
     assert sub.threads is not None
@@ -189,3 +195,12 @@ def test_a_generator_handle_is_refused() -> None:
 
     with pytest.raises(InputError, match=r"Gen.handle: a generator"):
         check_consumer(Gen())
+
+
+def test_healthz_fails_once_the_event_loop_stops_turning() -> None:
+    runner = Runner.__new__(Runner)
+    runner._beat = time.monotonic()
+    assert runner._live() == (True, "alive")
+    runner._beat = time.monotonic() - 45
+    ok, why = runner._live()
+    assert not ok and why.startswith("the event loop has not run for 4")

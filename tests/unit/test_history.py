@@ -1,4 +1,5 @@
-"""Failures so far and the original source, from the header shapes each RabbitMQ version writes.
+"""A delivery's history: failures so far and the original source, from the header shapes each
+RabbitMQ version writes, and which headers are believed from whom (the trust boundary).
 
 The fixtures follow the dead-lettering guide (``dlx``) and the 3.13 / 4.0 release notes: one
 ``x-death`` table per (queue, reason), ``count`` incremented in place, newest first; 3.13 adds
@@ -17,15 +18,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rabbit_retry.contract import MAX_COUNT
-from rabbit_retry.worker.attempts import (
-    broker_can_dead_letter,
-    failures_so_far,
-    original_source,
-)
+from rabbit_retry.worker.history import read
 
 Q = "orders.fraud-check"
 TIER = Q + ".retry.5s"
 T0 = datetime.datetime(2024, 5, 1, 12, 0, tzinfo=datetime.UTC)
+
+
+# Deliveries that came back to Q by the route every copy and every dead-lettering of ours takes
+# (the default exchange, routing key Q), unless a test says otherwise.
+def failures_so_far(headers: Any, queue: str = Q) -> int:
+    return read(headers, False, "", queue, queue).failures
+
+
+def original_source(headers: Any, queue: str, exchange: str, routing_key: str) -> tuple[str, str]:
+    return read(headers, False, exchange, routing_key, queue).source or (exchange, routing_key)
+
+
+def broker_can_dead_letter(headers: Any) -> bool:
+    return read(headers, False, "", Q, Q).x_death_clean
 
 
 def death(queue: str, reason: str, count: int, exchange: str, keys: list[str]) -> dict[str, Any]:
@@ -349,3 +360,54 @@ def test_a_client_garbled_x_death_is_not_handed_to_the_broker(headers: Any) -> N
 @given(headers=header_tables | header_values)
 def test_broker_can_dead_letter_never_raises(headers: Any) -> None:
     assert broker_can_dead_letter(headers) in (True, False)
+
+
+# --- the trust boundary: what a publisher can set ---------------------------------------------
+
+FORGED = {
+    "original-exchange": "evil",
+    "original-routing-key": "evil.rk",
+    "retry-count": 3,
+    "x-death": [death(Q, "rejected", 1, "evil", ["evil.rk"])],
+    "x-first-death-queue": Q,
+    "x-first-death-exchange": "evil",
+}
+
+
+def test_a_message_published_through_an_exchange_keeps_no_forged_history() -> None:
+    """A publisher's copies of our headers (or another system's history it carried along) on
+    a message it sent through an exchange: no attempt taken away, no source rewritten, and
+    never the broker's nack cycle (3.x would count on from its x-death)."""
+    history = read(FORGED, False, "orders", "order.created", Q)
+    assert (history.failures, history.retry_count, history.broker_failures) == (0, 0, 0)
+    assert history.source is None
+    assert not history.x_death_clean
+
+
+def test_the_same_headers_on_our_route_are_believed() -> None:
+    history = read(FORGED, False, "", Q, Q)
+    assert history.failures == 3
+    assert history.source == ("evil", "evil.rk")
+    assert history.x_death_clean
+
+
+def test_counts_of_returns_are_believed_only_on_a_redelivery() -> None:
+    counts = {"x-delivery-count": 5, "x-acquired-count": 6}
+    first = read(counts, False, "orders", "order.created", Q)
+    assert (first.returns, first.acquired, first.returned) == (0, 0, False)
+    again = read(counts, True, "orders", "order.created", Q)
+    assert (again.returns, again.acquired, again.returned) == (5, 6, True)
+
+
+def test_a_ttl_the_broker_moved_into_x_death_is_kept() -> None:
+    headers = {"x-death": [
+        death(TIER, "expired", 1, Q + ".retry", [Q]),
+        {**death(Q, "rejected", 1, "orders", ["order.created"]), "original-expiration": "60000"},
+    ]}
+    assert read(headers, False, "", Q, Q).moved_expiration == "60000"
+    assert read(headers, False, "orders", "order.created", Q).moved_expiration is None
+
+
+def test_a_classic_queues_returns_are_read_from_the_copy_that_carries_them() -> None:
+    assert read({"return-count": 4}, False, "", Q, Q).returns == 4
+    assert read({"return-count": 4}, False, "orders", "order.created", Q).returns == 0

@@ -1,0 +1,153 @@
+"""A consumer's ``Pause`` carried out on one connection: the lane paused and resumed, the probe
+that takes one message every ``probe_every`` seconds while paused, and what is logged and
+counted about it. ``pause.Breaker`` (pure) says when; this module does it.
+
+While paused, a watched failure sends its message back to the end of the queue as a confirmed
+copy with its count unchanged (``decide.Outcome.HELD``), rather than a ``nack`` with requeue,
+which 3.x and 4.0-4.2 quorum queues count as a return and which marks the message redelivered.
+
+Every replica resumes: a probe that succeeds or fails for a reason the pause does not watch
+ends the pause (so does any such answer from a delivery still in flight), and so does a probe
+that finds the queue empty while another consumer takes its messages (another replica that
+resumed; a paused one has no consumer). An empty queue with no consumer says nothing of the
+downstream: the pause holds, so the messages that tripped it, back from their tier, are not
+charged again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiormq import spec
+from aiormq.abc import DeliveredMessage
+
+from rabbit_retry.worker import shutdown
+from rabbit_retry.worker.decide import Outcome
+from rabbit_retry.worker.lane import Lane
+from rabbit_retry.worker.metrics import QueueMetrics
+from rabbit_retry.worker.pause import Breaker, Change
+
+log = logging.getLogger("rabbit_retry.worker")
+
+
+def _digest(body: bytes) -> str:
+    """Tells messages without a message_id apart, for a Pause's count."""
+    import hashlib  # only a Pause's failures need it
+
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
+class Pausing:
+    """One consumer's ``Breaker`` (it outlives reconnects) at work on a session's ``lane``."""
+
+    def __init__(
+        self,
+        breaker: Breaker,
+        lane: Lane,
+        consumer: str,
+        metrics: QueueMetrics,
+        handle: Callable[[DeliveredMessage], Awaitable[None]],
+        lost: Callable[[str], None],
+    ) -> None:
+        self.breaker = breaker
+        self.lane = lane
+        self.queue = lane.queue
+        self.consumer = consumer
+        self.metrics = metrics
+        self._handle = handle  # runs a probe's message like any delivery
+        self._lost = lost
+        self._probe: asyncio.Task[None] | None = None
+        self._why = ""
+
+    def heard(
+        self, outcome: Outcome, error: BaseException | None, message: DeliveredMessage
+    ) -> tuple[Outcome, Change]:
+        """Tell the breaker how a handler call ended, as it ends (before anything awaits, so in
+        the order of the failures it counts); the outcome to decide with (a watched failure
+        while paused is not charged: ``HELD``) and what changed."""
+        breaker = self.breaker
+        if outcome is Outcome.SUCCESS:
+            return outcome, breaker.succeeded()
+        if outcome is Outcome.HELD:  # cut off by a stop: says nothing of the downstream
+            return outcome, Change.NONE
+        if outcome is Outcome.FAILED and error is not None and breaker.rule.watches(error):
+            if breaker.paused:
+                return Outcome.HELD, Change.NONE
+            props = message.header.properties
+            change = breaker.failed(props.message_id or _digest(message.body))
+            if change is Change.PAUSED:
+                self._why = f"{type(error).__name__}: {error}"[:300]
+            return outcome, change
+        return outcome, breaker.answered()
+
+    async def carry_out(self, change: Change) -> None:
+        if change is Change.PAUSED:
+            await self.pause()
+        elif change is Change.RESUMED:
+            await self.resume("a message was handled")
+
+    async def pause(self) -> None:
+        self.breaker.since = time.monotonic()
+        self.metrics.paused = 1
+        self.metrics.pauses += 1
+        log.warning(
+            "paused queue=%s consumer=%s after %d failures in a row of different messages"
+            " (last: %s); probing every %gs",
+            self.queue, self.consumer, self.breaker.rule.after, self._why,
+            self.breaker.rule.probe_every,
+            extra={"queue": self.queue, "event": "paused", "reason": self._why},
+        )
+        await self.lane.pause()
+        self.start_probe()
+
+    async def resume(self, why: str) -> None:
+        self.metrics.paused = 0
+        log.warning(
+            "resumed queue=%s consumer=%s after %.1fs paused: %s",
+            self.queue, self.consumer, time.monotonic() - self.breaker.since, why,
+            extra={"queue": self.queue, "event": "resumed", "reason": why},
+        )
+        await self.lane.resume()
+
+    def start_probe(self) -> None:
+        """Probe while paused (also after a reconnect: a pause outlives its session)."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probing())
+
+    async def stop(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None and not probe.done():
+            await shutdown.cancel([probe])
+
+    async def _probing(self) -> None:
+        """Every ``probe_every`` seconds, once nothing of the lane runs, take one message with
+        ``basic.get`` and handle it; the breaker hears how it ended."""
+        breaker = self.breaker
+        try:
+            while breaker.paused:
+                await asyncio.sleep(breaker.rule.probe_every)
+                await self.lane.idle()
+                if not breaker.paused:
+                    return
+                channel = self.lane.channel
+                message = await channel.basic_get(self.queue, no_ack=False)
+                if not isinstance(message.delivery, spec.Basic.GetOk):
+                    # Nothing to ask the downstream with. If another consumer takes the queue's
+                    # messages (another worker that resumed: a paused one has none), it answered.
+                    declared = await channel.queue_declare(self.queue, passive=True)
+                    if declared.consumer_count and breaker.answered() is Change.RESUMED:
+                        await self.resume("the queue is empty and another consumer takes its"
+                                          " messages")
+                        return
+                    continue
+                log.info("queue=%s: probing with message_id=%s", self.queue,
+                         message.header.properties.message_id,
+                         extra={"queue": self.queue, "event": "probe"})
+                await self._handle(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the channel died: the session reconnects, still paused
+            self._lost(f"probing {self.queue!r} failed: {exc!r}")

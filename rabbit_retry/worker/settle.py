@@ -1,0 +1,161 @@
+"""Acks sent in groups: one ``basic.ack`` with ``multiple`` for a run of settled deliveries.
+
+One frame per message is what limits an at-least-once consumer (a bare consumer acking every
+100th delivery with ``multiple`` drains a queue about twice as fast as one acking each), so a
+consuming channel's deliveries are settled through a ``Settler``:
+
+- A delivery is *open* from its arrival until it is *done* (handled, or the copy that replaces
+  it confirmed) or settled otherwise (``nack``, a confirmed copy... anything but an ack).
+- A *run* is the open-free prefix of the channel's deliveries: every tag up to its last one is
+  done or settled. One ``basic.ack(multiple=True)`` for the run's highest done tag acks them
+  all. A delivery still running, waiting for its turn or being returned is open: its tag ends
+  the run, so no ``multiple`` ack ever covers it.
+- The run is sent when ``run`` deliveries are done and not acked, and otherwise once the event
+  loop goes round without a delivery finishing (``call_soon``, checked again while deliveries
+  keep finishing): under load runs fill up, a lone delivery is acked at the next turn of the
+  loop, and no timer is set per message. ``flush`` sends what can be sent at once, before
+  anything that needs the channel's state known (a ``nack``, a cancel, a pause, a shutdown).
+- A done delivery stuck behind an open one (a slow handler, a copy waiting for its confirm)
+  waits ``STRAGGLER_S`` for the run to reach it, then is acked on its own (at once when the run
+  is full): it must not hold a prefetch slot for the length of another's handler.
+
+Crash cost: what was done but not yet acked comes back after a ``kill -9``: never more than
+``run`` deliveries per channel (an ``Idempotency`` consumer, which records a success before the
+ack, skips them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from bisect import insort
+from collections import deque
+
+from aiormq.abc import AbstractChannel
+
+log = logging.getLogger("rabbit_retry.worker")
+
+
+# How long a done delivery stuck behind an open one waits for the run to reach it before it is
+# acked on its own: one timer per channel, not per message.
+STRAGGLER_S = 0.05
+
+
+class Settler:
+    __slots__ = ("_busy", "_channel", "_done", "_elsewhere", "_frames", "_open", "_run",
+                 "_scheduled", "_timer", "_writer")
+
+    def __init__(self, channel: AbstractChannel, run: int) -> None:
+        self._channel = channel
+        self._run = max(1, run)
+        self._open: deque[int] = deque()  # tags received and not yet acked or settled, in order
+        self._done: set[int] = set()  # of those, the ones to ack
+        self._elsewhere: set[int] = set()  # of those, settled some other way: never acked
+        self._scheduled = False
+        self._busy = False  # a delivery finished since the idle check was last scheduled
+        self._timer: asyncio.TimerHandle | None = None
+        self._frames: deque[tuple[int, bool]] = deque()  # ack frames not yet handed to aiormq
+        self._writer: asyncio.Future[None] | None = None
+
+    def received(self, tag: int) -> None:
+        """A delivery (or a ``basic.get``) arrived with ``tag``: open until settled."""
+        if not self._open or tag > self._open[-1]:
+            self._open.append(tag)
+        else:  # a basic.get and a delivery racing; tags are still unique per channel
+            insort(self._open, tag)
+
+    def done(self, tag: int) -> None:
+        """The delivery is done: ack it with the next run."""
+        self._done.add(tag)
+        if len(self._done) >= self._run:
+            self._send(stragglers=True)
+        elif self._scheduled:
+            self._busy = True
+        else:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._idle)
+
+    def elsewhere(self, tag: int) -> None:
+        """The delivery was settled without an ack (``nack``, ``reject``): skip it."""
+        self._elsewhere.add(tag)
+
+    def is_open(self, tag: int) -> bool:
+        """Not settled yet (neither done nor settled otherwise)."""
+        return tag not in self._done and tag not in self._elsewhere and tag in self._open
+
+    async def flush(self) -> None:
+        """Ack everything done now, and wait until the frames are written."""
+        self._send(stragglers=True)
+        if self._writer is not None and not self._writer.done():
+            await asyncio.shield(self._writer)
+
+    @property
+    def pending(self) -> int:
+        """Done deliveries not acked yet."""
+        return len(self._done)
+
+    def _idle(self) -> None:
+        if self._busy:  # deliveries still finishing: look again at the next turn
+            self._busy = False
+            asyncio.get_running_loop().call_soon(self._idle)
+            return
+        self._scheduled = False
+        if self._done:
+            self._send(stragglers=False)
+
+    def _late(self) -> None:
+        self._timer = None
+        if self._done:
+            self._send(stragglers=True)
+
+    def _send(self, *, stragglers: bool) -> None:
+        """Ack the run; the done deliveries behind an open one go alone with ``stragglers``,
+        else once they have waited ``STRAGGLER_S`` for the run to reach them."""
+        open_, done, elsewhere = self._open, self._done, self._elsewhere
+        top = None
+        while open_:
+            tag = open_[0]
+            if tag in done:
+                done.discard(tag)
+                top = tag
+            elif tag in elsewhere:
+                elsewhere.discard(tag)
+            else:
+                break
+            open_.popleft()
+        if top is not None:
+            self._ack(top, multiple=True)
+        if not done:
+            return
+        if stragglers:
+            for tag in sorted(done):
+                elsewhere.add(tag)  # acked: the run skips it when it gets there
+                self._ack(tag, multiple=False)
+            done.clear()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(STRAGGLER_S, self._late)
+
+    def _ack(self, tag: int, *, multiple: bool) -> None:
+        """Queue an ack frame. One writer sends them in order: frames of separate tasks can
+        overtake each other in aiormq's bounded write queue, and a ``multiple`` ack overtaken by
+        a later one names a tag the broker no longer holds (it closes the channel)."""
+        if self._channel.is_closed:
+            return  # the broker has every unacked delivery back already
+        self._frames.append((tag, multiple))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._write())
+
+    async def _write(self) -> None:
+        frames = self._frames
+        while frames:
+            tag, multiple = frames.popleft()
+            try:
+                # Handed to the connection's write queue in order, each without waiting to reach
+                # the socket (the writer would fall behind), but for the last: once it is
+                # written, every one before it is, and ``flush`` may close the channel.
+                await self._channel.basic_ack(tag, multiple=multiple, wait=not frames)
+            except Exception as exc:
+                # The channel closed under the ack: its deliveries go back to the broker, and
+                # the session reconnects (it watches the channel).
+                log.debug("an ack could not be sent: %r", exc)
+                frames.clear()
