@@ -142,9 +142,27 @@ rmq() {
     timeout 60 ${SUDO[@]+"${SUDO[@]}"} "$(dirname "$RMQ_SERVER")/$tool" "$@" </dev/null
 }
 
+# The open-file limit of the running local node (0 when unknown). A node the machine started
+# through Debian's su wrapper has 1024, which parallel tests exhaust (4.x: connections; 3.x:
+# also three per quorum queue): as root, such a node is restarted with the hard limit.
+node_file_limit() {
+    local pid
+    pid="$(pgrep -u rabbitmq -f 'beam.*-s rabbit' 2>/dev/null | head -n 1 || true)"
+    [ -n "$pid" ] || pid="$(pgrep -f 'beam.*rabbit@' 2>/dev/null | head -n 1 || true)"
+    [ -n "$pid" ] && awk '/Max open files/ {print $4}' "/proc/$pid/limits" 2>/dev/null || echo 0
+}
+
 start_local() {
     local log started=""
     log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-broker.XXXXXX")"
+    if [ "$(id -u)" = 0 ] && rmq rabbitmqctl -q ping >/dev/null 2>&1; then
+        local limit
+        limit="$(node_file_limit)"
+        if [ "$limit" -gt 0 ] 2>/dev/null && [ "$limit" -lt 4096 ] && [ "$(ulimit -Hn)" -gt "$limit" ]; then
+            say "restarting the local node: it may hold $limit files, the machine allows $(ulimit -Hn)"
+            rmq rabbitmqctl -q shutdown >/dev/null 2>&1 || true
+        fi
+    fi
     if ! rmq rabbitmqctl -q ping >/dev/null 2>&1; then
         say "starting the local RabbitMQ node (rabbitmq-server -detached), waiting up to ${TIMEOUT}s"
         # As many file descriptors as the machine allows: a node's connections and (on 3.x)
