@@ -27,6 +27,7 @@ from support.amqp import blocking, drain_sync, publish_raw
 from support.fieldtables import RawHeaders, Seen, captured_headers, split, tables
 from support.provision import provision, topology
 from support.tools import in_ci, require
+from support.vhosts import delete_vhost
 from support.worker import run_until_parked
 
 from rabbit_retry.broker.management import Management
@@ -106,7 +107,7 @@ def own_vhost(vhost_factory: Callable[[], Settings], management: Management) -> 
     try:
         yield settings
     finally:
-        management.delete_vhost(settings.vhost)
+        delete_vhost(management, settings.vhost)
 
 
 @settings(max_examples=3, deadline=None,
