@@ -2,7 +2,8 @@
 two tiers, parks, and is replayed by an operator is one linked story (README, "Traces"); the
 W3C context another client writes is honoured; ``OTEL_TRACES_EXPORTER=otlp
 opentelemetry-instrument rabbit-retry worker`` exports the worker's spans with nothing in the
-consumer module; the handler-duration histogram's exemplar names the trace."""
+consumer module; the handler-duration histogram's exemplar names the trace; a desk replay is one
+span that every copy carries."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from support.amqp import depth
+from support.amqp import depth, drain
+from support.desk import desk_running
+from support.parked import Parked, park
 from support.poll import eventually
 from support.process import CLI
-from support.provision import provision
+from support.provision import provision, topology
 from support.traces import (
     attempts,
     attributes,
@@ -35,12 +38,13 @@ from support.traces import (
     produced,
     span_id,
     trace_id,
+    traceparent,
 )
 from support.worker import running
 from support.worker_cases import Q, orders_yaml
 
 from rabbit_retry import Delivery, RetryConsumer
-from rabbit_retry.contract import REPLAY_COUNT
+from rabbit_retry.contract import COPY_SPAN, REPLAY_COUNT
 from rabbit_retry.parking import act, filters
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import naming, parse_topology
@@ -237,3 +241,47 @@ async def test_opentelemetry_instrument_exports_the_workers_spans_over_otlp(
                   for r in q.resource_spans}
     assert "fraud-check" in resource
     assert "tracing: a span per delivery" in err.decode()
+
+
+DESK_TOPOLOGY = """\
+version: 1
+queues:
+  orders:
+    retry: {delays: [1s], max_attempts: 2}
+"""
+PARKED_BY = "00-4bf92f3577b34da6a3ce929d0e0e4736-{:016x}-01"
+
+
+async def test_a_desk_replay_is_one_span_that_every_copy_carries(
+    fresh_vhost: Settings, tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    topo = topology(DESK_TOPOLOGY)
+    await provision(fresh_vhost, topo)
+    # Three parked by a traced worker (the producer's context and the parking attempt's), one
+    # by an untraced one.
+    traced = [Parked(b"{}", message_id=f"m-{n}",
+                     headers={"traceparent": TRACEPARENT, COPY_SPAN: PARKED_BY.format(n + 1)})
+              for n in range(3)]
+    await park(fresh_vhost, "orders", [*traced, Parked(b"{}", message_id="untraced")])
+    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
+        async def stored() -> bool:
+            return bool((await client.get("/api/overview")).json()["parked"] == 4)
+
+        await eventually(stored, what="4 stored")
+        [group] = (await client.get("/api/groups")).json()  # one cause: one group
+        replayed = await client.post("/api/replay", json={"group": group["id"]},
+                                     headers={"X-Actor": "ana"})
+        assert replayed.status_code == 200, replayed.text
+        replay_id = replayed.json()["replay_id"]
+        await eventually(lambda: [s for s in spans.get_finished_spans()
+                                  if s.name == "desk replay"], what="the replay's span")
+    [replay] = [s for s in spans.get_finished_spans() if s.name == "desk replay"]
+    found = attributes(replay)
+    assert (found["rabbit_retry.actor"], found["rabbit_retry.replay.id"],
+            found["rabbit_retry.replay.count"]) == ("ana", replay_id, 4)
+    assert sorted(linked(replay)) == [1, 2, 3]
+    copies = {c.message_id: c.properties.headers for c in await drain(fresh_vhost, "orders")}
+    assert {h[COPY_SPAN] for h in copies.values()} == {traceparent(replay)}
+    # The traced ones stay in their message's trace; the untraced one joins the replay's.
+    assert [copies[f"m-{n}"]["traceparent"] for n in range(3)] == [TRACEPARENT] * 3
+    assert copies["untraced"]["traceparent"] == traceparent(replay)
