@@ -150,8 +150,7 @@ class Session:
     async def start(self) -> None:
         deliver: Callable[..., Coroutine[Any, Any, None]] = self._deliver
         if self.trace is not None:  # decided once: an untraced delivery pays nothing for it
-            url = getattr(self.amqp, "url", None)
-            deliver = self.trace.around(deliver, (url.host, url.port) if url else None)
+            deliver = self.trace.around(deliver)
         for sub in self.subscriptions:
             channel = await self.amqp.channel(publisher_confirms=False)
             self._watch(channel, sub.queue)

@@ -76,12 +76,12 @@ class Tracing:
     def __init__(self) -> None:
         self.tracer = trace.get_tracer(NAME)
 
-    def around(self, deliver: Deliver, server: tuple[str, int] | None = None) -> Deliver:
-        """``deliver`` (the session's coroutine for one delivery) inside its span."""
+    def around(self, deliver: Deliver) -> Deliver:
+        """``deliver`` (the session's coroutine for one delivery) inside its span.
+
+        The conventions' required attributes and ours, no more: the SDK spends about as much on
+        each attribute as on the span itself (bench/worker_overhead.py)."""
         tracer = self.tracer
-        where: dict[str, Any] = {}
-        if server is not None:
-            where = {"server.address": server[0], "server.port": server[1]}
 
         async def traced(stream: Stream, message: DeliveredMessage, probe: bool = False) -> None:
             queue = stream.sub.queue
@@ -103,8 +103,6 @@ class Tracing:
                 "messaging.destination.subscription.name": queue,
                 DESTINATION: exchange,
                 "messaging.rabbitmq.message.delivery_tag": frame.delivery_tag,  # type: ignore[union-attr]
-                "messaging.message.body.size": len(message.body),
-                **where,
             }
             if routing_key:
                 attributes[ROUTING_KEY] = routing_key

@@ -100,7 +100,6 @@ async def test_every_attempt_is_a_child_of_the_producer_and_links_to_the_one_bef
             "messaging.destination.subscription.name": Q,
             "messaging.message.id": "m-7",
             "messaging.message.conversation_id": "c-7",
-            "messaging.message.body.size": len(b'{"id": 7}'),
         }
     # A retry is not an error: its exception is an event, its status unset.
     assert [s.status.status_code for s in (first, second, third)] == [StatusCode.UNSET] * 3
