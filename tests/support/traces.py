@@ -15,6 +15,21 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import format_span_id, format_trace_id
 from opentelemetry.util._once import Once
 
+# Run first in a child process: its imports of OpenTelemetry fail, as where the extra is not
+# installed.
+WITHOUT_OTEL = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class NoOpenTelemetry(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "opentelemetry":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, NoOpenTelemetry())
+"""
+
 
 def _reset() -> None:
     trace._TRACER_PROVIDER_SET_ONCE = Once()  # type: ignore[attr-defined]

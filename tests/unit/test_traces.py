@@ -14,6 +14,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from support.traces import (
+    WITHOUT_OTEL,
     attempts,
     attributes,
     events,
@@ -274,3 +275,32 @@ def test_exemplars_are_served_in_the_openmetrics_format() -> None:
     from prometheus_client import generate_latest as classic
 
     assert "trace_id" not in classic(metrics.registry).decode()
+
+
+def test_whether_a_process_traces() -> None:
+    from rabbit_retry import tracing
+
+    assert not tracing.active()  # no provider set: the proxy the API hands out
+    assert tracing.active(True) and not tracing.active(False)
+    with global_provider():
+        assert tracing.active() and not tracing.active(False)
+    assert not tracing.active()
+
+
+def test_tracing_asked_for_without_opentelemetry_says_how_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = WITHOUT_OTEL + (
+        "from rabbit_retry import tracing\n"
+        "print(tracing.active(), tracing.active(None))\n"
+        "try:\n"
+        "    tracing.active(True)\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={"OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider",
+                                           "PATH": ""})
+    assert done.stdout.splitlines() == [
+        "False False",
+        "InputError tracing needs OpenTelemetry: pip install 'rabbit-retry[otel]'"], done.stderr

@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from support.traces import WITHOUT_OTEL
+
 from rabbit_retry import cli
 
 TOPOLOGY = Path(__file__).resolve().parents[2] / "topologies" / "demo.yml"
@@ -66,21 +68,6 @@ from opentelemetry.sdk.trace import TracerProvider
 
 trace.set_tracer_provider(TracerProvider())
 """
-
-# Imports of OpenTelemetry fail, as where the extra is not installed.
-WITHOUT_OTEL = """
-import sys
-from importlib.abc import MetaPathFinder
-
-class NoOpenTelemetry(MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] == "opentelemetry":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-
-sys.meta_path.insert(0, NoOpenTelemetry())
-"""
-
 
 def _start(tmp_path: Path, *args: str, before: str = "") -> subprocess.CompletedProcess[str]:
     """The worker verb's whole start path short of the broker (nothing listens on port 1):
