@@ -304,3 +304,17 @@ def test_tracing_asked_for_without_opentelemetry_says_how_to_install() -> None:
     assert done.stdout.splitlines() == [
         "False False",
         "InputError tracing needs OpenTelemetry: pip install 'rabbit-retry[otel]'"], done.stderr
+
+
+@pytest.mark.parametrize(("version", "acquired"), [("4.0", None), ("4.3", 1)])
+async def test_the_brokers_counts_of_a_returned_delivery(
+    spans: InMemorySpanExporter, version: str, acquired: int | None
+) -> None:
+    # A quorum queue's delivery that came back once (its worker died): the broker counted it.
+    async with broker_for(version=version) as broker, broker.worker(Flaky(succeeds_at=1)):
+        broker.publish(json={}, queue=Q, message_id="came-back", redelivered=True)
+        await broker.settle()
+    [span] = attempts(spans.get_finished_spans(), Q)
+    found = attributes(span)
+    assert (found["rabbit_retry.outcome"], found["rabbit_retry.returns"]) == ("success", 1)
+    assert found.get("rabbit_retry.acquired_count") == acquired
