@@ -143,6 +143,14 @@ BENCHES = (
         {"n": 50, "runs": 1},
         900,
     ),
+    Bench(
+        "tracing",
+        "bench.bench_tracing",
+        "Traces on the success path: tracing off and on, same run",
+        {"messages": 20_000, "runs": 5},
+        {"messages": 100, "runs": 1, "cpu_messages": 500},
+        900,
+    ),
 )
 PACKAGES = (
     "rabbit-retry",

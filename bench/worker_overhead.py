@@ -7,6 +7,11 @@ A broker makes throughput on a shared machine swing by tens of percent between r
 isolates the part of a message's cost that the worker adds, which is what section 1 of
 docs/benchmarks.md compares against bare aiormq.
 
+With OpenTelemetry's SDK installed, three more sides take messages that carry a producer's
+``traceparent``: the worker untraced, traced (the SDK as tracer provider, a
+``BatchSpanProcessor``, an exporter that drops every batch), and traced with the producer's
+context not sampled. ``bench/bench_tracing.py`` measures the same against a broker.
+
     python -m bench.worker_overhead [--messages 20000] [--rounds 7]
 """
 
@@ -46,10 +51,19 @@ class _Channel:
         self.closing = asyncio.get_running_loop().create_future()
         self.on_consumer_cancel_callbacks: set[Any] = set()
         self.consumer: Callable[[DeliveredMessage], Awaitable[None]] | None = None
-        self.acked = 0
+        self.acks: list[tuple[int, bool]] = []
 
-    async def basic_ack(self, delivery_tag: int, multiple: bool = False) -> None:
-        self.acked += 1
+    async def basic_ack(self, delivery_tag: int, multiple: bool = False,
+                        wait: bool = True) -> None:
+        self.acks.append((delivery_tag, multiple))
+
+    @property
+    def acked(self) -> int:
+        """Deliveries the ack frames settled (a ``multiple`` one: every tag up to its own)."""
+        settled: set[int] = set()
+        for tag, multiple in self.acks:
+            settled.update(range(1, tag + 1) if multiple else (tag,))
+        return len(settled)
 
     async def basic_qos(self, **kwargs: Any) -> None:
         return None
@@ -83,9 +97,13 @@ class NoOp(RetryConsumer):
         return None
 
 
-def _message(channel: Any, i: int) -> DeliveredMessage:
+def _message(channel: Any, i: int, flags: str | None = None) -> DeliveredMessage:
+    """A first delivery; with ``flags``, carrying a producer's ``traceparent`` with them."""
+    headers = None
+    if flags is not None:
+        headers = {"traceparent": f"00-4bf92f3577b34da6a3ce929d0e0e4736-{i + 1:016x}-{flags}"}
     properties = spec.Basic.Properties(
-        content_type="application/json", delivery_mode=2, message_id=f"m-{i}"
+        content_type="application/json", delivery_mode=2, message_id=f"m-{i}", headers=headers
     )
     deliver = Basic.Deliver(
         consumer_tag="ctag", delivery_tag=i + 1, redelivered=False, exchange="", routing_key="q"
@@ -98,10 +116,12 @@ def _message(channel: Any, i: int) -> DeliveredMessage:
     )
 
 
-async def _drive(channel: Any, callback: Callable[[], Any], n: int) -> float:
+async def _drive(
+    channel: Any, callback: Callable[[], Any], n: int, flags: str | None = None
+) -> float:
     """CPU microseconds per message to run ``n`` deliveries through ``callback()``."""
     loop = asyncio.get_running_loop()
-    messages = [_message(channel, i) for i in range(n)]
+    messages = [_message(channel, i, flags) for i in range(n)]
     slots = asyncio.Semaphore(PREFETCH)
     done = asyncio.Event()
     finished = 0
@@ -121,11 +141,22 @@ async def _drive(channel: Any, callback: Callable[[], Any], n: int) -> float:
     return (time.process_time() - start) / n * 1e6
 
 
-async def _ours(n: int, metrics: Metrics) -> float:
-    session = Session(_Connection(), subscribe([NoOp()], TOPOLOGY, metrics), "guest")  # type: ignore[arg-type]
+async def _ours(n: int, metrics: Metrics, flags: str | None = None,
+                traced: bool = False) -> float:
+    trace = None
+    if traced:
+        from rabbit_retry.worker.tracing import Tracing, trace_id
+
+        trace = Tracing()
+        metrics.keep_exemplars(trace_id)
+    session = Session(_Connection(), subscribe([NoOp()], TOPOLOGY, metrics), "guest",  # type: ignore[arg-type]
+                      *([trace] if traced else []))
     await session.start()
-    channel = session.lanes[0].channel
-    us = await _drive(channel, lambda: channel.consumer, n)  # type: ignore[attr-defined]
+    streams = getattr(session, "streams", None)  # older commits: session.lanes
+    channel = streams[0].lane.channel if streams else session.lanes[0].channel  # type: ignore[attr-defined]
+    us = await _drive(channel, lambda: channel.consumer, n, flags)  # type: ignore[attr-defined]
+    if streams:  # acks in groups: the last one goes out once the loop turns
+        await streams[0].lane.settle.flush()
     assert channel.acked == n  # type: ignore[attr-defined]
     return us
 
@@ -139,10 +170,43 @@ async def _bare(n: int) -> float:
     return await _drive(channel, lambda: on_message, n)
 
 
+def _sdk() -> bool:
+    """The SDK as global tracer provider, when installed (the traced sides need it)."""
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            SpanExporter,
+            SpanExportResult,
+        )
+    except ImportError:
+        return False
+
+    class Dropped(SpanExporter):
+        def export(self, spans: Any) -> SpanExportResult:
+            return SpanExportResult.SUCCESS
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return True  # set already (bench_tracing's)
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(Dropped()))
+    trace.set_tracer_provider(provider)
+    return True
+
+
+TRACED = ("worker, traceparent, untraced", "worker, traced", "worker, traced, not sampled")
+
+
 async def measure(n: int, rounds: int) -> dict[str, float]:
     names = ("bare callback", "worker", "worker, no metrics port")
-    runs: dict[str, list[float]] = {name: [] for name in names}
+    traced = _sdk()
+    runs: dict[str, list[float]] = {name: [] for name in names + (TRACED if traced else ())}
     for _ in range(rounds):
+        if traced:
+            runs[TRACED[0]].append(await _ours(n, Metrics(), "01"))
+            runs[TRACED[1]].append(await _ours(n, Metrics(), "01", traced=True))
+            runs[TRACED[2]].append(await _ours(n, Metrics(), "00", traced=True))
         runs["bare callback"].append(await _bare(n))
         runs["worker"].append(await _ours(n, Metrics()))
         try:

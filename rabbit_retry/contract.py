@@ -44,6 +44,10 @@ ORIGINAL_USER_ID = "original-user-id"  # a user_id the broker would refuse from 
 # true: the message had no message_id and the copy's was made by rabbit-retry (a Celery task, for
 # one, carries its id in correlation_id instead). Kept on replay: the id stays made up.
 MESSAGE_ID_GENERATED = "message-id-generated"
+# The span that published this copy (a worker's attempt that retried or parked it, an operator's
+# replay), in W3C ``traceparent`` form; the next attempt's span links to it (README, "Traces").
+# Kept on replay: a replay that is not traced leaves the link to the attempt that parked it.
+COPY_SPAN = "copy-span"
 
 # Written by the broker.
 X_DEATH = "x-death"

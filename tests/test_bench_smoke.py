@@ -40,6 +40,7 @@ SHAPES = {
     ),
     "resilience": (["no idempotency", "SQLite", "PostgreSQL", "Redis"], 4),
     "migrate": (["rabbit-retry migrate", "bare shovel-style move"], 3),
+    "tracing": (["tracing off", "tracing on", "tracing on, not sampled"], 4),
 }
 
 

@@ -26,14 +26,14 @@ import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiormq
 import aiormq.exceptions
 from aiormq.abc import AbstractConnection
 from pamqp import commands as spec
 
-from rabbit_retry import contract
+from rabbit_retry import contract, tracing
 from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.desk.records import stored_body, stored_properties
@@ -41,6 +41,9 @@ from rabbit_retry.desk.store import Claimed, Selection, Store
 from rabbit_retry.errors import InputError
 from rabbit_retry.parking.headers import replay_properties
 from rabbit_retry.settings import Settings
+
+if TYPE_CHECKING:
+    from rabbit_retry.tracing.replay import ReplayTrace
 
 log = logging.getLogger("rabbit_retry.desk")
 
@@ -102,10 +105,11 @@ class Actions:
             self.store.start_replay, selection, actor, self.owner, to_queue=to, rate=rate,
             lease=self.lease,
         )
-        return self._run(Claimed(replay_id, to, rate), claimed)
+        return self._run(Claimed(replay_id, to, rate), claimed, actor)
 
-    def _run(self, claimed: Claimed, count: int) -> asyncio.Task[ReplayResult]:
-        task = asyncio.create_task(self._publish_all(claimed, count))
+    def _run(self, claimed: Claimed, count: int,
+             actor: str | None = None) -> asyncio.Task[ReplayResult]:
+        task = asyncio.create_task(self._publish_all(claimed, count, actor))
         self.running[claimed.id] = task
         task.add_done_callback(lambda _t: self.running.pop(claimed.id, None))
         return task
@@ -146,15 +150,30 @@ class Actions:
             assert isinstance(channel, aiormq.Channel)  # its publish takes ``wait``
             return channel
 
-    async def _publish_all(self, claimed: Claimed, count: int) -> ReplayResult:
+    async def _publish_all(self, claimed: Claimed, count: int,
+                           actor: str | None = None) -> ReplayResult:
+        """The replay's span (where the desk traces) is current for all of it; every copy
+        carries it (``rabbit_retry.tracing``). A replay taken over from another desk says so
+        and names no actor: the audit entry has it."""
+        with tracing.replay_span("desk replay", {
+            "rabbit_retry.actor": actor, "rabbit_retry.replay.id": claimed.id,
+            "rabbit_retry.replay.resumed": count < 0,
+            "rabbit_retry.replay.to": claimed.to_queue,
+        }) as trace:
+            return await self._publish_traced(claimed, count, trace)
+
+    async def _publish_traced(self, claimed: Claimed, count: int,
+                              trace: ReplayTrace | None) -> ReplayResult:
         result = ReplayResult(claimed.id, count)
         renew = asyncio.create_task(self._keep_lease(claimed.id))
         channel = await self._channel()
         try:
-            outcome = await self._publish_rows(channel, claimed, result, renew)
+            outcome = await self._publish_rows(channel, claimed, result, renew, trace)
             result.outcome = outcome
             result.replayed = await asyncio.to_thread(self.store.finish_replay, claimed.id,
                                                       outcome)
+            if trace is not None:
+                trace.replayed(result.replayed)
             result.done = True
             if self.on_done is not None:
                 self.on_done("replay", result.replayed)
@@ -173,7 +192,8 @@ class Actions:
                 raise RuntimeError(f"replay {replay_id}: lease lost to another desk")
 
     async def _publish_rows(self, channel: aiormq.Channel, claimed: Claimed,
-                            result: ReplayResult, renew: asyncio.Task[None]) -> str | None:
+                            result: ReplayResult, renew: asyncio.Task[None],
+                            trace: ReplayTrace | None = None) -> str | None:
         """Publish every row still claimed by the replay: the next page is read (and its copies
         built) while this one is published, copies go out in batches (one socket write each,
         ``broker.batch``), and confirmed rows are marked in the background, so the broker
@@ -191,7 +211,7 @@ class Actions:
         sent = 0
 
         def page(after: int, size: int = PAGE) -> list[Copy]:
-            return [_copy(row, claimed, user) for row in
+            return [_copy(row, claimed, user, trace) for row in
                     self.store.replay_rows(claimed.id, after, size)]
 
         def done(copy: Copy) -> Callable[[asyncio.Future[object]], None]:
@@ -324,8 +344,12 @@ class Copy:
     properties: spec.Basic.Properties
 
 
-def _copy(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
+def _copy(row: dict[str, Any], claimed: Claimed, user: str,
+          trace: ReplayTrace | None = None) -> Copy:
     source = stored_properties(row, contract.kept_on_replay)  # the rest would be stripped
-    properties = replay_properties(source, user, extra={REPLAY_ID: claimed.id})
+    extra: dict[str, Any] = {REPLAY_ID: claimed.id}
+    if trace is not None:
+        extra.update(trace.copied(source.headers))
+    properties = replay_properties(source, user, extra=extra)
     return Copy(row["id"], str(properties.message_id or f"row-{row['id']}"),
                 claimed.to_queue or row["queue"], stored_body(row), properties)

@@ -7,10 +7,12 @@ others parked in their order; see session.py for why nothing can be lost on the 
 from __future__ import annotations
 
 import asyncio
+import getpass
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from rabbit_retry import tracing
 from rabbit_retry.errors import RabbitRetryError
 from rabbit_retry.parking.filters import Selection
 from rabbit_retry.parking.session import (
@@ -105,17 +107,32 @@ async def replay(
 ) -> Outcome:
     """Moves up to ``limit`` matching messages back to the main queue: each copy is confirmed
     by the broker before its parked original is acked. ``handle_again`` marks the copies to be
-    handled even where an idempotent consumer already handled their key."""
+    handled even where an idempotent consumer already handled their key. In a process that
+    traces, the replay is one span that every copy carries (``rabbit_retry.tracing``)."""
     pacer = Pacer(rate)
-    async with open_parking(
-        settings, name, need_main=True, kind_of=management_kind_of(settings)
-    ) as parking:
+    attributes = {"rabbit_retry.actor": _operator(), "rabbit_retry.broker_user": settings.user,
+                  "rabbit_retry.handle_again": handle_again, "messaging.destination.name": ""}
+    with tracing.replay_span("parking replay", attributes) as trace:
+        async with open_parking(
+            settings, name, need_main=True, kind_of=management_kind_of(settings)
+        ) as parking:
+            if trace is not None:
+                trace.note({"messaging.rabbitmq.destination.routing_key": parking.target.main,
+                            "rabbit_retry.parking_queue": parking.target.parking})
 
-        async def move(taken: Taken) -> None:
-            await pacer.wait()
-            await parking.replay(taken, handle_again=handle_again)
+            async def move(taken: Taken) -> None:
+                await pacer.wait()
+                await parking.replay(taken, handle_again=handle_again, trace=trace)
 
-        return await _walk(parking, selection, move, limit, progress, "replay")
+            return await _walk(parking, selection, move, limit, progress, "replay")
+
+
+def _operator() -> str | None:
+    """Who runs the command, as the operating system knows them (a replay's actor)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no name for this uid (a container): the span says nothing
+        return None
 
 
 async def purge(

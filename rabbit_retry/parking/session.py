@@ -21,7 +21,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiormq.exceptions
 from aio_pika.abc import AbstractConnection
@@ -38,6 +38,9 @@ from rabbit_retry.parking.kinds import peek_refusal
 from rabbit_retry.parking.message import ParkedMessage
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import naming
+
+if TYPE_CHECKING:
+    from rabbit_retry.tracing.replay import ReplayTrace
 
 PUBLISH_TIMEOUT_S = 60.0
 
@@ -133,13 +136,18 @@ class ParkingQueue:
         await self._channel.basic_ack(taken.delivery_tag)
         self._held.discard(taken.delivery_tag)
 
-    async def replay(self, taken: Taken, *, handle_again: bool = False) -> None:
+    async def replay(
+        self, taken: Taken, *, handle_again: bool = False, trace: ReplayTrace | None = None
+    ) -> None:
         """Publish the replay copy to the main queue, wait for the broker's confirm, then ack.
 
         ``mandatory`` makes a copy that cannot be routed (main queue deleted meanwhile) come back
-        as an error instead of vanishing; the parked message then stays parked.
+        as an error instead of vanishing; the parked message then stays parked. ``trace``: the
+        replay's span, which the copy carries (``rabbit_retry.tracing``).
         """
-        properties = replay_properties(taken.properties, self._user, handle_again=handle_again)
+        properties = replay_properties(
+            taken.properties, self._user, handle_again=handle_again,
+            extra=trace.copied(taken.message.headers) if trace is not None else None)
         try:
             await self._channel.basic_publish(
                 taken.message.body,
@@ -166,6 +174,8 @@ class ParkingQueue:
                 f"within {PUBLISH_TIMEOUT_S:.0f}s; it stays parked (the copy may still arrive)"
             ) from None
         await self.delete(taken)
+        if trace is not None:
+            trace.replayed()
 
     async def requeue_rest(self) -> None:
         """Every message taken and not settled goes back, in its original position."""

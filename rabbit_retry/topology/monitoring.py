@@ -168,6 +168,8 @@ class _Panel:
     description: str
     unit: str
     targets: Sequence[tuple[str, str]]  # (expr, legend)
+    # Shows the exemplars a tracing worker attaches (their trace ids link to the traces).
+    exemplars: bool = False
 
 
 def _quantile(q: float) -> tuple[str, str]:
@@ -218,9 +220,11 @@ _PANELS = (
     ),
     _Panel(
         "Handler duration",
-        "Time in the handler: median, 95th and 99th percentile.",
+        "Time in the handler: median, 95th and 99th percentile. With traces on, each dot is an"
+        " exemplar: the trace of a delivery that took that long.",
         "s",
         [_quantile(0.5), _quantile(0.95), _quantile(0.99)],
+        exemplars=True,
     ),
     _Panel(
         "In flight",
@@ -309,6 +313,7 @@ def dashboard(plan: Plan, title: str = "rabbit-retry") -> dict[str, Any]:
                         "expr": expr,
                         "legendFormat": legend,
                         "refId": chr(ord("A") + i),
+                        **({"exemplar": True} if panel.exemplars else {}),
                     }
                     for i, (expr, legend) in enumerate(panel.targets)
                 ],

@@ -16,6 +16,7 @@ Both are generic over the payload type, so a type checker learns it from the con
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
@@ -199,7 +200,9 @@ def handler_call(
     consumer: RetryConsumer[Any], threads: Executor | None
 ) -> Callable[[Delivery[Any]], Awaitable[Any]]:
     """How the worker calls the handler: ``handle`` itself (``async def``), or its run in
-    ``threads`` (blocking code), inside the consumer's middleware."""
+    ``threads`` (blocking code), inside the consumer's middleware. A blocking handler runs in
+    a copy of the delivery's context, as ``asyncio.to_thread`` runs a function: what the
+    middleware set in a context variable, and the delivery's span, are current in it too."""
     call: Callable[[Delivery[Any]], Awaitable[Any]]
     if threads is None:
         call = consumer.handle  # type: ignore[assignment]
@@ -207,7 +210,8 @@ def handler_call(
         handle = consumer.handle
 
         def call(delivery: Delivery[Any]) -> Awaitable[Any]:
-            return asyncio.get_running_loop().run_in_executor(threads, handle, delivery)
+            return asyncio.get_running_loop().run_in_executor(
+                threads, contextvars.copy_context().run, handle, delivery)
 
     for middleware in reversed(consumer.middleware):
         call = partial(middleware, call_next=call)  # type: ignore[call-arg]

@@ -110,9 +110,16 @@ def read(
     if not headers:
         return REDELIVERED if redelivered else FIRST
     try:
-        return _read(headers, redelivered, exchange == "" and routing_key == queue, queue)
+        return _read(headers, redelivered, by_our_route(exchange, routing_key, queue), queue)
     except Exception:  # a hostile Mapping: garbled, so nothing is believed; never a crash
         return History(redelivered=redelivered, x_death_clean=False)
+
+
+def by_our_route(exchange: str, routing_key: str, queue: str) -> bool:
+    """Whether a delivery from ``queue`` came the way every copy of rabbit-retry comes back (the
+    default exchange, routing key ``queue``): only there are its bookkeeping headers believed
+    (the module docstring)."""
+    return exchange == "" and routing_key == queue
 
 
 def _read(headers: Mapping[str, Any], redelivered: bool, our_route: bool, queue: str) -> History:

@@ -5,11 +5,16 @@ Each queue's series are plain numbers on one ``QueueMetrics``, bumped in place b
 loop: no lock, no call into prometheus-client per message. With a metrics port, one collector in
 a registry of the runner's own (not the global one: several runners, or tests, share a process)
 reads them when Prometheus scrapes; without one, prometheus-client is never imported.
+
+When the worker traces, each bucket of the handler durations keeps the trace id of the last
+sampled delivery that fell in it (``ExemplarDurations``): an exemplar, which Prometheus reads in
+the OpenMetrics format and Grafana turns into a link from a slow bucket to its trace.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -53,6 +58,10 @@ class Durations:
         self.counts[bisect_left(BUCKETS, seconds)] += 1  # the first bound >= seconds: its `le`
         self.sum += seconds
 
+    def exemplars(self) -> list[tuple[str, float, float] | None]:
+        """Per bucket, the (trace id, seconds, when) of its latest traced observation."""
+        return [None] * len(self.counts)
+
     def cumulative(self) -> list[int]:
         """Observations at or under each bound, ``+Inf`` last, as Prometheus exposes them."""
         total, out = 0, []
@@ -60,6 +69,29 @@ class Durations:
             total += count
             out.append(total)
         return out
+
+
+class ExemplarDurations(Durations):
+    """``Durations`` that also keep, per bucket, the trace id ``trace_id`` gives for the latest
+    observation in it (None: that one is not traced): only a tracing worker pays for it."""
+
+    __slots__ = ("_kept", "_trace_id")
+
+    def __init__(self, trace_id: Callable[[], str | None]) -> None:
+        super().__init__()
+        self._trace_id = trace_id
+        self._kept: list[tuple[str, float, float] | None] = [None] * len(self.counts)
+
+    def observe(self, seconds: float) -> None:
+        bucket = bisect_left(BUCKETS, seconds)
+        self.counts[bucket] += 1
+        self.sum += seconds
+        trace_id = self._trace_id()
+        if trace_id is not None:
+            self._kept[bucket] = (trace_id, seconds, time.time())
+
+    def exemplars(self) -> list[tuple[str, float, float] | None]:
+        return list(self._kept)
 
 
 class QueueMetrics:
@@ -92,6 +124,7 @@ class Metrics:
         self._queues: dict[str, QueueMetrics] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+        self._trace_id: Callable[[], str | None] | None = None
         if not exported:
             return
         from prometheus_client import CollectorRegistry
@@ -104,7 +137,16 @@ class Metrics:
         bound = self._queues.get(queue)
         if bound is None:
             bound = self._queues[queue] = QueueMetrics()
+            if self._trace_id is not None:
+                bound.handler_seconds = ExemplarDurations(self._trace_id)
         return bound
+
+    def keep_exemplars(self, trace_id: Callable[[], str | None]) -> None:
+        """From now on every queue's handler durations keep exemplars (a tracing worker)."""
+        self._trace_id = trace_id
+        for queue in self._queues.values():
+            if not isinstance(queue.handler_seconds, ExemplarDurations):
+                queue.handler_seconds = ExemplarDurations(trace_id)
 
     def collect(self) -> Iterator[Metric]:
         """The series as Prometheus reads them (called in the scraping thread)."""
@@ -113,6 +155,7 @@ class Metrics:
             GaugeMetricFamily,
             HistogramMetricFamily,
         )
+        from prometheus_client.samples import Exemplar
         from prometheus_client.utils import floatToGoString
 
         from rabbit_retry import metric_names as names  # only a served registry needs them
@@ -137,9 +180,15 @@ class Metrics:
                                   (names.INTERNAL_ERRORS, m.internal_errors)):
                 out[series].add_metric([queue], value)
             taken = m.handler_seconds
-            durations.add_metric(
-                [queue], list(zip(bounds, taken.cumulative(), strict=True)), taken.sum
-            )
+            buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
+            for bound, count, kept in zip(bounds, taken.cumulative(), taken.exemplars(),
+                                          strict=True):
+                if kept is None:
+                    buckets.append((bound, count))
+                else:
+                    trace_id, took, when = kept
+                    buckets.append((bound, count, Exemplar({"trace_id": trace_id}, took, when)))
+            durations.add_metric([queue], buckets, taken.sum)
         yield from out.values()
         yield durations
 

@@ -12,6 +12,8 @@
 - SIGTERM / SIGINT: cancel the consumers so nothing new arrives, let in-flight handlers finish
   within the grace period, then close. Whatever did not finish is not acked and goes back to
   the broker. A second signal stops at once.
+- Traces: whether the worker makes spans is decided once, after ``on_start`` (where an
+  application may set up OpenTelemetry), by ``rabbit_retry.tracing.active``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from rabbit_retry.worker.session import Session, Subscription
 
 if TYPE_CHECKING:
     from rabbit_retry.worker.stores import Store
+    from rabbit_retry.worker.tracing import Tracing
 
 log = logging.getLogger("rabbit_retry.worker")
 
@@ -160,9 +163,12 @@ class Runner:
         metrics_addr: str = "0.0.0.0",
         ready_when_paused: bool = False,
         connect: Callable[[Settings], Awaitable[AbstractConnection]] | None = None,
+        tracing: bool | None = None,
     ) -> None:
         """``connect`` opens each connection the runner uses (default: ``connect_amqp`` to
-        ``settings``); ``rabbit_retry.testing`` passes its in-memory broker's."""
+        ``settings``); ``rabbit_retry.testing`` passes its in-memory broker's. ``tracing``:
+        None traces when OpenTelemetry's global tracer provider is set (README, "Traces"),
+        False never, True always (an ``InputError`` without the ``otel`` extra)."""
         if isinstance(topology, str | Path):
             self.hint = str(topology)
             topology = load_topology_apart(topology)
@@ -177,6 +183,8 @@ class Runner:
         self.user = self.settings.user
         self.ready_when_paused = ready_when_paused
         self.connect = connect or _connect_worker
+        self.tracing = tracing
+        self.trace: Tracing | None = None  # set as run() starts, when the process traces
         self.ready = asyncio.Event()  # consuming (cleared while reconnecting)
         self._beat = time.monotonic()
         self._stop = asyncio.Event()
@@ -191,7 +199,7 @@ class Runner:
     async def _open(self) -> Session:
         connection = await self.connect(self.settings)
         try:
-            session = Session(connection, self.subscriptions, self.user)
+            session = Session(connection, self.subscriptions, self.user, self.trace)
             await check_objects(session.amqp, self.subscriptions, self.hint)
             await session.start()
         except BaseException:
@@ -273,6 +281,7 @@ class Runner:
         session: Session | None = None
         try:
             await self._start_consumers(started)
+            self._start_tracing()
             stores = await self._open_stores()
             session = await self._first_open()
             session = await self._consume(session)
@@ -310,6 +319,18 @@ class Runner:
             session = None
             session = await self._reconnect(why)
         return None
+
+    def _start_tracing(self) -> None:
+        from rabbit_retry import tracing
+
+        if not tracing.active(self.tracing):
+            return
+        from rabbit_retry.worker.tracing import Tracing, trace_id
+
+        self.trace = Tracing()
+        self.metrics.keep_exemplars(trace_id)
+        log.info("tracing: a span per delivery to OpenTelemetry's tracer provider",
+                 extra={"event": "tracing"})
 
     async def _start_consumers(self, started: list[RetryConsumer[Any]]) -> None:
         for consumer in dict.fromkeys(sub.consumer for sub in self.subscriptions):

@@ -10,7 +10,8 @@ resolves and whatever is still in flight is dropped: the broker has it back alre
 
 Around it: a ``Lane`` per consumer (prefetch, and returned deliveries one at a time), its
 ``Pausing`` (a consumer's ``Pause``), ``journal`` (one log line per decision), ``shutdown``
-(in-flight handlers finish within a grace period).
+(in-flight handlers finish within a grace period), and in a process that traces, ``tracing``
+(each delivery's coroutine inside its span; told each decision).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
 
     from rabbit_retry.worker.copies import Failure
     from rabbit_retry.worker.dedupe import Deduper, Ticket
+    from rabbit_retry.worker.tracing import Tracing
 
 log = logging.getLogger("rabbit_retry.worker")
 
@@ -116,9 +118,14 @@ class Session:
     """Everything that lives and dies with one connection."""
 
     def __init__(
-        self, connection: AbstractConnection, subscriptions: Sequence[Subscription], user: str
+        self,
+        connection: AbstractConnection,
+        subscriptions: Sequence[Subscription],
+        user: str,
+        trace: Tracing | None = None,
     ) -> None:
         self.amqp = connection
+        self.trace = trace
         self.subscriptions = subscriptions
         self.user = user
         self.frame_max = int(self.amqp.connection_tune.frame_max or 131072)
@@ -141,6 +148,9 @@ class Session:
         self.lost.set_result(reason)
 
     async def start(self) -> None:
+        deliver: Callable[..., Coroutine[Any, Any, None]] = self._deliver
+        if self.trace is not None:  # decided once: an untraced delivery pays nothing for it
+            deliver = self.trace.around(deliver)
         for sub in self.subscriptions:
             channel = await self.amqp.channel(publisher_confirms=False)
             self._watch(channel, sub.queue)
@@ -155,11 +165,11 @@ class Session:
             consumer = sub.consumer
             stream = Stream(sub, rules)
             lane = stream.lane = Lane(channel, sub.queue, consumer.prefetch, ack_run(consumer),
-                                      partial(self._deliver, stream), self._set_lost)
+                                      partial(deliver, stream), self._set_lost)
             if sub.breaker is not None:
                 stream.pausing = Pausing(
                     sub.breaker, lane, consumer.name, sub.metrics,
-                    partial(self._deliver, stream, probe=True),
+                    partial(deliver, stream, probe=True),
                     self._set_lost,
                 )
             self.streams.append(stream)
@@ -364,42 +374,26 @@ class Session:
             settle.done(tag)
             if not duplicate:
                 metrics.success += 1
+            if self.trace is not None:
+                self.trace.decided(sub.queue, history, action, None, None, None, duplicate)
             if log.isEnabledFor(logging.DEBUG):
                 journal.decision(sub.queue, message.header.properties.message_id,
                                  history.failures + 1, action, None, duplicate=duplicate)
             return
         failure = self._failure(stream, history, action, error)
-        if isinstance(action, NativeRetry):
+        copy = None if isinstance(action, NativeRetry) else self._copy(stream, message, history,
+                                                                       action, failure)
+        if self.trace is not None:
+            self.trace.decided(sub.queue, history, action, error, failure,
+                               copy[2] if copy is not None else None)
+        if copy is None:
             await settle.flush()  # the channel's acks go out before its nack
             await message.channel.basic_nack(tag, requeue=False)
             settle.elsewhere(tag)
             metrics.retried += 1
         else:
-            from rabbit_retry.worker import copies  # loaded by the first failure
-
+            exchange, routing_key, headers = copy
             props = message.header.properties
-            deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
-            original = history.source or (deliver.exchange or "", deliver.routing_key or "")
-            expiration = props.expiration or history.moved_expiration
-            if isinstance(action, Park):
-                exchange, routing_key = "", sub.parking_queue
-                headers = copies.parked_headers(
-                    props.headers, reason=action.reason.value, retry_count=action.retry_count,
-                    queue=sub.queue, original=original, failure=failure,
-                    now=datetime.now(UTC), parked_id=new_message_id(), expiration=expiration,
-                    frame_max=self.frame_max, elsewhere=self._elsewhere(stream, history),
-                )
-            elif isinstance(action, TierRetry):
-                exchange, routing_key = sub.retry_exchange, action.tier
-                headers = copies.retry_headers(props.headers, retry_count=action.retry_count,
-                                               original=original, expiration=expiration,
-                                               failure=failure)
-            else:
-                assert isinstance(action, Requeue)
-                exchange, routing_key = "", sub.queue
-                headers = copies.retry_headers(props.headers, retry_count=action.retry_count,
-                                               original=original, expiration=expiration,
-                                               returns=action.returns)
             await self.publisher.publish_held(
                 exchange, routing_key, message.body,
                 republish_properties(props, headers, self.user, expiration=None),
@@ -415,6 +409,38 @@ class Session:
                 metrics.retried += 1
         journal.decision(sub.queue, message.header.properties.message_id, history.failures + 1,
                          action, failure)
+
+    def _copy(
+        self,
+        stream: Stream,
+        message: DeliveredMessage,
+        history: History,
+        action: Action,
+        failure: Failure | None,
+    ) -> tuple[str, str, dict[str, Any]]:
+        """Where the copy ``action`` calls for goes (exchange, routing key), and its headers."""
+        from rabbit_retry.worker import copies  # loaded by the first failure
+
+        sub = stream.sub
+        props = message.header.properties
+        deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+        original = history.source or (deliver.exchange or "", deliver.routing_key or "")
+        expiration = props.expiration or history.moved_expiration
+        if isinstance(action, Park):
+            return "", sub.parking_queue, copies.parked_headers(
+                props.headers, reason=action.reason.value, retry_count=action.retry_count,
+                queue=sub.queue, original=original, failure=failure,
+                now=datetime.now(UTC), parked_id=new_message_id(), expiration=expiration,
+                frame_max=self.frame_max, elsewhere=self._elsewhere(stream, history),
+            )
+        if isinstance(action, TierRetry):
+            return sub.retry_exchange, action.tier, copies.retry_headers(
+                props.headers, retry_count=action.retry_count, original=original,
+                expiration=expiration, failure=failure)
+        assert isinstance(action, Requeue)
+        return "", sub.queue, copies.retry_headers(
+            props.headers, retry_count=action.retry_count, original=original,
+            expiration=expiration, returns=action.returns)
 
     @staticmethod
     def _failure(

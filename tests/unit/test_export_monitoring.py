@@ -350,6 +350,10 @@ def test_dashboard_is_valid_json_with_the_variables_and_panels() -> None:
         "histogram_quantile(0.95",
         "histogram_quantile(0.99",
     ]
+    # A tracing worker's exemplars show on it, and only on it (a trace id per bucket).
+    assert [t.get("exemplar") for t in duration["targets"]] == [True] * 3
+    assert {t.get("exemplar") for p in board["panels"] if p is not duration
+            for t in p["targets"]} == {None}
     assert to_grafana(plan_of()) == text  # stable
     assert board["uid"] == dashboard(plan_of())["uid"] != dashboard(plan_with("other"))["uid"]
 

@@ -5,14 +5,18 @@ parser and schema (ruamel.yaml, pydantic) run in a short-lived child; aio-pika i
 next to aiormq; prometheus-client only when metrics are served; tenacity only on a reconnect
 or a retried publish; json on a payload's first read; a thread pool only for a blocking
 handler; the idempotency machinery only for a consumer that declares it; the failure
-path's copies at the first failure."""
+path's copies at the first failure; OpenTelemetry only once something set a tracer provider
+(the ``otel`` extra installed is not enough), and a worker without it runs as before."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from support.traces import WITHOUT_OTEL
 
 from rabbit_retry import cli
 
@@ -41,6 +45,9 @@ HEAVY = (
     "rabbit_retry.worker.copies",
     "rabbit_retry.worker.dedupe",
     "rabbit_retry.worker.stores",
+    "opentelemetry",
+    "rabbit_retry.tracing.carry",
+    "rabbit_retry.worker.tracing",
 )
 
 CONSUMER = """
@@ -55,13 +62,22 @@ class Orders(RetryConsumer):
 """
 
 
-def _start(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+TRACED_CONSUMER = CONSUMER + """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+trace.set_tracer_provider(TracerProvider())
+"""
+
+def _start(tmp_path: Path, *args: str, before: str = "") -> subprocess.CompletedProcess[str]:
     """The worker verb's whole start path short of the broker (nothing listens on port 1):
     the topology loaded, the consumer imported and checked, the runner built and connecting.
-    Prints the modules of HEAVY (and the runner) that the process imported."""
+    Prints the modules of HEAVY (and the runner) that the process imported. ``before`` runs
+    first."""
     (tmp_path / "lean_consumer.py").write_text(CONSUMER)
+    (tmp_path / "traced_consumer.py").write_text(TRACED_CONSUMER)
     watched = (*HEAVY, "rabbit_retry.worker.runner", "rabbit_retry.worker.session")
-    code = textwrap.dedent(f"""
+    code = before + textwrap.dedent(f"""
         import atexit, sys
         atexit.register(lambda: print(sorted(
             m for m in {watched!r} if m in sys.modules)))
@@ -86,6 +102,38 @@ def test_metrics_port_brings_prometheus_client(tmp_path: Path) -> None:
     done = _start(tmp_path, "lean_consumer:Orders", "--metrics-port", "0")
     assert "unreachable: connection refused" in done.stderr, done.stderr
     assert "prometheus_client" in done.stdout, done.stdout
+
+
+def test_a_tracer_provider_set_in_the_consumer_module_brings_the_worker_tracing(
+    tmp_path: Path,
+) -> None:
+    # The positive control of OpenTelemetry in HEAVY: the watch sees the tracing come in.
+    done = _start(tmp_path, "traced_consumer:Orders")
+    assert "unreachable: connection refused" in done.stderr, done.stderr
+    assert "'rabbit_retry.worker.tracing'" in done.stdout, done.stdout
+
+
+def test_without_opentelemetry_installed_the_worker_and_a_replay_run_as_before(
+    tmp_path: Path,
+) -> None:
+    # Even where the environment names a provider to load, the worker starts untraced.
+    env = {**os.environ, "OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"}
+    (tmp_path / "lean_consumer.py").write_text(CONSUMER)
+    worker = subprocess.run(
+        [sys.executable, "-c", WITHOUT_OTEL + "from rabbit_retry.cli import main\n"
+         f"main(['--url', 'amqp://guest:guest@127.0.0.1:1/', 'worker', 'lean_consumer:Orders',"
+         f" '-t', {str(TOPOLOGY)!r}])\n"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    assert worker.stderr.strip().splitlines()[-1].endswith("unreachable: connection refused"), (
+        worker.stderr)
+    replay = subprocess.run(
+        [sys.executable, "-c", WITHOUT_OTEL + "from rabbit_retry.cli import main\n"
+         "main(['--url', 'amqp://guest:guest@127.0.0.1:1/', '--management-url',"
+         " 'http://127.0.0.1:1/', 'parking', 'replay', 'demo.orders', '--yes'])\n"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120, env=env)
+    assert replay.returncode == 1, replay.stderr
+    assert "connection refused" in replay.stderr, replay.stderr
+    assert "opentelemetry" not in worker.stderr + replay.stderr
 
 
 def test_a_topology_problem_still_reads_as_before(tmp_path: Path) -> None:
