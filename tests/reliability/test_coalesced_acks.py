@@ -23,7 +23,8 @@ from rabbit_retry.settings import Settings
 PREFETCH = 200
 RUN = PREFETCH // 10  # the worker's default: a tenth of the prefetch in one ack frame
 MESSAGES = 3000
-SLOW_MS = 6000
+# Long enough to still run when the kill comes, on a machine as loaded as CI's can be.
+SLOW_MS = 20000
 
 
 def _topology(tmp_path: Path, queue_type: str) -> Path:
@@ -54,7 +55,7 @@ def test_a_kill_loses_nothing_and_handles_again_at_most_one_run(
     worker_guard.append(worker)
     worker.start()
     # Killed while the slow one runs and hundreds behind it are done.
-    wait_for(lambda: len(ok_ids(records)) >= 1000, "1,000 messages handled", within=120)
+    wait_for(lambda: len(ok_ids(records)) >= 400, "400 messages handled", within=120)
     assert "slow" not in ok_ids(records), "the slow message finished before the kill"
     worker.kill()
     done_before_kill = Counter(m for m, _ in recorded(records, "ok"))
