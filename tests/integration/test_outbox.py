@@ -1,0 +1,515 @@
+"""The outbox against a real broker and database: events added in the application's own
+transaction through every kind of connection ``add`` takes, published by a relay once committed
+and never when rolled back; what the broker refuses failed with its reason, then dead; order per
+key; several relays on PostgreSQL; retention; the relay's metrics and command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from support.amqp import drain, on_channel
+from support.outbox import ON_POSTGRES, migrated, outbox_store, relay_running, rows, statuses
+from support.poll import eventually
+from support.process import apply, cli
+
+from rabbit_retry.broker.management import Management
+from rabbit_retry.outbox import Outbox, UnknownDestination
+from rabbit_retry.outbox.decide import RetryPolicy
+from rabbit_retry.outbox.schema import history
+from rabbit_retry.outbox.store import Failure, OutboxStore
+from rabbit_retry.settings import Settings
+
+TOPOLOGY = """\
+version: 1
+exchanges:
+  shop: {type: topic}
+  locked: {type: topic}
+queues:
+  shop.orders:
+    queue_type: classic
+    bindings: [{exchange: shop, routing_key: "order.*"}, {exchange: locked, routing_key: "#"}]
+    retry: {delays: [1s], max_attempts: 2}
+"""
+
+postgres_only = pytest.mark.skipif(
+    not ON_POSTGRES, reason="PostgreSQL is tested with RabbitMQ 4.3 (its side is the same on all)")
+STORES = ["sqlite", pytest.param("postgresql", marks=postgres_only)]
+
+
+def _file(tmp_path: Path) -> Path:
+    path = tmp_path / "shop.yml"
+    path.write_text(TOPOLOGY)
+    return path
+
+
+@pytest.fixture
+def topology(fresh_vhost: Settings, tmp_path: Path) -> Path:
+    path = _file(tmp_path)
+    apply(fresh_vhost, path)
+    return path
+
+
+def _sqlalchemy_url(url: str, driver: str = "psycopg") -> str:
+    return url.replace("postgresql://", f"postgresql+{driver}://", 1)
+
+
+# --- every kind of connection: committed published, rolled back never -----------------------
+
+def _write_sqlite3(url: str, outbox: Outbox, events: list[dict[str, Any]], commit: bool) -> None:
+    conn = sqlite3.connect(url.removeprefix("sqlite:///"))
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS orders (id TEXT)")
+        for event in events:
+            conn.execute("INSERT INTO orders VALUES (?)", (event["message_id"],))
+            outbox.add(conn, **event)
+        (conn.commit if commit else conn.rollback)()
+    finally:
+        conn.close()
+
+
+def _write_sqlalchemy(url: str, outbox: Outbox, events: list[dict[str, Any]],
+                      commit: bool) -> None:
+    engine = sa.create_engine(_sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("CREATE TABLE IF NOT EXISTS orders (id TEXT)"))
+            conn.commit()
+            for event in events:
+                conn.execute(sa.text("INSERT INTO orders VALUES (:id)"),
+                             {"id": event["message_id"]})
+                outbox.add(conn, **event)
+            (conn.commit if commit else conn.rollback)()
+    finally:
+        engine.dispose()
+
+
+def _write_session(url: str, outbox: Outbox, events: list[dict[str, Any]], commit: bool) -> None:
+    from sqlalchemy.orm import Session
+
+    engine = sa.create_engine(_sqlalchemy_url(url))
+    try:
+        with Session(engine) as session:
+            for event in events:
+                outbox.add(session, **event)
+            (session.commit if commit else session.rollback)()
+    finally:
+        engine.dispose()
+
+
+def _write_psycopg(url: str, outbox: Outbox, events: list[dict[str, Any]], commit: bool) -> None:
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        for event in events:
+            outbox.add(conn, **event)
+        (conn.commit if commit else conn.rollback)()
+
+
+def _write_psycopg_async(url: str, outbox: Outbox, events: list[dict[str, Any]],
+                         commit: bool) -> None:
+    import psycopg
+
+    async def write() -> None:
+        async with await psycopg.AsyncConnection.connect(url) as conn:
+            for event in events:
+                await outbox.add_async(conn, **event)
+            await (conn.commit if commit else conn.rollback)()
+
+    asyncio.run(write())
+
+
+def _write_sqlalchemy_async(url: str, outbox: Outbox, events: list[dict[str, Any]],
+                            commit: bool) -> None:
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    async def write() -> None:
+        engine = create_async_engine(_sqlalchemy_url(url))
+        try:
+            async with engine.connect() as conn:
+                for event in events:
+                    await outbox.add_async(conn, **event)
+                await (conn.commit if commit else conn.rollback)()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(write())
+
+
+def _write_async_session(url: str, outbox: Outbox, events: list[dict[str, Any]],
+                         commit: bool) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    async def write() -> None:
+        engine = create_async_engine(_sqlalchemy_url(url))
+        try:
+            async with AsyncSession(engine) as session:
+                for event in events:
+                    await outbox.add_async(session, **event)
+                await (session.commit if commit else session.rollback)()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(write())
+
+
+Writer = Callable[[str, Outbox, list[dict[str, Any]], bool], None]
+WRITERS: list[Any] = [
+    pytest.param("sqlite", _write_sqlite3, id="sqlite3"),
+    pytest.param("sqlite", _write_sqlalchemy, id="sqlalchemy-sqlite"),
+    pytest.param("postgresql", _write_sqlalchemy, id="sqlalchemy-connection",
+                 marks=postgres_only),
+    pytest.param("postgresql", _write_session, id="sqlalchemy-session", marks=postgres_only),
+    pytest.param("postgresql", _write_sqlalchemy_async, id="sqlalchemy-async-connection",
+                 marks=postgres_only),
+    pytest.param("postgresql", _write_async_session, id="sqlalchemy-async-session",
+                 marks=postgres_only),
+    pytest.param("postgresql", _write_psycopg, id="psycopg", marks=postgres_only),
+    pytest.param("postgresql", _write_psycopg_async, id="psycopg-async", marks=postgres_only),
+]
+
+
+def _events(prefix: str, n: int) -> list[dict[str, Any]]:
+    return [{"exchange": "shop", "routing_key": "order.created",
+             "body": json.dumps({"order": f"{prefix}-{i}"}).encode(),
+             "message_id": f"{prefix}-{i}", "key": f"customer-{i % 2}",
+             "headers": {"tenant": "acme", "amount": 0.1, "raw": b"\xff\x00"},
+             "content_type": "application/json", "correlation_id": f"c-{prefix}-{i}"}
+            for i in range(n)]
+
+
+@pytest.mark.parametrize(("kind", "write"), WRITERS)
+async def test_committed_events_are_published_once_and_rolled_back_ones_never(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str, write: Writer,
+) -> None:
+    outbox = Outbox(topology)
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        await asyncio.to_thread(write, url, outbox, _events("rolled-back", 2), False)
+        await asyncio.to_thread(write, url, outbox, _events("committed", 3), True)
+        assert statuses(url) == {"pending": 3}  # the rolled-back transaction left nothing
+        async with relay_running(url, topology, fresh_vhost) as relay:
+            await eventually(lambda: relay.published == 3, what="3 published")
+        assert statuses(url) == {"published": 3}
+        copies = await drain(fresh_vhost, "shop.orders")
+    assert [c.message_id for c in copies] == ["committed-0", "committed-1", "committed-2"]
+    first = copies[0]
+    assert first.body == b'{"order": "committed-0"}'
+    assert first.properties.content_type == "application/json"
+    assert first.properties.correlation_id == "c-committed-0"
+    assert first.properties.delivery_mode == 2
+    assert first.headers == {"tenant": "acme", "amount": 0.1, "raw": b"\xff\x00"}
+
+
+def test_an_unknown_destination_is_refused_and_nothing_is_written(
+    topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    conn = sqlite3.connect(tmp_path / "app.db")
+    with pytest.raises(UnknownDestination) as refused:
+        outbox.add(conn, exchange="payments", routing_key="x", body=b"{}")
+    assert str(refused.value) == (f"exchange 'payments' is not declared in {topology} (its "
+                                  "exchanges: locked, shop); nothing was written")
+    with pytest.raises(UnknownDestination, match="queue 'shop.order' is not a queue of"):
+        outbox.add(conn, queue="shop.order", body=b"{}")
+    with pytest.raises(ValueError, match="give exchange= .* or queue=, not both"):
+        outbox.add(conn, exchange="shop", queue="shop.orders", body=b"{}")
+    with pytest.raises(TypeError, match="headers: cannot encode a set"):
+        outbox.add(conn, exchange="shop", routing_key="order.x", body=b"{}",
+                   headers={"bad": {1, 2}})
+    # Positive control: the same connection writes a good event.
+    outbox.add(conn, queue="shop.orders", body=b"{}", message_id="good")
+    conn.commit()
+    conn.close()
+    assert [(r["exchange"], r["routing_key"], r["message_id"]) for r in rows(url)] == [
+        ("", "shop.orders", "good")]
+
+
+# --- what the broker refuses -----------------------------------------------------------------
+
+def _history(url: str, event_id: int) -> list[tuple[str, str | None]]:
+    store = OutboxStore(url)
+    try:
+        found = store.event(event_id)
+        assert found is not None
+        return [(h["status"], h["detail"]) for h in found["history"]]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_an_unroutable_event_fails_with_the_brokers_reason_then_dies_holding_its_key(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(topology)
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        engine = sa.create_engine(_sqlalchemy_url(url))
+        with engine.begin() as conn:
+            # No queue takes "refund.created": the broker returns it.
+            outbox.add(conn, exchange="shop", routing_key="refund.created", body=b"1",
+                       message_id="lost", key="k")
+            outbox.add(conn, exchange="shop", routing_key="order.created", body=b"2",
+                       message_id="held", key="k")
+            outbox.add(conn, exchange="shop", routing_key="order.created", body=b"3",
+                       message_id="free", key="other")
+        engine.dispose()
+        retry = RetryPolicy(attempts=2, first_delay=0.2, max_delay=0.2)
+        async with relay_running(url, topology, fresh_vhost, retry=retry) as relay:
+            await eventually(lambda: statuses(url)["dead"] == 1, what="the unroutable dead")
+            assert relay.published == 1
+        # Positive control: the other key's event went out; the held one did not.
+        assert [c.message_id for c in await drain(fresh_vhost, "shop.orders")] == ["free"]
+        by_id = {r["message_id"]: r for r in rows(url)}
+        assert (by_id["lost"]["status"], by_id["lost"]["attempts"]) == ("dead", 2)
+        assert by_id["held"]["status"] == "pending"
+        reason = ("unroutable: no queue bound to exchange 'shop' takes routing key "
+                  "'refund.created' (the broker returned it: 312 NO_ROUTE)")
+        assert by_id["lost"]["last_error"] == reason
+        assert _history(url, by_id["lost"]["id"]) == [
+            ("pending", "added"), ("failed", reason), ("failed", reason),
+            ("dead", "failed 2 times")]
+        # An operator retries it into a queue that takes it: the key moves on, in order.
+        store = OutboxStore(url)
+        store.discard([by_id["lost"]["id"]], "ana", "sent to the wrong key")
+        store.close()
+        async with relay_running(url, topology, fresh_vhost) as relay:
+            await eventually(lambda: relay.published == 1, what="the held event published")
+        assert [c.message_id for c in await drain(fresh_vhost, "shop.orders")] == ["held"]
+        assert _history(url, by_id["lost"]["id"])[-1] == ("discarded", "sent to the wrong key")
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_in_continue_mode_a_failed_event_does_not_hold_its_key(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(topology)
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        engine = sa.create_engine(_sqlalchemy_url(url))
+        with engine.begin() as conn:
+            outbox.add(conn, exchange="shop", routing_key="refund.created", body=b"1",
+                       message_id="lost", key="k")
+            outbox.add(conn, exchange="shop", routing_key="order.created", body=b"2",
+                       message_id="next", key="k")
+        engine.dispose()
+        retry = RetryPolicy(attempts=1)
+        async with relay_running(url, topology, fresh_vhost, retry=retry,
+                                 on_failure="continue") as relay:
+            await eventually(lambda: relay.published == 1, what="the next event published")
+        assert statuses(url) == {"dead": 1, "published": 1}
+        assert [c.message_id for c in await drain(fresh_vhost, "shop.orders")] == ["next"]
+
+
+async def test_an_event_to_an_exchange_that_is_gone_fails_without_closing_the_channel(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    await on_channel(fresh_vhost, lambda ch: ch.exchange_delete("locked"))
+    conn = sqlite3.connect(tmp_path / "app.db")
+    outbox.add(conn, exchange="locked", routing_key="x", body=b"1", message_id="nowhere")
+    for i in range(20):
+        outbox.add(conn, exchange="shop", routing_key="order.created", body=b"2",
+                   message_id=f"ok-{i}")
+    conn.commit()
+    conn.close()
+    async with relay_running(url, topology, fresh_vhost, retry=RetryPolicy(attempts=1)) as relay:
+        await eventually(lambda: relay.published == 20 and statuses(url)["dead"] == 1,
+                         what="20 published, 1 dead")
+    [dead] = [r for r in rows(url) if r["status"] == "dead"]
+    assert dead["last_error"] == (f"exchange 'locked' does not exist in vhost "
+                                  f"{fresh_vhost.vhost!r} (apply the topology file to create it)")
+    assert len(await drain(fresh_vhost, "shop.orders")) == 20
+
+
+async def test_an_event_the_broker_closes_the_channel_over_is_failed_alone(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, management: Management,
+) -> None:
+    """The user may not write to exchange ``locked`` (ACCESS_REFUSED closes the channel): the
+    events in flight beside it are published, that one fails with the broker's words."""
+    path = f"/permissions/{quote(fresh_vhost.vhost, safe='')}/{quote(fresh_vhost.user, safe='')}"
+    response = management.request("PUT", path, json={"configure": ".*", "read": ".*",
+                                                     "write": "^(?!locked$).*"})
+    assert response.status_code in (201, 204), response.text
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    conn = sqlite3.connect(tmp_path / "app.db")
+    for i in range(50):
+        if i == 20:
+            outbox.add(conn, exchange="locked", routing_key="x", body=b"!", message_id="locked")
+        outbox.add(conn, exchange="shop", routing_key="order.created", body=b".",
+                   message_id=f"ok-{i}")
+    conn.commit()
+    conn.close()
+    async with relay_running(url, topology, fresh_vhost, retry=RetryPolicy(attempts=1)) as relay:
+        await eventually(lambda: statuses(url) == {"published": 50, "dead": 1},
+                         what="50 published, the locked one dead")
+        assert relay.published == 50
+    [dead] = [r for r in rows(url) if r["status"] == "dead"]
+    assert dead["message_id"] == "locked"
+    assert dead["last_error"].startswith("the broker closed the channel: ACCESS_REFUSED")
+    assert "exchange 'locked'" in dead["last_error"]
+    copies = await drain(fresh_vhost, "shop.orders")
+    assert {c.message_id for c in copies} == {f"ok-{i}" for i in range(50)}
+
+
+# --- order, several relays, retention --------------------------------------------------------
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_events_of_a_key_arrive_in_the_order_they_were_added(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(topology)
+    n, keys = 600, 7
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        engine = sa.create_engine(_sqlalchemy_url(url))
+        for start in range(0, n, 50):
+            with engine.begin() as conn:
+                for i in range(start, start + 50):
+                    outbox.add(conn, exchange="shop", routing_key="order.created",
+                               body=str(i).encode(), message_id=f"e-{i}",
+                               key=None if i % 5 == 0 else f"k{i % keys}")
+        engine.dispose()
+        async with relay_running(url, topology, fresh_vhost, batch=50, depth=3) as relay:
+            await eventually(lambda: relay.published == n, what=f"{n} published")
+        copies = await drain(fresh_vhost, "shop.orders")
+    assert sorted(int(c.body) for c in copies) == list(range(n))
+    for key in range(keys):
+        seen = [int(c.body) for c in copies if int(c.body) % 5 and int(c.body) % keys == key]
+        assert seen == sorted(seen), f"k{key} out of order"
+
+
+@postgres_only
+async def test_two_relays_on_one_postgresql_outbox_never_publish_an_event_twice(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    n = 5000
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        engine = sa.create_engine(_sqlalchemy_url(url))
+        with engine.begin() as conn:
+            for i in range(n):
+                outbox.add(conn, exchange="shop", routing_key="order.created",
+                           body=str(i).encode(), message_id=f"e-{i}",
+                           key=f"k{i % 40}" if i % 2 else None)
+        engine.dispose()
+        async with (relay_running(url, topology, fresh_vhost, batch=100) as one,
+                    relay_running(url, topology, fresh_vhost, batch=100) as two):
+            await eventually(lambda: one.published + two.published == n, within=120,
+                             what=f"{n} published")
+        # Positive control: both relays took part.
+        assert one.published > 0 and two.published > 0, (one.published, two.published)
+        copies = await drain(fresh_vhost, "shop.orders")
+    ids = [c.message_id for c in copies]
+    assert len(ids) == n and set(ids) == {f"e-{i}" for i in range(n)}
+    for key in range(40):
+        seen = [int(c.body) for c in copies if int(c.body) % 2 and int(c.body) % 40 == key]
+        assert seen == sorted(seen), f"k{key} out of order"
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_published_and_discarded_events_older_than_keep_are_removed_with_their_history(
+    tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        engine = sa.create_engine(_sqlalchemy_url(url))
+        with engine.begin() as conn:
+            for i in range(6):
+                outbox.add(conn, exchange="shop", routing_key="order.created", body=b"",
+                           message_id=f"e-{i}")
+        engine.dispose()
+        store = OutboxStore(url)
+        old, new = datetime.now(UTC) - timedelta(days=2), datetime.now(UTC)
+        claim = store.claim(2)
+        e0, e1 = claim.rows
+        store.settle(claim, [e0, e1], [], RetryPolicy(), "test", at=old)
+        claim = store.claim(1)
+        [e2] = claim.rows
+        store.settle(claim, [e2], [], RetryPolicy(), "test", at=new)
+        claim = store.claim(2)
+        e3, e4 = claim.rows
+        store.settle(claim, [], [Failure(e3, "no"), Failure(e4, "no")], RetryPolicy(attempts=1),
+                     "test", at=old)
+        store.discard([e3.id], "ana", "not needed", at=old)
+        store.discard([e4.id], "ana", "not needed", at=new)
+        assert store.sweep(timedelta(days=1)) == 3  # e0, e1 published and e3 discarded 2 days ago
+        assert statuses(url) == {"published": 1, "discarded": 1, "pending": 1}
+        with store.engine.connect() as c:
+            kept = set(c.execute(sa.select(history.c.event_id)).scalars())
+        assert kept == {e4.id}  # e3's history went with it
+        assert store.sweep(timedelta(days=1)) == 0
+        store.close()
+
+
+# --- metrics and the command line --------------------------------------------------------------
+
+async def test_the_relays_metrics_count_what_it_did_and_what_waits(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    conn = sqlite3.connect(tmp_path / "app.db")
+    for i in range(5):
+        outbox.add(conn, exchange="shop", routing_key="order.created", body=b"", key="k",
+                   message_id=f"e-{i}")
+    outbox.add(conn, exchange="shop", routing_key="nowhere", body=b"", message_id="x")
+    conn.commit()
+    conn.close()
+    async with relay_running(url, topology, fresh_vhost, metrics_port=0,
+                             retry=RetryPolicy(attempts=1)) as relay:
+        await eventually(lambda: relay.published == 5 and statuses(url)["dead"] == 1,
+                         what="5 published, 1 dead")
+        assert relay.metrics._server is not None
+        port = relay.metrics._server.server_port
+        text = (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/metrics")).text
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert series['rabbit_retry_outbox_published_total{destination="shop"}'] == 5
+    assert series['rabbit_retry_outbox_failures_total{destination="shop"}'] == 1
+    assert series['rabbit_retry_outbox_dead{destination="shop"}'] == 1
+    assert series['rabbit_retry_outbox_pending{destination="shop"}'] == 0
+    assert series['rabbit_retry_outbox_pending{destination="shop.orders"}'] == 0
+    assert series['rabbit_retry_outbox_oldest_pending_seconds{destination="shop"}'] == 0
+    assert series['rabbit_retry_outbox_publish_seconds_count{destination="shop"}'] == 5
+    assert series["rabbit_retry_outbox_relay_publishing"] == 1
+    assert series["rabbit_retry_outbox_relay_heartbeat_seconds"] > 0
+
+
+def test_the_relay_command_refuses_bad_input_in_one_line(topology: Path, tmp_path: Path) -> None:
+    ran = cli(None, "relay", "--store", "mysql://x/y", "-t", str(topology))
+    assert (ran.code, ran.err.strip()) == (2, "error: --store: unsupported database 'mysql' in "
+                                              "'mysql://x/y' (use sqlite:///PATH or "
+                                              "postgresql://...)")
+    ran = cli(None, "relay", "-t", str(topology), env={"RABBIT_RETRY_OUTBOX_STORE": ""})
+    assert (ran.code, ran.err.strip()) == (
+        2, "error: --store is required (or set RABBIT_RETRY_OUTBOX_STORE)")
+    ran = cli(None, "relay", "--store", f"sqlite:///{tmp_path / 'a.db'}", "-t", str(topology),
+              "--keep", "soon")
+    assert ran.code == 2 and ran.err.startswith("error: --keep: "), ran.err
+    ran = cli(None, "relay", "--store", f"sqlite:///{tmp_path / 'a.db'}", "-t", str(topology),
+              "--no-migrate")
+    assert (ran.code, ran.err.strip()) == (
+        1, f"error: store sqlite:///{tmp_path / 'a.db'}: has no outbox tables; this relay needs "
+           "revision 0001 (apply rabbit_retry/outbox/sql/*.sql, or start the relay without "
+           "--no-migrate to migrate it)")
+    with sqlite3.connect(tmp_path / "a.db") as c:  # --no-migrate made no table
+        assert c.execute("SELECT name FROM sqlite_master").fetchall() == []
