@@ -87,9 +87,7 @@ class Outbox:
                            message_id=message_id, key=key, headers=headers, **properties)
         kind = connection_kind(conn)
         if kind == "sqlalchemy":
-            from rabbit_retry.outbox.schema import outbox
-
-            conn.execute(outbox.insert(), event.row())
+            conn.execute(_statement(), event.row())
         elif kind == "psycopg":
             conn.execute(SQL_PYFORMAT, event.row())
         elif kind == "sqlite3":
@@ -111,15 +109,28 @@ class Outbox:
                            message_id=message_id, key=key, headers=headers, **properties)
         kind = connection_kind(conn)
         if kind == "sqlalchemy-async":
-            from rabbit_retry.outbox.schema import outbox
-
-            await conn.execute(outbox.insert(), event.row())
+            await conn.execute(_statement(), event.row())
         elif kind == "psycopg-async":
             await conn.execute(SQL_PYFORMAT, event.row())
         else:
             raise TypeError(f"add_async: {type(conn).__name__} is synchronous: use "
                             "`outbox.add(conn, ...)`")
         return event.message_id
+
+
+_STATEMENT: list[Any] = []
+
+
+def _statement() -> Any:
+    """The insert as a SQLAlchemy statement, made once: plain text (no ``RETURNING`` of the new
+    id, which a Core insert would add on PostgreSQL), bytes typed for every driver."""
+    if not _STATEMENT:
+        import sqlalchemy as sa
+
+        _STATEMENT.append(sa.text(SQL_NAMED).bindparams(
+            sa.bindparam("body", type_=sa.LargeBinary),
+            sa.bindparam("headers", type_=sa.LargeBinary)))
+    return _STATEMENT[0]
 
 
 _KINDS: dict[type[Any], Kind] = {}

@@ -430,6 +430,8 @@ class Relay:
         try:
             while not self._stop.is_set() and self._leased.is_set():
                 self.metrics.beat()
+                if connection.is_closed:  # noticed even while there is nothing to publish
+                    raise ConnectionError("the connection closed")
                 if len(running) >= self.depth:
                     await self._first_of(running)
                     continue

@@ -93,9 +93,13 @@ outbox = sa.Table(
     # The relay's scan: waiting rows in id order.
     sa.Index("ix_rabbit_retry_outbox_waiting", "id",
              **_partial("status IN ('pending', 'failed')")),
-    # "Is an earlier row of this key still unpublished?": one probe per keyed row.
+    # A key's first unpublished rows, in order (a claim checks it has them).
     sa.Index("ix_rabbit_retry_outbox_key", "order_key", "id",
              **_partial("status IN ('pending', 'failed', 'dead') AND order_key IS NOT NULL")),
+    # "Does a failed or dead row hold this key?": one probe per keyed row, into the few rows
+    # that failed (the index above would read every earlier pending row of the key).
+    sa.Index("ix_rabbit_retry_outbox_held", "order_key", "id",
+             **_partial("status IN ('failed', 'dead') AND order_key IS NOT NULL")),
     # Retention of published rows.
     sa.Index("ix_rabbit_retry_outbox_published", "published_at",
              **_partial("status IN ('published')")),

@@ -197,7 +197,7 @@ class OutboxStore:
             # A key whose earlier event failed (until its next try) or died is held.
             keyed = sa.and_(keyed, ~sa.exists().where(
                 earlier.c.order_key == o.c.order_key, earlier.c.id < o.c.id,
-                earlier.c.status.in_(UNPUBLISHED),
+                earlier.c.status.in_((FAILED, DEAD)),
                 sa.or_(earlier.c.status == DEAD,
                        sa.and_(earlier.c.status == FAILED, earlier.c.due_at > at))))
         query = (sa.select(*_CLAIMED).where(waiting, sa.or_(o.c.order_key.is_(None), keyed))

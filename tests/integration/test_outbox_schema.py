@@ -53,8 +53,8 @@ def _shape(url: str) -> dict[str, Any]:
                  " ".join(str((i.get("dialect_options") or {}).get(
                      f"{engine.dialect.name}_where", "")).split()))
                 for i in inspector.get_indexes(table))
-            shape[table] = {"columns": columns, "indexes": indexes,
-                            "primary_key": inspector.get_pk_constraint(table)["constrained_columns"]}
+            key = inspector.get_pk_constraint(table)["constrained_columns"]
+            shape[table] = {"columns": columns, "indexes": indexes, "primary_key": key}
         return shape
     finally:
         engine.dispose()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 from collections import Counter
@@ -139,3 +140,89 @@ class RelayProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
+
+
+# --- a stream of events, and what arrived ------------------------------------------------------
+
+class Writer:
+    """An application adding events in transactions of ``per`` from a thread: every
+    ``rollback_every``-th transaction is rolled back. Event ``i`` has message id ``e-{i:06d}``,
+    body ``{"seq": i, "key": ...}`` and order key ``k{i % keys}`` (every ``unkeyed_every``-th
+    none)."""
+
+    def __init__(self, url: str, outbox: Any, total: int, *, exchange: str, routing_key: str,
+                 per: int = 25, rollback_every: int = 7, keys: int = 100,
+                 unkeyed_every: int = 4) -> None:
+        self.url, self.outbox, self.total = url, outbox, total
+        self.exchange, self.routing_key = exchange, routing_key
+        self.per, self.rollback_every = per, rollback_every
+        self.keys, self.unkeyed_every = keys, unkeyed_every
+        self.committed: set[str] = set()
+        self.rolled_back: set[str] = set()
+        self.error: BaseException | None = None
+        self._thread: Any = None
+
+    def key(self, i: int) -> str | None:
+        return None if i % self.unkeyed_every == 0 else f"k{i % self.keys}"
+
+    def start(self) -> Writer:
+        import threading
+
+        self._thread = threading.Thread(target=self._write, name="outbox writer", daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float = 600) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the writer did not finish"
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def written(self) -> int:
+        """Events in transactions that ended (committed or rolled back)."""
+        return len(self.committed) + len(self.rolled_back)
+
+    def _write(self) -> None:
+        try:
+            engine = sa.create_engine(_sqlalchemy(self.url))
+            try:
+                for n, start in enumerate(range(0, self.total, self.per)):
+                    ids = []
+                    with engine.connect() as conn:
+                        for i in range(start, min(self.total, start + self.per)):
+                            mid = f"e-{i:06d}"
+                            key = self.key(i)
+                            self.outbox.add(conn, exchange=self.exchange,
+                                            routing_key=self.routing_key, message_id=mid,
+                                            key=key, body=json.dumps({"seq": i, "key": key}))
+                            ids.append(mid)
+                        if n % self.rollback_every == self.rollback_every - 1:
+                            conn.rollback()
+                            self.rolled_back.update(ids)
+                        else:
+                            conn.commit()
+                            self.committed.update(ids)
+            finally:
+                engine.dispose()
+        except BaseException as exc:  # the test's thread raises it in join()
+            self.error = exc
+
+
+def out_of_order(bodies: list[bytes]) -> list[str]:
+    """Keys whose events arrived out of order: for each key, the sequence numbers in arrival
+    order, repeats of an event already seen dropped (a re-send after a kill), must rise."""
+    last: dict[str, int] = {}
+    seen: set[int] = set()
+    wrong = []
+    for body in bodies:
+        event = json.loads(body)
+        seq, key = int(event["seq"]), event["key"]
+        if seq in seen or key is None:
+            seen.add(seq)
+            continue
+        seen.add(seq)
+        if key in last and seq < last[key]:
+            wrong.append(f"{key}: {seq} after {last[key]}")
+        last[key] = seq
+    return wrong

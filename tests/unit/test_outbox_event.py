@@ -20,7 +20,7 @@ from pamqp import commands as spec
 from rabbit_retry.outbox import Outbox, UnknownDestination
 from rabbit_retry.outbox.decide import RetryPolicy, channel_refusal, refusal
 from rabbit_retry.outbox.destinations import Destinations, destination_name
-from rabbit_retry.outbox.event import make_event, outgoing
+from rabbit_retry.outbox.event import outgoing
 from rabbit_retry.topology import parse_topology
 
 TOPOLOGY = """\

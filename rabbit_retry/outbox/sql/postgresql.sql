@@ -28,6 +28,8 @@ CREATE INDEX ix_rabbit_retry_outbox_waiting ON rabbit_retry_outbox (id)
     WHERE status IN ('pending', 'failed');
 CREATE INDEX ix_rabbit_retry_outbox_key ON rabbit_retry_outbox (order_key, id)
     WHERE status IN ('pending', 'failed', 'dead') AND order_key IS NOT NULL;
+CREATE INDEX ix_rabbit_retry_outbox_held ON rabbit_retry_outbox (order_key, id)
+    WHERE status IN ('failed', 'dead') AND order_key IS NOT NULL;
 CREATE INDEX ix_rabbit_retry_outbox_published ON rabbit_retry_outbox (published_at)
     WHERE status IN ('published');
 CREATE INDEX ix_rabbit_retry_outbox_dead ON rabbit_retry_outbox (status, changed_at)

@@ -58,6 +58,8 @@ def upgrade() -> None:
                    "status IN ('pending', 'failed')")
     _partial_index("ix_rabbit_retry_outbox_key", ["order_key", "id"],
                    "status IN ('pending', 'failed', 'dead') AND order_key IS NOT NULL")
+    _partial_index("ix_rabbit_retry_outbox_held", ["order_key", "id"],
+                   "status IN ('failed', 'dead') AND order_key IS NOT NULL")
     _partial_index("ix_rabbit_retry_outbox_published", ["published_at"],
                    "status IN ('published')")
     _partial_index("ix_rabbit_retry_outbox_dead", ["status", "changed_at"],
