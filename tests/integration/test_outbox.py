@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -513,3 +514,47 @@ def test_the_relay_command_refuses_bad_input_in_one_line(topology: Path, tmp_pat
            "--no-migrate to migrate it)")
     with sqlite3.connect(tmp_path / "a.db") as c:  # --no-migrate made no table
         assert c.execute("SELECT name FROM sqlite_master").fetchall() == []
+
+
+async def test_a_relay_whose_connection_the_broker_closes_reconnects_and_loses_nothing(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, management: Management,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    added: list[str] = []
+
+    def add(n: int) -> None:
+        conn = sqlite3.connect(tmp_path / "app.db")
+        for _ in range(n):
+            added.append(outbox.add(conn, exchange="shop", routing_key="order.created",
+                                    body=b"{}", key=f"k{len(added) % 3}"))
+        conn.commit()
+        conn.close()
+
+    def relay_connections() -> list[str]:
+        return [c["name"] for c in management.connections(fresh_vhost.vhost)
+                if (c.get("client_properties") or {}).get("connection_name")
+                == "rabbit-retry relay"]
+
+    with caplog.at_level(logging.INFO, logger="rabbit_retry.outbox"):
+        async with relay_running(url, topology, fresh_vhost) as relay:
+            await asyncio.to_thread(add, 200)
+            await eventually(lambda: relay.published == 200, what="200 published")
+            # The statistics list a new connection within a few seconds.
+            names = await eventually(lambda: relay_connections(), within=60,
+                                     what="the relay's connection")
+            for name in names:
+                management.close_connection(name, reason="outbox test")
+            await asyncio.to_thread(add, 300)
+            await eventually(lambda: "broker back after" in caplog.text, within=60,
+                             what="the relay to reconnect")
+            await eventually(lambda: statuses(url) == {"published": 500},
+                             what="500 published")
+    said = caplog.text
+    assert said.count("lost the broker") == 1 and said.count("broker back after") == 1, said
+    assert "outbox test" in said  # the broker's reason, in the one line
+    copies = await drain(fresh_vhost, "shop.orders")
+    assert {c.message_id for c in copies} == set(added)
+    assert len(copies) - len(added) <= 2000  # re-sent: at most what was in flight
