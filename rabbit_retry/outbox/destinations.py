@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rabbit_retry.topology.plan import Plan
 from rabbit_retry.topology.resolved import Topology
 
 MAX_SHORT_STRING = 255  # AMQP short strings: exchange names, routing keys, message ids
@@ -29,11 +30,29 @@ class Destinations:
 
     @classmethod
     def of(cls, topology: Topology) -> Destinations:
-        bound = {b.exchange for q in topology.queues for b in q.bindings}
-        declared = {e.name for e in topology.exchanges if not e.internal}
-        builtin = {name for name in bound if name.startswith("amq.")}
-        return cls(frozenset(declared | builtin), frozenset(topology.queue_names),
-                   topology.source)
+        from rabbit_retry.topology.compile import compile_topology
+
+        return cls.of_plan(compile_topology(topology), topology.source)
+
+    @classmethod
+    def of_plan(cls, plan: Plan, source: str) -> Destinations:
+        """The destinations of a compiled topology (what ``validate``, ``plan`` and ``export``
+        hold)."""
+        declared = {e.name for e in plan.exchanges if e.role == "user" and not e.internal}
+        builtin = {b.source for b in plan.bindings if b.source.startswith("amq.")}
+        return cls(frozenset(declared | builtin), frozenset(q.name for q in plan.main_queues),
+                   source)
+
+    @property
+    def names(self) -> list[str]:
+        """Every destination's name, as metrics label them (``destination_name``)."""
+        return sorted(self.exchanges | self.queues)
+
+    def describe(self) -> str:
+        """One line: what ``Outbox.add`` takes for this file."""
+        exchanges = ", ".join(sorted(self.exchanges)) or "none"
+        queues = ", ".join(sorted(self.queues)) or "none"
+        return f"outbox destinations: exchanges {exchanges}; queues {queues}"
 
     def resolve(self, exchange: str | None, routing_key: str | None,
                 queue: str | None) -> tuple[str, str]:

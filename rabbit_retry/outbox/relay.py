@@ -304,8 +304,7 @@ class Relay:
         self.migrate = migrate
         self.metrics_port = metrics_port
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self.metrics = RelayMetrics(
-            sorted(self.destinations.exchanges | self.destinations.queues), self.store.figures)
+        self.metrics = RelayMetrics(self.destinations.names, self.store.figures)
         self.published = 0  # events this relay saw confirmed
         self._stop = asyncio.Event()
         self._busy_ids: set[int] = set()  # SQLite: in flight in this relay's claims
