@@ -306,6 +306,7 @@ class Relay:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.metrics = RelayMetrics(self.destinations.names, self.store.figures)
         self.published = 0  # events this relay saw confirmed
+        self.ready = asyncio.Event()  # the schema is up to date and the relay publishes
         self._stop = asyncio.Event()
         self._busy_ids: set[int] = set()  # SQLite: in flight in this relay's claims
         self._busy_keys: set[str] = set()  # in flight in this relay's claims
@@ -419,6 +420,7 @@ class Relay:
         sender = Sender(connection, self.settings.vhost, self.on_failure)
         await sender.main_channel()
         self.metrics.publishing = 1
+        self.ready.set()
 
         def lost(why: str) -> None:
             self._lost = why
