@@ -558,3 +558,55 @@ async def test_a_relay_whose_connection_the_broker_closes_reconnects_and_loses_n
     copies = await drain(fresh_vhost, "shop.orders")
     assert {c.message_id for c in copies} == set(added)
     assert len(copies) - len(added) <= 2000  # re-sent: at most what was in flight
+
+
+# --- an operator's view and actions (what the failure desk shows and calls) --------------------
+
+@pytest.mark.parametrize("kind", STORES)
+def test_dead_events_are_listed_shown_with_their_history_retried_and_discarded(
+    tmp_path: Path, kind: str,
+) -> None:
+    from rabbit_retry.outbox.view import shown
+
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        engine = sa.create_engine(_sqlalchemy_url(url))
+        with engine.begin() as conn:
+            for i in range(3):
+                outbox.add(conn, exchange="shop", routing_key="refund.created",
+                           body=b"\xff" if i == 2 else f'{{"n": {i}}}', message_id=f"d-{i}",
+                           key="k", headers={"tenant": "acme"})
+            outbox.add(conn, queue="shop.orders", body=b"ok", message_id="alive")
+        engine.dispose()
+        store = OutboxStore(url)
+        claim = store.claim(10, on_failure="continue")
+        dead_rows = [r for r in claim.rows if r.message_id.startswith("d-")]
+        store.settle(claim, [], [Failure(r, "unroutable: no queue") for r in dead_rows],
+                     RetryPolicy(attempts=1), "relay-1")
+        total, page = store.events(status="dead", limit=2)
+        assert total == 3 and [r["message_id"] for r in page] == ["d-2", "d-1"]
+        assert store.events(status="dead", text="d-0")[0] == 1
+        assert store.events(status="dead", destination_name="shop.orders")[0] == 0
+        one = store.event(page[0]["id"])
+        assert one is not None
+        view = shown(one)
+        assert (view["destination"], view["status"], view["attempts"], view["error"]) == (
+            "shop", "dead", 1, "unroutable: no queue")
+        assert view["body_base64"] == "/w==" and view["headers"] == {"tenant": "acme"}
+        assert [(h["status"], h["detail"], h["actor"]) for h in view["history"]] == [
+            ("pending", "added", None), ("failed", "unroutable: no queue", "relay-1"),
+            ("dead", "failed 1 times", "relay-1")]
+        # An operator's actions take dead (or failed) events only, and say which they took.
+        ids = [r["id"] for r in store.events(status="dead")[1]]
+        alive = next(r["id"] for r in rows(url) if r["message_id"] == "alive")
+        assert store.retry([ids[0], alive], "ana") == [ids[0]]
+        assert store.discard([ids[0], ids[1]], "ana", "sent by mistake") == [ids[1]]
+        assert store.retry([ids[1]], "ana") == []  # discarded: gone for good
+        retried = store.event(ids[0])
+        assert retried is not None
+        assert (retried["status"], retried["attempts"]) == ("pending", 0)
+        assert [(h["status"], h["detail"], h["actor"]) for h in retried["history"]][-1] == (
+            "pending", "retried", "ana")
+        store.close()
+        assert statuses(url) == {"pending": 2, "dead": 1, "discarded": 1}
