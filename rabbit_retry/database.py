@@ -9,6 +9,7 @@ marked published, only after it).
 
 from __future__ import annotations
 
+from importlib import resources
 from typing import Any
 
 import sqlalchemy as sa
@@ -56,3 +57,19 @@ def sqlite_pragmas(connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA synchronous=FULL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+
+
+def run_migrations(engine: Engine, package: str, lock: int) -> None:
+    """Bring the tables of ``package`` (its ``migrations``: Alembic's env and versions) to the
+    newest migration, on ``engine``. On PostgreSQL the transaction first takes the advisory lock
+    ``lock``, so that several processes starting at once migrate one after the other."""
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(resources.files(package) / "migrations"))
+    with engine.begin() as connection:
+        if engine.dialect.name == "postgresql":
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": lock})
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")

@@ -11,12 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from rabbit_retry import metric_names as names
+from rabbit_retry.worker.metrics import Durations
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -33,26 +33,11 @@ log = logging.getLogger("rabbit_retry.outbox")
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
 
-class Latencies:
-    """One destination's publish latencies: a count per bucket (the last past every bound) and
-    their sum."""
+class Latencies(Durations):
+    """One destination's publish latencies, counted like the worker's handler durations."""
 
-    __slots__ = ("counts", "sum")
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(BUCKETS, seconds)] += 1
-        self.sum += seconds
-
-    def cumulative(self) -> list[int]:
-        total, out = 0, []
-        for count in list(self.counts):
-            total += count
-            out.append(total)
-        return out
+    __slots__ = ()
+    bounds = BUCKETS
 
 
 class RelayMetrics:

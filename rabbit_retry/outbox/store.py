@@ -27,13 +27,12 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from importlib import resources
 from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from rabbit_retry.database import create_engine
+from rabbit_retry.database import create_engine, run_migrations
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.outbox.decide import RetryPolicy
 from rabbit_retry.outbox.names import (
@@ -143,19 +142,7 @@ class OutboxStore:
     def migrate(self) -> None:
         """Bring the tables to the newest migration (Alembic, version table of our own);
         several relays may start at once."""
-        from alembic import command
-        from alembic.config import Config
-
-        config = Config()
-        config.set_main_option(
-            "script_location", str(resources.files("rabbit_retry.outbox") / "migrations")
-        )
-        with self.engine.begin() as connection:
-            if self.dialect == "postgresql":
-                connection.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"),
-                                   {"k": _MIGRATION_LOCK})
-            config.attributes["connection"] = connection
-            command.upgrade(config, "head")
+        run_migrations(self.engine, "rabbit_retry.outbox", _MIGRATION_LOCK)
 
     def revision(self) -> str | None:
         """The outbox schema's revision in the database; None when it has none."""

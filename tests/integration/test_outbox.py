@@ -6,6 +6,7 @@ key; several relays on PostgreSQL; retention; the relay's metrics and command li
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import sqlite3
@@ -19,7 +20,15 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from support.amqp import drain, on_channel
-from support.outbox import ON_POSTGRES, migrated, outbox_store, relay_running, rows, statuses
+from support.outbox import (
+    ON_POSTGRES,
+    migrated,
+    out_of_order,
+    outbox_store,
+    relay_running,
+    rows,
+    statuses,
+)
 from support.poll import eventually
 from support.process import apply, cli
 
@@ -130,33 +139,17 @@ def _write_psycopg_async(url: str, outbox: Outbox, events: list[dict[str, Any]],
 
 
 def _write_sqlalchemy_async(url: str, outbox: Outbox, events: list[dict[str, Any]],
-                            commit: bool) -> None:
-    from sqlalchemy.ext.asyncio import create_async_engine
-
-    async def write() -> None:
-        engine = create_async_engine(_sqlalchemy_url(url))
-        try:
-            async with engine.connect() as conn:
-                for event in events:
-                    await outbox.add_async(conn, **event)
-                await (conn.commit if commit else conn.rollback)()
-        finally:
-            await engine.dispose()
-
-    asyncio.run(write())
-
-
-def _write_async_session(url: str, outbox: Outbox, events: list[dict[str, Any]],
-                         commit: bool) -> None:
+                            commit: bool, *, session: bool = False) -> None:
+    """Through an ``AsyncConnection``, or with ``session`` an ``AsyncSession``."""
     from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
     async def write() -> None:
         engine = create_async_engine(_sqlalchemy_url(url))
         try:
-            async with AsyncSession(engine) as session:
+            async with AsyncSession(engine) if session else engine.connect() as conn:
                 for event in events:
-                    await outbox.add_async(session, **event)
-                await (session.commit if commit else session.rollback)()
+                    await outbox.add_async(conn, **event)
+                await (conn.commit if commit else conn.rollback)()
         finally:
             await engine.dispose()
 
@@ -172,8 +165,8 @@ WRITERS: list[Any] = [
     pytest.param("postgresql", _write_session, id="sqlalchemy-session", marks=postgres_only),
     pytest.param("postgresql", _write_sqlalchemy_async, id="sqlalchemy-async-connection",
                  marks=postgres_only),
-    pytest.param("postgresql", _write_async_session, id="sqlalchemy-async-session",
-                 marks=postgres_only),
+    pytest.param("postgresql", functools.partial(_write_sqlalchemy_async, session=True),
+                 id="sqlalchemy-async-session", marks=postgres_only),
     pytest.param("postgresql", _write_psycopg, id="psycopg", marks=postgres_only),
     pytest.param("postgresql", _write_psycopg_async, id="psycopg-async", marks=postgres_only),
 ]
@@ -239,6 +232,27 @@ def test_an_unknown_destination_is_refused_and_nothing_is_written(
 
 # --- what the broker refuses -----------------------------------------------------------------
 
+def _committed(url: str, outbox: Outbox, *events: dict[str, Any]) -> None:
+    """``events`` added in one committed transaction (SQLAlchemy)."""
+    engine = sa.create_engine(_sqlalchemy_url(url))
+    try:
+        with engine.begin() as conn:
+            for event in events:
+                outbox.add(conn, **event)
+    finally:
+        engine.dispose()
+
+
+def _to(routing_key: str, message_id: str, key: str | None = None) -> dict[str, Any]:
+    return {"exchange": "shop", "routing_key": routing_key, "body": message_id.encode(),
+            "message_id": message_id, "key": key}
+
+
+def _sequenced(i: int, key: str | None) -> dict[str, Any]:
+    """Event ``i`` of a stream whose order ``support.outbox.out_of_order`` checks."""
+    return {**_to("order.created", f"e-{i}", key), "body": json.dumps({"seq": i, "key": key})}
+
+
 def _history(url: str, event_id: int) -> list[tuple[str, str | None]]:
     store = OutboxStore(url)
     try:
@@ -256,16 +270,9 @@ async def test_an_unroutable_event_fails_with_the_brokers_reason_then_dies_holdi
     outbox = Outbox(topology)
     with outbox_store(kind, tmp_path) as url:
         migrated(url)
-        engine = sa.create_engine(_sqlalchemy_url(url))
-        with engine.begin() as conn:
-            # No queue takes "refund.created": the broker returns it.
-            outbox.add(conn, exchange="shop", routing_key="refund.created", body=b"1",
-                       message_id="lost", key="k")
-            outbox.add(conn, exchange="shop", routing_key="order.created", body=b"2",
-                       message_id="held", key="k")
-            outbox.add(conn, exchange="shop", routing_key="order.created", body=b"3",
-                       message_id="free", key="other")
-        engine.dispose()
+        # No queue takes "refund.created": the broker returns it.
+        _committed(url, outbox, _to("refund.created", "lost", "k"),
+                   _to("order.created", "held", "k"), _to("order.created", "free", "other"))
         retry = RetryPolicy(attempts=2, first_delay=0.2, max_delay=0.2)
         async with relay_running(url, topology, fresh_vhost, retry=retry) as relay:
             await eventually(lambda: statuses(url)["dead"] == 1, what="the unroutable dead")
@@ -281,7 +288,7 @@ async def test_an_unroutable_event_fails_with_the_brokers_reason_then_dies_holdi
         assert _history(url, by_id["lost"]["id"]) == [
             ("pending", "added"), ("failed", reason), ("failed", reason),
             ("dead", "failed 2 times")]
-        # An operator retries it into a queue that takes it: the key moves on, in order.
+        # An operator discards it: the key moves on.
         store = OutboxStore(url)
         store.discard([by_id["lost"]["id"]], "ana", "sent to the wrong key")
         store.close()
@@ -298,13 +305,8 @@ async def test_in_continue_mode_a_failed_event_does_not_hold_its_key(
     outbox = Outbox(topology)
     with outbox_store(kind, tmp_path) as url:
         migrated(url)
-        engine = sa.create_engine(_sqlalchemy_url(url))
-        with engine.begin() as conn:
-            outbox.add(conn, exchange="shop", routing_key="refund.created", body=b"1",
-                       message_id="lost", key="k")
-            outbox.add(conn, exchange="shop", routing_key="order.created", body=b"2",
-                       message_id="next", key="k")
-        engine.dispose()
+        _committed(url, outbox, _to("refund.created", "lost", "k"),
+                   _to("order.created", "next", "k"))
         retry = RetryPolicy(attempts=1)
         async with relay_running(url, topology, fresh_vhost, retry=retry,
                                  on_failure="continue") as relay:
@@ -378,21 +380,14 @@ async def test_events_of_a_key_arrive_in_the_order_they_were_added(
     n, keys = 600, 7
     with outbox_store(kind, tmp_path) as url:
         migrated(url)
-        engine = sa.create_engine(_sqlalchemy_url(url))
         for start in range(0, n, 50):
-            with engine.begin() as conn:
-                for i in range(start, start + 50):
-                    outbox.add(conn, exchange="shop", routing_key="order.created",
-                               body=str(i).encode(), message_id=f"e-{i}",
-                               key=None if i % 5 == 0 else f"k{i % keys}")
-        engine.dispose()
+            _committed(url, outbox, *(_sequenced(i, None if i % 5 == 0 else f"k{i % keys}")
+                                      for i in range(start, start + 50)))
         async with relay_running(url, topology, fresh_vhost, batch=50, depth=3) as relay:
             await eventually(lambda: relay.published == n, what=f"{n} published")
         copies = await drain(fresh_vhost, "shop.orders")
-    assert sorted(int(c.body) for c in copies) == list(range(n))
-    for key in range(keys):
-        seen = [int(c.body) for c in copies if int(c.body) % 5 and int(c.body) % keys == key]
-        assert seen == sorted(seen), f"k{key} out of order"
+    assert sorted(json.loads(c.body)["seq"] for c in copies) == list(range(n))
+    assert out_of_order([c.body for c in copies]) == []
 
 
 @postgres_only
@@ -403,13 +398,8 @@ async def test_two_relays_on_one_postgresql_outbox_never_publish_an_event_twice(
     n = 5000
     with outbox_store("postgresql", tmp_path) as url:
         migrated(url)
-        engine = sa.create_engine(_sqlalchemy_url(url))
-        with engine.begin() as conn:
-            for i in range(n):
-                outbox.add(conn, exchange="shop", routing_key="order.created",
-                           body=str(i).encode(), message_id=f"e-{i}",
-                           key=f"k{i % 40}" if i % 2 else None)
-        engine.dispose()
+        _committed(url, outbox, *(_sequenced(i, f"k{i % 40}" if i % 2 else None)
+                                  for i in range(n)))
         async with (relay_running(url, topology, fresh_vhost, batch=100) as one,
                     relay_running(url, topology, fresh_vhost, batch=100) as two):
             await eventually(lambda: one.published + two.published == n, within=120,
@@ -419,9 +409,7 @@ async def test_two_relays_on_one_postgresql_outbox_never_publish_an_event_twice(
         copies = await drain(fresh_vhost, "shop.orders")
     ids = [c.message_id for c in copies]
     assert len(ids) == n and set(ids) == {f"e-{i}" for i in range(n)}
-    for key in range(40):
-        seen = [int(c.body) for c in copies if int(c.body) % 2 and int(c.body) % 40 == key]
-        assert seen == sorted(seen), f"k{key} out of order"
+    assert out_of_order([c.body for c in copies]) == []
 
 
 @pytest.mark.parametrize("kind", STORES)
@@ -431,12 +419,7 @@ def test_published_and_discarded_events_older_than_keep_are_removed_with_their_h
     outbox = Outbox(_file(tmp_path))
     with outbox_store(kind, tmp_path) as url:
         migrated(url)
-        engine = sa.create_engine(_sqlalchemy_url(url))
-        with engine.begin() as conn:
-            for i in range(6):
-                outbox.add(conn, exchange="shop", routing_key="order.created", body=b"",
-                           message_id=f"e-{i}")
-        engine.dispose()
+        _committed(url, outbox, *(_to("order.created", f"e-{i}") for i in range(6)))
         store = OutboxStore(url)
         old, new = datetime.now(UTC) - timedelta(days=2), datetime.now(UTC)
         claim = store.claim(2)
@@ -571,14 +554,10 @@ def test_dead_events_are_listed_shown_with_their_history_retried_and_discarded(
     outbox = Outbox(_file(tmp_path))
     with outbox_store(kind, tmp_path) as url:
         migrated(url)
-        engine = sa.create_engine(_sqlalchemy_url(url))
-        with engine.begin() as conn:
-            for i in range(3):
-                outbox.add(conn, exchange="shop", routing_key="refund.created",
-                           body=b"\xff" if i == 2 else f'{{"n": {i}}}', message_id=f"d-{i}",
-                           key="k", headers={"tenant": "acme"})
-            outbox.add(conn, queue="shop.orders", body=b"ok", message_id="alive")
-        engine.dispose()
+        _committed(url, outbox, *({**_to("refund.created", f"d-{i}", "k"),
+                                   "body": b"\xff" if i == 2 else f'{{"n": {i}}}',
+                                   "headers": {"tenant": "acme"}} for i in range(3)),
+                   {"queue": "shop.orders", "body": b"ok", "message_id": "alive"})
         store = OutboxStore(url)
         claim = store.claim(10, on_failure="continue")
         dead_rows = [r for r in claim.rows if r.message_id.startswith("d-")]

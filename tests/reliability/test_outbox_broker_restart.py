@@ -10,42 +10,25 @@ from pathlib import Path
 
 from support.amqp import drain_sync
 from support.broker import ctl
-from support.outbox import RelayProcess, Writer, out_of_order, statuses
+from support.outbox import RelayProcess, Writer, events_topology, out_of_order, published
 from support.poll import wait_for
-from support.process import apply
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.outbox import Outbox
 from rabbit_retry.settings import Settings
 
-TOPOLOGY = """\
-version: 1
-exchanges:
-  rel: {type: topic}
-queues:
-  rel.events:
-    queue_type: quorum
-    bindings: [{exchange: rel, routing_key: "event.*"}]
-"""
-
-
-def _published(url: str) -> int:
-    return statuses(url)["published"]
-
 
 def test_the_broker_restarted_under_a_publishing_relay_loses_nothing(
     fresh_vhost: Settings, tmp_path: Path, management: Management,
 ) -> None:
-    topology = tmp_path / "rel.yml"
-    topology.write_text(TOPOLOGY)
-    apply(fresh_vhost, topology)
+    topology = events_topology(fresh_vhost, tmp_path, "quorum")
     url = f"sqlite:///{tmp_path / 'app.db'}"
     relay = RelayProcess(fresh_vhost, topology, url, tmp_path / "relay.log")
     writer = Writer(url, Outbox(topology), 20_000, exchange="rel", routing_key="event.new")
     try:
         relay.start()
         writer.start()
-        wait_for(lambda: _published(url) >= 3_000, "3,000 published", interval=0.05)
+        wait_for(lambda: published(url) >= 3_000, "3,000 published", interval=0.05)
         try:
             ctl(management, "stop_app")
             time.sleep(1)
@@ -54,7 +37,7 @@ def test_the_broker_restarted_under_a_publishing_relay_loses_nothing(
             ctl(management, "await_startup")
         writer.join()
         committed = len(writer.committed)
-        wait_for(lambda: _published(url) == committed, "every committed event published",
+        wait_for(lambda: published(url) == committed, "every committed event published",
                  within=600, interval=0.5)
         assert relay.stop() == 0
     finally:

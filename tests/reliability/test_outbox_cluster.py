@@ -15,23 +15,20 @@ from pathlib import Path
 
 from support.amqp import drain_sync
 from support.cluster import cluster_or_skip, leader
-from support.outbox import RelayProcess, Writer, migrated, out_of_order, statuses
+from support.outbox import (
+    RelayProcess,
+    Writer,
+    events_topology,
+    migrated,
+    out_of_order,
+    published,
+)
 from support.poll import wait_for
-from support.process import apply
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.outbox import Outbox
 from rabbit_retry.settings import Settings
 
-TOPOLOGY = """\
-version: 1
-exchanges:
-  rel: {type: topic}
-queues:
-  rel.events:
-    queue_type: quorum
-    bindings: [{exchange: rel, routing_key: "event.*"}]
-"""
 EVENTS = 20_000
 DOWN_FOR_S = 20.0
 
@@ -41,9 +38,7 @@ def test_the_relay_rides_the_loss_of_the_node_leading_its_queue(
 ) -> None:
     cluster = cluster_or_skip(management)
     started = time.monotonic()
-    topology = tmp_path / "rel.yml"
-    topology.write_text(TOPOLOGY)
-    apply(fresh_vhost, topology)
+    topology = events_topology(fresh_vhost, tmp_path, "quorum")
     url = f"sqlite:///{tmp_path / 'app.db'}"
     migrated(url)
     writer = Writer(url, Outbox(topology), EVENTS, exchange="rel", routing_key="event.new")
@@ -52,11 +47,11 @@ def test_the_relay_rides_the_loss_of_the_node_leading_its_queue(
         writer.start()
         relay.start()
         pid = relay.process.pid if relay.process else None
-        wait_for(lambda: statuses(url)["published"] >= EVENTS // 4, "a quarter published",
+        wait_for(lambda: published(url) >= EVENTS // 4, "a quarter published",
                  within=600)
         victim = leader(management, fresh_vhost.vhost, "rel.events")
         cluster.kill(victim)
-        at_kill = statuses(url)["published"]
+        at_kill = published(url)
         try:
             time.sleep(DOWN_FOR_S)  # the stream goes on while the node is down
         finally:
@@ -65,7 +60,7 @@ def test_the_relay_rides_the_loss_of_the_node_leading_its_queue(
         committed = len(writer.committed)
         # Positive control: the kill came while there was still work to do.
         assert at_kill < committed, (at_kill, committed)
-        wait_for(lambda: statuses(url)["published"] == committed,
+        wait_for(lambda: published(url) == committed,
                  "every committed event published", within=900, interval=0.5)
         assert relay.process is not None and relay.process.pid == pid and not relay.exited(), \
             "the relay must move to a surviving node by itself"

@@ -16,7 +16,7 @@ from pathlib import Path
 from rel_support import Worker, ok_ids
 from rel_support import records as read_records
 from support.amqp import drain_sync, total_depth
-from support.outbox import RelayProcess, Writer, migrated, statuses
+from support.outbox import RelayProcess, Writer, migrated, published
 from support.poll import wait_for
 from support.process import apply
 
@@ -66,7 +66,7 @@ def test_outbox_relay_and_idempotent_worker_through_kills_run_each_side_effect_o
         relay_kills = worker_kills = 0
         for share in (0.25, 0.5):
             at_least = int(EVENTS * 6 / 7 * share)
-            wait_for(lambda a=at_least: statuses(url)["published"] >= a, f"{at_least} published",
+            wait_for(lambda a=at_least: published(url) >= a, f"{at_least} published",
                      interval=0.05)
             relay.kill()
             relay_kills += 1
@@ -81,7 +81,7 @@ def test_outbox_relay_and_idempotent_worker_through_kills_run_each_side_effect_o
         writer.join()
         committed = writer.committed
         assert len(ok_ids(records)) < len(committed), "the stream ended before the last kill"
-        wait_for(lambda: statuses(url)["published"] == len(committed), "all published",
+        wait_for(lambda: published(url) == len(committed), "all published",
                  within=300)
         wait_for(lambda: committed <= ok_ids(records) and total_depth(
             fresh_vhost, ["rel.orders", "rel.orders.retry.200ms", "rel.orders.retry.500ms"])
@@ -93,14 +93,14 @@ def test_outbox_relay_and_idempotent_worker_through_kills_run_each_side_effect_o
     effects = Counter(m for m, _ in read_records(records, "ok"))
     calls = Counter(m for m, _ in read_records(records, "calls"))
     twice = {m: n for m, n in effects.items() if n > 1}
-    published = Counter(c.message_id for c in drain_sync(fresh_vhost, "rel.audit"))
-    relay_duplicates = sum(n - 1 for n in published.values())
+    sent = Counter(c.message_id for c in drain_sync(fresh_vhost, "rel.audit"))
+    relay_duplicates = sum(n - 1 for n in sent.values())
     print(f"[reliability] outbox end to end: {len(committed)} committed, "
           f"{len(writer.rolled_back)} rolled back; relay killed {relay_kills}x and published "
           f"{relay_duplicates} events twice; worker killed {worker_kills}x; handler calls "
           f"{sum(calls.values())}, side effects {sum(effects.values())}, twice: {len(twice)}; "
           f"{time.monotonic() - started:.0f}s")
-    assert set(published) == committed  # the relay: every committed event, no other
+    assert set(sent) == committed  # the relay: every committed event, no other
     assert set(effects) == committed  # every committed event's side effect, no other
     # A side effect twice only from a worker killed between it and its record: never for an
     # event the relay published twice (the consumer's Idempotency took the second as done).

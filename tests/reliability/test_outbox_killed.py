@@ -18,41 +18,22 @@ from support.outbox import (
     ON_POSTGRES,
     RelayProcess,
     Writer,
+    events_topology,
     migrated,
     out_of_order,
     outbox_store,
+    published,
     statuses,
 )
 from support.poll import wait_for
-from support.process import apply
 
 from rabbit_retry.outbox import Outbox
 from rabbit_retry.outbox.relay import BATCH, DEPTH
 from rabbit_retry.settings import Settings
 
-TOPOLOGY = """\
-version: 1
-exchanges:
-  rel: {type: topic}
-queues:
-  rel.events:
-    queue_type: classic
-    bindings: [{exchange: rel, routing_key: "event.*"}]
-"""
 EVENTS = 50_000
 STORES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.skipif(
     not ON_POSTGRES, reason="PostgreSQL is tested with RabbitMQ 4.3 (its side is the same)"))]
-
-
-def _topology(settings: Settings, tmp_path: Path) -> Path:
-    path = tmp_path / "rel.yml"
-    path.write_text(TOPOLOGY)
-    apply(settings, path)
-    return path
-
-
-def _published(url: str) -> int:
-    return statuses(url)["published"]
 
 
 @pytest.mark.timeout(1800)
@@ -61,7 +42,7 @@ def test_two_relays_each_killed_twice_deliver_every_committed_event_in_key_order
     fresh_vhost: Settings, tmp_path: Path, kind: str,
 ) -> None:
     started = time.monotonic()
-    topology = _topology(fresh_vhost, tmp_path)
+    topology = events_topology(fresh_vhost, tmp_path, "classic")
     with outbox_store(kind, tmp_path) as url:
         relays = [RelayProcess(fresh_vhost, topology, url, tmp_path / f"relay-{n}.log")
                   for n in (1, 2)]
@@ -81,20 +62,20 @@ def test_two_relays_each_killed_twice_deliver_every_committed_event_in_key_order
                 if kind == "sqlite":  # kill the one that publishes (the other waits)
                     victim = max(relays, key=lambda r: r.log().rfind("holds the lease"))
                 at_least = int(EVENTS * 6 / 7 * share)
-                wait_for(lambda a=at_least: _published(url) >= a, f"{at_least} published",
+                wait_for(lambda a=at_least: published(url) >= a, f"{at_least} published",
                          within=600, interval=0.05)
                 victim.kill()
                 kills += 1
-                published = _published(url)
-                print(f"[reliability] relay killed with {published} events published, "
+                at_kill = published(url)
+                print(f"[reliability] relay killed with {at_kill} events published, "
                       f"{depth_sync(fresh_vhost, 'rel.events')} in the queue")
                 victim.start()
             writer.join()
             committed = len(writer.committed)
             # Positive control: the kills came while events were still being written and sent.
-            assert published < committed, (published, committed)
+            assert at_kill < committed, (at_kill, committed)
             try:
-                wait_for(lambda: _published(url) == committed,
+                wait_for(lambda: published(url) == committed,
                          "every committed event published", within=900, interval=0.5)
             except AssertionError:
                 for relay in relays:

@@ -50,6 +50,23 @@ def migrated(url: str) -> None:
         store.close()
 
 
+def events_topology(settings: Settings, directory: Path, queue_type: str) -> Path:
+    """A file with exchange ``rel`` and queue ``rel.events`` (bound to ``event.*``), applied to
+    ``settings``' vhost: where the fault tests' ``Writer`` sends its events."""
+    from .process import apply
+
+    path = directory / "rel.yml"
+    path.write_text("version: 1\nexchanges:\n  rel: {type: topic}\nqueues:\n  rel.events:\n"
+                    f"    queue_type: {queue_type}\n"
+                    '    bindings: [{exchange: rel, routing_key: "event.*"}]\n')
+    apply(settings, path)
+    return path
+
+
+def published(url: str) -> int:
+    return statuses(url)["published"]
+
+
 def statuses(url: str) -> Counter[str]:
     """Events per status, read straight from the table."""
     engine = sa.create_engine(_sqlalchemy(url))
