@@ -86,6 +86,7 @@ class Outbox:
         event = self.event(exchange=exchange, routing_key=routing_key, queue=queue, body=body,
                            message_id=message_id, key=key, headers=headers, **properties)
         kind = connection_kind(conn)
+        _refuse_autocommit(kind, conn)
         if kind == "sqlalchemy":
             conn.execute(_statement(), event.row())
         elif kind == "psycopg":
@@ -108,6 +109,7 @@ class Outbox:
         event = self.event(exchange=exchange, routing_key=routing_key, queue=queue, body=body,
                            message_id=message_id, key=key, headers=headers, **properties)
         kind = connection_kind(conn)
+        _refuse_autocommit(kind, conn)
         if kind == "sqlalchemy-async":
             await conn.execute(_statement(), event.row())
         elif kind == "psycopg-async":
@@ -116,6 +118,32 @@ class Outbox:
             raise TypeError(f"add_async: {type(conn).__name__} is synchronous: use "
                             "`outbox.add(conn, ...)`")
         return event.message_id
+
+
+def _refuse_autocommit(kind: Kind, conn: Any) -> None:
+    """A connection in autocommit mode outside a transaction would commit the event on its own,
+    whatever became of the application's other writes: that is no outbox. (A SQLAlchemy
+    ``Connection`` is looked at through its driver's connection: SQLite's or psycopg's.)"""
+    raw = conn
+    if kind == "sqlalchemy" and hasattr(conn, "get_execution_options"):
+        if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            raw = None
+        else:
+            raw = conn.connection.dbapi_connection
+    if raw is None or _alone(raw):
+        raise ValueError(f"add: the {type(conn).__name__} is in autocommit mode outside a "
+                         "transaction, so the event would commit on its own; add it inside the "
+                         "transaction of the writes it belongs with; nothing was written")
+
+
+def _alone(raw: Any) -> bool:
+    """Whether a driver's connection autocommits each statement right now."""
+    if isinstance(raw, sqlite3.Connection):
+        autocommit = raw.isolation_level is None or getattr(raw, "autocommit", None) is True
+        return autocommit and not raw.in_transaction
+    if type(raw).__module__.startswith("psycopg") and hasattr(raw, "info"):
+        return bool(raw.autocommit) and raw.info.transaction_status == 0  # IDLE
+    return False
 
 
 _STATEMENT: list[Any] = []

@@ -230,6 +230,47 @@ def test_an_unknown_destination_is_refused_and_nothing_is_written(
         ("", "shop.orders", "good")]
 
 
+def test_a_connection_in_autocommit_mode_outside_a_transaction_is_refused(
+    tmp_path: Path,
+) -> None:
+    outbox = Outbox(_file(tmp_path))
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    said = ("add: the Connection is in autocommit mode outside a transaction, so the event "
+            "would commit on its own; add it inside the transaction of the writes it belongs "
+            "with; nothing was written")
+    conn = sqlite3.connect(tmp_path / "app.db", isolation_level=None)
+    with pytest.raises(ValueError) as refused:
+        outbox.add(conn, queue="shop.orders", body=b"", message_id="alone")
+    assert str(refused.value) == said
+    conn.execute("BEGIN")  # positive control: inside a transaction it is taken
+    outbox.add(conn, queue="shop.orders", body=b"", message_id="in-a-transaction")
+    conn.execute("COMMIT")
+    conn.close()
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as auto, pytest.raises(ValueError, match="autocommit mode"):
+        outbox.add(auto, queue="shop.orders", body=b"", message_id="sqlalchemy-alone")
+    engine.dispose()
+    assert [r["message_id"] for r in rows(url)] == ["in-a-transaction"]
+
+
+@postgres_only
+def test_a_psycopg_connection_in_autocommit_mode_needs_a_transaction_block(
+    tmp_path: Path,
+) -> None:
+    import psycopg
+
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            with pytest.raises(ValueError, match="autocommit mode outside a transaction"):
+                outbox.add(conn, queue="shop.orders", body=b"", message_id="alone")
+            with conn.transaction():
+                outbox.add(conn, queue="shop.orders", body=b"", message_id="in-a-block")
+        assert [r["message_id"] for r in rows(url)] == ["in-a-block"]
+
+
 # --- what the broker refuses -----------------------------------------------------------------
 
 def _committed(url: str, outbox: Outbox, *events: dict[str, Any]) -> None:
