@@ -222,7 +222,6 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
     else:
         _print_changes(changes, settings.vhost)
         _notes(compiled, live)
-        click.echo(destinations.describe())
     totals = count(changes)
     if totals["conflict"]:
         raise ConflictError(

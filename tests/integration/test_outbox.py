@@ -630,3 +630,12 @@ def test_dead_events_are_listed_shown_with_their_history_retried_and_discarded(
             "pending", "retried", "ana")
         store.close()
         assert statuses(url) == {"pending": 2, "dead": 1, "discarded": 1}
+
+
+def test_plan_json_names_the_outbox_destinations(
+    fresh_vhost: Settings, topology: Path, run_cli: Callable[..., Any],
+) -> None:
+    planned = run_cli("plan", str(topology), "--json", settings=fresh_vhost)
+    assert planned.code == 0, planned.err
+    assert json.loads(planned.out)["outbox_destinations"] == {
+        "exchanges": ["locked", "shop"], "queues": ["shop.orders"]}
