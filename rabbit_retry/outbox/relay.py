@@ -432,7 +432,7 @@ class Relay:
             while not self._stop.is_set() and self._leased.is_set():
                 self.metrics.beat()
                 if connection.is_closed:  # noticed even while there is nothing to publish
-                    raise ConnectionError("the connection closed")
+                    raise _why_closed(connection)
                 if len(running) >= self.depth:
                     await self._first_of(running)
                     continue
@@ -608,6 +608,16 @@ class Relay:
                                     "later", _first_line(exc))
                     failing = True
             await asyncio.sleep(5.0)
+
+
+def _why_closed(connection: AbstractConnection) -> BaseException:
+    """The error a closed connection ended with (the broker's reason, when it gave one)."""
+    closing = connection.closing
+    if closing.done() and not closing.cancelled():
+        error = closing.exception()
+        if isinstance(error, Exception):
+            return error
+    return ConnectionError("the connection closed")
 
 
 def _first_line(exc: BaseException) -> str:

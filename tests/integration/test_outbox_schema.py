@@ -13,13 +13,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from support.outbox import ON_POSTGRES, migrated, outbox_store
+from support.outbox import migrated, outbox_store
 
 from rabbit_retry.outbox.schema import metadata
 from rabbit_retry.outbox.store import HEAD, OutboxStore
 
-STORES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.skipif(
-    not ON_POSTGRES, reason="PostgreSQL is tested with RabbitMQ 4.3"))]
+STORES = ["sqlite", "postgresql"]
 
 
 def _engine(url: str) -> sa.Engine:

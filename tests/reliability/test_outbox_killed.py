@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from support.amqp import depth_sync, drain_sync
 from support.outbox import (
-    ON_POSTGRES,
     RelayProcess,
     Writer,
     events_topology,
@@ -32,8 +31,7 @@ from rabbit_retry.outbox.relay import BATCH, DEPTH
 from rabbit_retry.settings import Settings
 
 EVENTS = 50_000
-STORES = ["sqlite", pytest.param("postgresql", marks=pytest.mark.skipif(
-    not ON_POSTGRES, reason="PostgreSQL is tested with RabbitMQ 4.3 (its side is the same)"))]
+STORES = ["sqlite", "postgresql"]
 
 
 @pytest.mark.timeout(1800)

@@ -25,10 +25,6 @@ from .poll import eventually, wait_for
 from .process import CLI
 from .stores import throwaway_postgres
 
-# PostgreSQL runs with the newest broker only (scripts/test.sh sets RABBIT_RETRY_TEST_BROKER):
-# its side does not depend on the broker's version; SQLite runs with every one.
-ON_POSTGRES = os.environ.get("RABBIT_RETRY_TEST_BROKER", "4.3") == "4.3"
-
 
 @contextlib.contextmanager
 def outbox_store(kind: str, tmp_path: Path) -> Iterator[str]:
