@@ -79,7 +79,7 @@ def test_smoke_run_writes_the_report_and_leaves_no_vhost(
     report = json.loads((tmp_path / "run.json").read_text())
     benches = report["benches"]
     assert list(benches) == ["worker", "retry", "storm", "peers", "apply", "replay", "desk",
-                             "outbox", "resilience", "cluster", "migrate"]
+                             "outbox", "resilience", "cluster", "migrate", "tracing"]
     for key, (systems, width) in SHAPES.items():
         result = benches[key]["result"]
         assert [row[0] for row in result["rows"]] == systems, key
