@@ -119,6 +119,14 @@ BENCHES = (
         1800,
     ),
     Bench(
+        "outbox",
+        "bench.bench_outbox",
+        "Outbox: the relay against a bare pipelined confirmed publish, and the cost of add",
+        {"n": 20_000, "m": 5_000, "runs": 3},
+        {"n": 100, "m": 50, "runs": 1},
+        1800,
+    ),
+    Bench(
         "resilience",
         "bench.bench_resilience",
         "Idempotency stores on the success path, and a Pause's reaction to an outage",

@@ -1,4 +1,5 @@
-"""Every Prometheus series rabbit-retry exposes, named once: the worker's and the failure desk's.
+"""Every Prometheus series rabbit-retry exposes, named once: the worker's, the failure desk's and
+the outbox relay's.
 
 The worker and the desk register their metrics from these specs, and ``export --format alerts``
 and ``--format grafana`` query them, so a rename reaches all three. ``name`` is the series as
@@ -105,3 +106,67 @@ DESK_DISCARDED = Series(
 )
 
 DESK = (DESK_PARKED, DESK_OLDEST_PARKED_SECONDS, DESK_INGESTED, DESK_REPLAYED, DESK_DISCARDED)
+
+# --- the outbox relay (README, "The outbox") -------------------------------------------------
+# ``destination`` is where an event goes: its exchange, or the queue it was sent to straight.
+# The gauges of events now are read from the outbox table at each scrape (every relay on one
+# database reports the same: aggregate them with max); the rest are the relay process's own.
+
+OUTBOX_PENDING = Series(
+    "rabbit_retry_outbox_pending",
+    "gauge",
+    ("destination",),
+    "Events added and not yet published, nor tried and failed.",
+)
+OUTBOX_FAILED = Series(
+    "rabbit_retry_outbox_failed",
+    "gauge",
+    ("destination",),
+    "Events the broker refused, waiting for their next try.",
+)
+OUTBOX_DEAD = Series(
+    "rabbit_retry_outbox_dead",
+    "gauge",
+    ("destination",),
+    "Events that failed every try; they wait for an operator to retry or discard them.",
+)
+OUTBOX_OLDEST_PENDING_SECONDS = Series(
+    "rabbit_retry_outbox_oldest_pending_seconds",
+    "gauge",
+    ("destination",),
+    "Age in seconds of the oldest event waiting to be published (pending or failed); 0: none.",
+)
+OUTBOX_PUBLISHED = Series(
+    "rabbit_retry_outbox_published_total",
+    "counter",
+    ("destination",),
+    "Events this relay published (the broker confirmed them).",
+)
+OUTBOX_FAILURES = Series(
+    "rabbit_retry_outbox_failures_total",
+    "counter",
+    ("destination",),
+    "Publishes the broker returned or refused (each try counts).",
+)
+OUTBOX_PUBLISH_SECONDS = Series(
+    "rabbit_retry_outbox_publish_seconds",
+    "histogram",
+    ("destination",),
+    "Time from an event's add to the broker's confirm of its publish.",
+)
+OUTBOX_HEARTBEAT = Series(
+    "rabbit_retry_outbox_relay_heartbeat_seconds",
+    "gauge",
+    (),
+    "Unix time of the relay's last round of work (it runs even while nothing is published).",
+)
+OUTBOX_PUBLISHING = Series(
+    "rabbit_retry_outbox_relay_publishing",
+    "gauge",
+    (),
+    "1 while the relay publishes; 0 while it waits for the broker or (SQLite) another relay.",
+)
+
+OUTBOX = (OUTBOX_PENDING, OUTBOX_FAILED, OUTBOX_DEAD, OUTBOX_OLDEST_PENDING_SECONDS,
+          OUTBOX_PUBLISHED, OUTBOX_FAILURES, OUTBOX_PUBLISH_SECONDS, OUTBOX_HEARTBEAT,
+          OUTBOX_PUBLISHING)

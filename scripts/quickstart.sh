@@ -2,11 +2,13 @@
 # The README's first command: installs rabbit-retry into .venv, makes sure a broker answers
 # (starting a local one where it can, see scripts/ensure-broker.sh), validates and applies a
 # topology (default topologies/orders.yml) and shows its status; then the whole loop on
-# topologies/demo.yml: a worker handles three sample orders (one succeeds, one is retried
-# through a tier, one parks), `parking show` lists what parked, and the failure desk takes it in
-# and serves its page (http://127.0.0.1:8025/, or the next free port). On a terminal the desk
-# runs until Ctrl-C; without one (CI) it stops once it has shown what parked. Safe to run
-# again: apply is idempotent (each run parks one more sample order).
+# topologies/demo.yml: a shop writes each order and its event in one transaction (the outbox;
+# one order rolls back and is never published), the relay publishes the events, a worker
+# handles them (one succeeds, one is retried through a tier, one parks), `parking show` lists
+# what parked, and the failure desk takes it in and serves its page (http://127.0.0.1:8025/, or
+# the next free port). On a terminal the desk runs until Ctrl-C; without one (CI) it stops once
+# it has shown what parked. Safe to run again: apply is idempotent (each run parks one more
+# sample order).
 #
 #   ./scripts/quickstart.sh [TOPOLOGY_FILE]
 #
@@ -50,7 +52,7 @@ if "$RR" status --help >/dev/null 2>&1; then
     run status "$SHOWN"
 fi
 
-stage "the loop: apply topologies/demo.yml, a worker handles three sample orders"
+stage "the loop: apply topologies/demo.yml; orders and their events, a relay, a worker"
 "$RR" apply topologies/demo.yml </dev/null
 "$VENV/bin/python" -m examples.demo </dev/null
 run parking show demo.orders

@@ -62,9 +62,20 @@ ANY_VERSION = (
     "integration/test_provision_corpus.py::test_bad_file_is_refused_*",  # the same
     # The store's side of a killed desk; the broker's side runs per version on SQLite.
     "reliability/test_desk_killed.py::*[[]postgresql[]]",
+    # The outbox's: its schema (no broker), a PostgreSQL outbox's side (the broker's side runs
+    # per version on SQLite), and what the store and add do without a broker.
+    "integration/test_outbox_schema.py",
+    "integration/test_outbox.py::*postgresql*",
+    "integration/test_outbox.py::test_an_unknown_destination_*",
+    "integration/test_outbox.py::test_a_connection_in_autocommit_mode_*",
+    "integration/test_outbox.py::test_published_and_discarded_events_older_than_keep_*",
+    "integration/test_outbox.py::test_dead_events_are_listed_*",
+    "integration/test_outbox.py::test_the_relay_command_refuses_bad_input_*",
+    "reliability/test_outbox_killed.py::*[[]postgresql[]]",
 )
 ALONE = (
     "reliability/test_worker_faults.py::test_broker_app_stopped_and_started_mid_stream_*",
+    "reliability/test_outbox_broker_restart.py",
 )
 CLUSTER = (
     "integration/test_cluster_urls.py",
@@ -73,6 +84,7 @@ CLUSTER = (
 NEEDS_CLUSTER = (
     "integration/test_cluster_status.py",
     "reliability/test_cluster.py",
+    "reliability/test_outbox_cluster.py",
     "integration/test_cluster_urls.py::test_amqp_and_management_on_different_nodes_*",
 )
 # Files whose tests share a costly module fixture (the TLS node) run on one xdist worker.

@@ -79,13 +79,13 @@ def test_smoke_run_writes_the_report_and_leaves_no_vhost(
     report = json.loads((tmp_path / "run.json").read_text())
     benches = report["benches"]
     assert list(benches) == ["worker", "retry", "storm", "peers", "apply", "replay", "desk",
-                             "resilience", "cluster", "migrate"]
+                             "outbox", "resilience", "cluster", "migrate", "tracing"]
     for key, (systems, width) in SHAPES.items():
         result = benches[key]["result"]
         assert [row[0] for row in result["rows"]] == systems, key
         assert all(len(row) == width == len(result["columns"]) for row in result["rows"]), key
     # cluster: measured when scripts/cluster.sh's cluster is up, otherwise a note says why.
-    for key in ("worker", "apply", "desk", "cluster"):
+    for key in ("worker", "apply", "desk", "outbox", "cluster"):
         assert "error" not in benches[key], benches[key].get("error")
         assert "result" in benches[key] or "missing" in benches[key]
     machine = report["machine"]

@@ -39,26 +39,46 @@ async def publish_batch(
     A future fails with ``aiormq.exceptions.PublishError`` when its message is returned,
     ``DeliveryError`` when the broker nacks it, and with the channel's error when the channel
     closes first."""
+    return await publish_many(
+        channel, [(exchange, routing_key, body, properties) for body, properties in messages],
+        mandatory=mandatory,
+    )
+
+
+async def publish_many(
+    channel: aiormq.Channel,
+    messages: Sequence[tuple[str, str, bytes, spec.Basic.Properties]],
+    *,
+    mandatory: bool = True,
+) -> list[asyncio.Future[object]]:
+    """``publish_batch`` for messages that go to different places: (exchange, routing key,
+    body, properties) each, still in one write."""
     if not channel.publisher_confirms:
         raise ValueError("publish_batch needs a channel in confirm mode")
+    if not all(properties.message_id for *_, properties in messages):
+        raise ValueError("publish_batch needs a message_id on every message")
     futures: list[asyncio.Future[object]] = []
-    # One method frame serves every message: the same exchange, routing key and flags.
-    method = pamqp.frame.marshal(
-        spec.Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=mandatory),
-        channel.number,
-    )
+    # One method frame per destination, encoded once for all the messages that share it.
+    methods: dict[tuple[str, str], bytes] = {}
     payload: list[bytes] = []
     async with channel.lock:
         first = channel.delivery_tag
-        for body, properties in messages:
-            if not properties.message_id:
-                raise ValueError("publish_batch needs a message_id on every message")
+        for exchange, routing_key, body, properties in messages:
+            method = methods.get((exchange, routing_key))
+            if method is None:
+                method = methods[exchange, routing_key] = pamqp.frame.marshal(
+                    spec.Basic.Publish(exchange=exchange, routing_key=routing_key,
+                                       mandatory=mandatory),
+                    channel.number,
+                )
+            message_id = properties.message_id
+            assert message_id  # checked above
             channel.delivery_tag += 1
             tag = channel.delivery_tag
             future = channel.create_future()
             channel.confirmations[tag] = future
-            channel.message_id_delivery_tag[properties.message_id] = tag
-            future.add_done_callback(_forget(channel, properties.message_id, tag))
+            channel.message_id_delivery_tag[message_id] = tag
+            future.add_done_callback(_forget(channel, message_id, tag))
             futures.append(future)
             payload.append(method)
             header = ContentHeader(properties=properties, body_size=len(body))

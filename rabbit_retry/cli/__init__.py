@@ -58,6 +58,7 @@ VERBS = {
     "migrate": "provision",
     "parking": "operate",
     "plan": "provision",
+    "relay": "relay",
     "status": "operate",
     "validate": "provision",
     "worker": "worker",

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -42,6 +43,9 @@ from rabbit_retry.text import plural
 from rabbit_retry.topology import Plan, compile_topology, load_topology, naming
 from rabbit_retry.topology.export import to_definitions, to_mermaid
 from rabbit_retry.topology.monitoring import to_alerts, to_grafana
+
+if TYPE_CHECKING:
+    from rabbit_retry.outbox.destinations import Destinations
 
 _STYLE = {
     "create": "green",
@@ -185,6 +189,14 @@ def validate(file: str) -> None:
     )
     for c in diff(compiled, LiveState.empty()):
         click.echo(f"  {c.object:<8} {c.name}" + (f"  ({c.detail})" if c.detail else ""))
+    click.echo(_destinations(compiled, file).describe())
+
+
+def _destinations(compiled: Plan, file: str) -> Destinations:
+    """Where ``Outbox.add`` may send an event, for this file (README, "The outbox")."""
+    from rabbit_retry.outbox.destinations import Destinations
+
+    return Destinations.of_plan(compiled, file)
 
 
 @click.command()
@@ -194,6 +206,7 @@ def validate(file: str) -> None:
 def plan(settings: Settings, file: str, as_json: bool) -> None:
     """Compare FILE with the live broker; exit 3 if anything conflicts."""
     compiled = _load(file)
+    destinations = _destinations(compiled, file)
     changes, live = _read(settings, compiled)
     if as_json:
         document = {
@@ -202,6 +215,8 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
             "summary": count(changes),
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
+            "outbox_destinations": {"exchanges": sorted(destinations.exchanges),
+                                    "queues": sorted(destinations.queues)},
         }
         click.echo(json.dumps(document, indent=2, sort_keys=True))
     else:
@@ -335,9 +350,10 @@ def export(file: str, fmt: str, out: str | None) -> None:
     if fmt == "definitions":
         text = json.dumps(to_definitions(compiled), indent=2, sort_keys=True) + "\n"
     elif fmt == "alerts":
-        text = to_alerts(compiled)
+        text = to_alerts(compiled, destinations=_destinations(compiled, file).names)
     elif fmt == "grafana":
-        text = to_grafana(compiled, title=f"rabbit-retry: {Path(file).stem}")
+        text = to_grafana(compiled, title=f"rabbit-retry: {Path(file).stem}",
+                          destinations=_destinations(compiled, file).names)
     else:
         text = to_mermaid(compiled).rstrip("\n") + "\n"
     if out is None:

@@ -68,9 +68,13 @@ def queue_names(plan: Plan) -> list[str]:
 # --- alerts -------------------------------------------------------------------------------------
 
 
-def alert_rules(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS) -> dict[str, Any]:
-    """A Prometheus rule file's content: one group, each alert once per queue of ``plan``."""
+def alert_rules(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS,
+                destinations: Sequence[str] = ()) -> dict[str, Any]:
+    """A Prometheus rule file's content: one group, each alert once per queue of ``plan``
+    (and with ``destinations``, the outbox's: ``outbox_rules``)."""
     rules = [rule for queue in queue_names(plan) for rule in _queue_rules(queue, thresholds)]
+    if destinations:
+        rules += outbox_rules(destinations)
     return {"groups": [{"name": ALERT_GROUP, "rules": rules}]}
 
 
@@ -142,7 +146,8 @@ def _rule(
     return rule
 
 
-def to_alerts(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS) -> str:
+def to_alerts(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS,
+              destinations: Sequence[str] = ()) -> str:
     """``alert_rules`` as the YAML file Prometheus loads (``rule_files``)."""
     yaml = YAML()  # round-trip: keys stay in order (alert, expr, for, labels, annotations)
     yaml.width = 1 << 16  # one line per expression, never folded
@@ -151,7 +156,7 @@ def to_alerts(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS) -> str:
         "# Prometheus alerting rules for the queues of a rabbit-retry topology, written by\n"
         "# `rabbit-retry export FILE --format alerts`. Alerts and thresholds: docs/monitoring.md\n"
     )
-    yaml.dump(alert_rules(plan, thresholds), out)
+    yaml.dump(alert_rules(plan, thresholds, destinations), out)
     return out.getvalue()
 
 
@@ -283,17 +288,20 @@ _PANELS = (
 )
 
 
-def dashboard(plan: Plan, title: str = "rabbit-retry") -> dict[str, Any]:
+def dashboard(plan: Plan, title: str = "rabbit-retry",
+              destinations: Sequence[str] = ()) -> dict[str, Any]:
     """A Grafana dashboard (schema 39) of ``plan``'s queues, for import or provisioning.
 
     The data source is the ``DS_PROMETHEUS`` variable, picked on the dashboard; ``queue`` is a
     multi-value variable listing the topology's queues. The uid follows from the queue names, so
-    exporting the same topology again updates the same dashboard.
+    exporting the same topology again updates the same dashboard. With ``destinations`` it
+    also has the outbox relay's panels (``OUTBOX_PANELS``) and a ``destination`` variable.
     """
     queues = queue_names(plan)
     uid = "rabbit-retry-" + hashlib.sha256(json.dumps(queues).encode()).hexdigest()[:12]
     panels = []
-    for number, panel in enumerate(_PANELS):
+    shown = _PANELS + (OUTBOX_PANELS if destinations else ())
+    for number, panel in enumerate(shown):
         panels.append(
             {
                 "id": number + 1,
@@ -329,7 +337,10 @@ def dashboard(plan: Plan, title: str = "rabbit-retry") -> dict[str, Any]:
         "time": {"from": "now-6h", "to": "now"},
         "refresh": "30s",
         "timezone": "",
-        "templating": {"list": [_datasource_variable(), _queue_variable(queues)]},
+        "templating": {"list": [_datasource_variable(), _queue_variable(queues),
+                                *([_custom_variable("destination", "Destination",
+                                                    sorted(destinations))]
+                                  if destinations else [])]},
         "annotations": {"list": []},
         "panels": panels,
     }
@@ -350,20 +361,159 @@ def _datasource_variable() -> dict[str, Any]:
 
 
 def _queue_variable(queues: Sequence[str]) -> dict[str, Any]:
+    return _custom_variable("queue", "Queue", queues)
+
+
+def _custom_variable(name: str, label: str, values: Sequence[str]) -> dict[str, Any]:
     # A custom variable's query is comma-separated; a comma inside a value is written "\,".
     return {
-        "name": "queue",
-        "label": "Queue",
+        "name": name,
+        "label": label,
         "type": "custom",
-        "query": ",".join(q.replace(",", "\\,") for q in queues),
+        "query": ",".join(q.replace(",", "\\,") for q in values),
         "multi": True,
         "includeAll": True,
         "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-        "options": [{"selected": False, "text": q, "value": q} for q in queues],
+        "options": [{"selected": False, "text": q, "value": q} for q in values],
         "hide": 0,
     }
 
 
-def to_grafana(plan: Plan, title: str = "rabbit-retry") -> str:
+def to_grafana(plan: Plan, title: str = "rabbit-retry", destinations: Sequence[str] = ()) -> str:
     """``dashboard`` as JSON, keys sorted, so the same topology always gives the same text."""
-    return json.dumps(dashboard(plan, title), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    board = dashboard(plan, title, destinations)
+    return json.dumps(board, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+# --- the outbox relay ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxThresholds:
+    """When the outbox's alerts fire (docs/monitoring.md, "The outbox")."""
+
+    oldest_pending_seconds: int = 300  # an event has waited this long to be published
+    relay_silent_seconds: int = 120  # no relay has reported for this long...
+    relay_memory: str = "1h"  # ...within this window (a relay gone longer has no series left)
+    not_publishing_for: str = "5m"  # relays run but none publishes
+
+
+DEFAULT_OUTBOX_THRESHOLDS = OutboxThresholds()
+
+
+def outbox_rules(destinations: Sequence[str],
+                 t: OutboxThresholds = DEFAULT_OUTBOX_THRESHOLDS) -> list[dict[str, Any]]:
+    """The outbox relay's alerts: per destination, dead events and a backlog; for the relays,
+    silence and not publishing."""
+    rules = []
+    for destination in sorted(destinations):
+        d = f"destination={promql_string(destination)}"
+        labels = {"destination": template_literal(destination)}
+        rules += [
+            _rule(
+                "RabbitRetryOutboxDead",
+                f"max by (destination) ({names.OUTBOX_DEAD.name}{{{d}}}) > 0",
+                None,
+                {**labels, "severity": "warning"},
+                "{{ $labels.destination }}: outbox events dead",
+                "{{ $value }} events to {{ $labels.destination }} failed every publish the "
+                "relay tried (the broker returned or refused them). They wait in the outbox "
+                "table: retry or discard them at the failure desk.",
+            ),
+            _rule(
+                "RabbitRetryOutboxBacklog",
+                f"max by (destination) ({names.OUTBOX_OLDEST_PENDING_SECONDS.name}{{{d}}}) "
+                f"> {t.oldest_pending_seconds}",
+                None,
+                {**labels, "severity": "warning"},
+                "{{ $labels.destination }}: an outbox event has waited "
+                "{{ $value | humanizeDuration }}",
+                "The oldest event to {{ $labels.destination }} not yet published has waited "
+                f"{{{{ $value | humanizeDuration }}}} (threshold {t.oldest_pending_seconds}s): "
+                "the relays are behind, stopped, or the broker keeps refusing it.",
+            ),
+        ]
+    heartbeat = names.OUTBOX_HEARTBEAT.name
+    rules += [
+        _rule(
+            "RabbitRetryOutboxRelaySilent",
+            f"time() - max(max_over_time({heartbeat}[{t.relay_memory}])) "
+            f"> {t.relay_silent_seconds}",
+            None,
+            {"severity": "critical"},
+            "no outbox relay has reported for {{ $value | humanizeDuration }}",
+            "No rabbit-retry relay has reported a heartbeat for "
+            f"{{{{ $value | humanizeDuration }}}} (threshold {t.relay_silent_seconds}s): "
+            "events the application commits are not being published.",
+        ),
+        _rule(
+            "RabbitRetryOutboxNotPublishing",
+            f"max({names.OUTBOX_PUBLISHING.name}) == 0",
+            t.not_publishing_for,
+            {"severity": "critical"},
+            "outbox relays run but none publishes",
+            f"For {t.not_publishing_for}, every rabbit-retry relay has been waiting: for the "
+            "broker (unreachable, or refusing the connection) or, on SQLite, for another "
+            "relay's lease.",
+        ),
+    ]
+    return rules
+
+
+_DESTINATION = 'destination=~"$destination"'
+
+
+def _latency(q: float) -> tuple[str, str]:
+    bucket = f"{names.OUTBOX_PUBLISH_SECONDS.name}_bucket"
+    expr = (f"histogram_quantile({q}, sum by (destination, le) "
+            f"(rate({bucket}{{{_DESTINATION}}}[{_RATE}])))")
+    return expr, f"{{{{destination}}}} p{round(q * 100)}"
+
+
+OUTBOX_PANELS = (
+    _Panel(
+        "Outbox: waiting to be published",
+        "Events added and not published yet: pending, and failed (waiting for their next try).",
+        "short",
+        [(f"max by (destination) ({series.name}{{{_DESTINATION}}})",
+          f"{{{{destination}}}} {status}")
+         for series, status in ((names.OUTBOX_PENDING, "pending"),
+                                (names.OUTBOX_FAILED, "failed"))],
+    ),
+    _Panel(
+        "Outbox: oldest waiting event",
+        "How long the oldest event not yet published has waited.",
+        "s",
+        [(f"max by (destination) ({names.OUTBOX_OLDEST_PENDING_SECONDS.name}{{{_DESTINATION}}})",
+          "{{destination}}")],
+    ),
+    _Panel(
+        "Outbox: published and refused",
+        "Events the relays published a second, and publishes the broker returned or refused.",
+        "ops",
+        [(f"sum by (destination) (rate({series.name}{{{_DESTINATION}}}[{_RATE}]))",
+          f"{{{{destination}}}} {what}")
+         for series, what in ((names.OUTBOX_PUBLISHED, "published"),
+                              (names.OUTBOX_FAILURES, "refused"))],
+    ),
+    _Panel(
+        "Outbox: publish latency",
+        "From an event's add to the broker's confirm: median, 95th and 99th percentile.",
+        "s",
+        [_latency(0.5), _latency(0.95), _latency(0.99)],
+    ),
+    _Panel(
+        "Outbox: dead events",
+        "Events that failed every try; an operator retries or discards them at the desk.",
+        "short",
+        [(f"max by (destination) ({names.OUTBOX_DEAD.name}{{{_DESTINATION}}})",
+          "{{destination}}")],
+    ),
+    _Panel(
+        "Outbox relays",
+        "Seconds since each relay's last heartbeat, and whether it publishes (1) or waits (0).",
+        "short",
+        [(f"time() - {names.OUTBOX_HEARTBEAT.name}", "{{instance}} since heartbeat"),
+         (names.OUTBOX_PUBLISHING.name, "{{instance}} publishing")],
+    ),
+)

@@ -45,17 +45,19 @@ BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 
 
 class Durations:
-    """One queue's handler durations: a count per bucket (the last one past every bound) and
-    their sum."""
+    """One queue's handler durations: a count per bucket of ``bounds`` (the last one past every
+    bound) and their sum. A subclass with other ``bounds`` counts other durations alike."""
 
     __slots__ = ("counts", "sum")
+    bounds: tuple[float, ...] = BUCKETS
 
     def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)
+        self.counts = [0] * (len(self.bounds) + 1)
         self.sum = 0.0
 
     def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(BUCKETS, seconds)] += 1  # the first bound >= seconds: its `le`
+        # The first bound >= seconds: its `le`.
+        self.counts[bisect_left(self.bounds, seconds)] += 1
         self.sum += seconds
 
     def exemplars(self) -> list[tuple[str, float, float] | None]:

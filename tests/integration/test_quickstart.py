@@ -23,7 +23,8 @@ def test_quickstart_shows_the_whole_loop_and_ends_by_itself(
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert "handled order-2 at attempt 2" in out  # the retry through the 1 s tier
-    assert "2 succeeded, 1 parked" in out
+    assert "rolled back order-4: card declined; no order, no event" in out
+    assert "the relay published 3 events; 2 succeeded, 1 parked" in out
     assert ("1 x demo.orders: rabbit_retry.worker.consumer.Permanent: customer 'ghost' does not "
             "exist (permanent)") in out
     assert "The failure desk served http://127.0.0.1:" in out

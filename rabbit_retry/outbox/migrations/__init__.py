@@ -1,0 +1,1 @@
+"""The outbox's Alembic migrations (run by ``rabbit-retry relay`` at start)."""

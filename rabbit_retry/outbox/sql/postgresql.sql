@@ -1,0 +1,60 @@
+-- The rabbit-retry outbox's tables on PostgreSQL, for teams that manage their own schema.
+--
+-- The same tables `rabbit-retry relay` creates with its Alembic migrations, up to revision
+-- 0001, and that revision recorded in rabbit_retry_outbox_version (the outbox's own version
+-- table, never the application's alembic_version). Run it once in the application's database,
+-- in its migration tool of choice; then `rabbit-retry relay --no-migrate` only checks that the
+-- schema is the one it needs and never changes it.
+
+CREATE TABLE rabbit_retry_outbox (
+    id BIGSERIAL PRIMARY KEY,
+    created_at TIMESTAMP WITH TIME ZONE NOT NULL DEFAULT clock_timestamp(),
+    exchange TEXT NOT NULL,
+    routing_key TEXT NOT NULL,
+    message_id TEXT NOT NULL,
+    order_key TEXT,
+    body BYTEA NOT NULL,
+    headers BYTEA,
+    properties TEXT,
+    trace TEXT,
+    status VARCHAR(16) NOT NULL DEFAULT 'pending',
+    attempts INTEGER NOT NULL DEFAULT '0',
+    due_at TIMESTAMP WITH TIME ZONE,
+    last_error TEXT,
+    changed_at TIMESTAMP WITH TIME ZONE,
+    published_at TIMESTAMP WITH TIME ZONE
+);
+CREATE INDEX ix_rabbit_retry_outbox_waiting ON rabbit_retry_outbox (id)
+    WHERE status IN ('pending', 'failed');
+CREATE INDEX ix_rabbit_retry_outbox_key ON rabbit_retry_outbox (order_key, id)
+    WHERE status IN ('pending', 'failed', 'dead') AND order_key IS NOT NULL;
+CREATE INDEX ix_rabbit_retry_outbox_held ON rabbit_retry_outbox (order_key, id)
+    WHERE status IN ('failed', 'dead') AND order_key IS NOT NULL;
+CREATE INDEX ix_rabbit_retry_outbox_published ON rabbit_retry_outbox (published_at)
+    WHERE status IN ('published');
+CREATE INDEX ix_rabbit_retry_outbox_dead ON rabbit_retry_outbox (status, changed_at)
+    WHERE status IN ('dead', 'discarded');
+CREATE INDEX ix_rabbit_retry_outbox_message_id ON rabbit_retry_outbox (message_id);
+
+CREATE TABLE rabbit_retry_outbox_history (
+    id BIGSERIAL PRIMARY KEY,
+    event_id BIGINT NOT NULL,
+    at TIMESTAMP WITH TIME ZONE NOT NULL,
+    status VARCHAR(16) NOT NULL,
+    attempt INTEGER,
+    detail TEXT,
+    actor TEXT
+);
+CREATE INDEX ix_rabbit_retry_outbox_history_event ON rabbit_retry_outbox_history (event_id, id);
+
+CREATE TABLE rabbit_retry_outbox_lease (
+    name VARCHAR(32) PRIMARY KEY,
+    owner TEXT NOT NULL,
+    until TIMESTAMP WITH TIME ZONE NOT NULL
+);
+
+CREATE TABLE rabbit_retry_outbox_version (
+    version_num VARCHAR(32) NOT NULL,
+    CONSTRAINT rabbit_retry_outbox_version_pkc PRIMARY KEY (version_num)
+);
+INSERT INTO rabbit_retry_outbox_version (version_num) VALUES ('0001');

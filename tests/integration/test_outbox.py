@@ -1,0 +1,637 @@
+"""The outbox against a real broker and database: events added in the application's own
+transaction through every kind of connection ``add`` takes, published by a relay once committed
+and never when rolled back; what the broker refuses failed with its reason, then dead; order per
+key; several relays on PostgreSQL; retention; the relay's metrics and command line."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import sqlite3
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from support.amqp import drain, on_channel
+from support.outbox import (
+    migrated,
+    out_of_order,
+    outbox_store,
+    relay_running,
+    rows,
+    statuses,
+)
+from support.poll import eventually
+from support.process import apply, cli
+
+from rabbit_retry.broker.management import Management
+from rabbit_retry.outbox import Outbox, UnknownDestination
+from rabbit_retry.outbox.decide import RetryPolicy
+from rabbit_retry.outbox.schema import history
+from rabbit_retry.outbox.store import Failure, OutboxStore
+from rabbit_retry.settings import Settings
+
+TOPOLOGY = """\
+version: 1
+exchanges:
+  shop: {type: topic}
+  locked: {type: topic}
+queues:
+  shop.orders:
+    queue_type: classic
+    bindings: [{exchange: shop, routing_key: "order.*"}, {exchange: locked, routing_key: "#"}]
+    retry: {delays: [1s], max_attempts: 2}
+"""
+
+# A PostgreSQL outbox's side is the same on every broker: tests/conftest.py runs the tests and
+# parameters named for PostgreSQL on the newest broker only.
+STORES = ["sqlite", "postgresql"]
+
+
+def _file(tmp_path: Path) -> Path:
+    path = tmp_path / "shop.yml"
+    path.write_text(TOPOLOGY)
+    return path
+
+
+@pytest.fixture
+def topology(fresh_vhost: Settings, tmp_path: Path) -> Path:
+    path = _file(tmp_path)
+    apply(fresh_vhost, path)
+    return path
+
+
+def _sqlalchemy_url(url: str, driver: str = "psycopg") -> str:
+    return url.replace("postgresql://", f"postgresql+{driver}://", 1)
+
+
+# --- every kind of connection: committed published, rolled back never -----------------------
+
+def _write_sqlite3(url: str, outbox: Outbox, events: list[dict[str, Any]], commit: bool) -> None:
+    conn = sqlite3.connect(url.removeprefix("sqlite:///"))
+    try:
+        conn.execute("CREATE TABLE IF NOT EXISTS orders (id TEXT)")
+        for event in events:
+            conn.execute("INSERT INTO orders VALUES (?)", (event["message_id"],))
+            outbox.add(conn, **event)
+        (conn.commit if commit else conn.rollback)()
+    finally:
+        conn.close()
+
+
+def _write_sqlalchemy(url: str, outbox: Outbox, events: list[dict[str, Any]],
+                      commit: bool) -> None:
+    engine = sa.create_engine(_sqlalchemy_url(url))
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("CREATE TABLE IF NOT EXISTS orders (id TEXT)"))
+            conn.commit()
+            for event in events:
+                conn.execute(sa.text("INSERT INTO orders VALUES (:id)"),
+                             {"id": event["message_id"]})
+                outbox.add(conn, **event)
+            (conn.commit if commit else conn.rollback)()
+    finally:
+        engine.dispose()
+
+
+def _write_session(url: str, outbox: Outbox, events: list[dict[str, Any]], commit: bool) -> None:
+    from sqlalchemy.orm import Session
+
+    engine = sa.create_engine(_sqlalchemy_url(url))
+    try:
+        with Session(engine) as session:
+            for event in events:
+                outbox.add(session, **event)
+            (session.commit if commit else session.rollback)()
+    finally:
+        engine.dispose()
+
+
+def _write_psycopg(url: str, outbox: Outbox, events: list[dict[str, Any]], commit: bool) -> None:
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        for event in events:
+            outbox.add(conn, **event)
+        (conn.commit if commit else conn.rollback)()
+
+
+def _write_psycopg_async(url: str, outbox: Outbox, events: list[dict[str, Any]],
+                         commit: bool) -> None:
+    import psycopg
+
+    async def write() -> None:
+        async with await psycopg.AsyncConnection.connect(url) as conn:
+            for event in events:
+                await outbox.add_async(conn, **event)
+            await (conn.commit if commit else conn.rollback)()
+
+    asyncio.run(write())
+
+
+def _write_sqlalchemy_async(url: str, outbox: Outbox, events: list[dict[str, Any]],
+                            commit: bool, *, session: bool = False) -> None:
+    """Through an ``AsyncConnection``, or with ``session`` an ``AsyncSession``."""
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    async def write() -> None:
+        engine = create_async_engine(_sqlalchemy_url(url))
+        try:
+            async with AsyncSession(engine) if session else engine.connect() as conn:
+                for event in events:
+                    await outbox.add_async(conn, **event)
+                await (conn.commit if commit else conn.rollback)()
+        finally:
+            await engine.dispose()
+
+    asyncio.run(write())
+
+
+Writer = Callable[[str, Outbox, list[dict[str, Any]], bool], None]
+WRITERS: list[Any] = [
+    pytest.param("sqlite", _write_sqlite3, id="sqlite3"),
+    pytest.param("sqlite", _write_sqlalchemy, id="sqlalchemy-sqlite"),
+    pytest.param("postgresql", _write_sqlalchemy, id="postgresql-sqlalchemy-connection"),
+    pytest.param("postgresql", _write_session, id="postgresql-sqlalchemy-session"),
+    pytest.param("postgresql", _write_sqlalchemy_async,
+                 id="postgresql-sqlalchemy-async-connection"),
+    pytest.param("postgresql", functools.partial(_write_sqlalchemy_async, session=True),
+                 id="postgresql-sqlalchemy-async-session"),
+    pytest.param("postgresql", _write_psycopg, id="postgresql-psycopg"),
+    pytest.param("postgresql", _write_psycopg_async, id="postgresql-psycopg-async"),
+]
+
+
+def _events(prefix: str, n: int) -> list[dict[str, Any]]:
+    return [{"exchange": "shop", "routing_key": "order.created",
+             "body": json.dumps({"order": f"{prefix}-{i}"}).encode(),
+             "message_id": f"{prefix}-{i}", "key": f"customer-{i % 2}",
+             "headers": {"tenant": "acme", "amount": 0.1, "raw": b"\xff\x00"},
+             "content_type": "application/json", "correlation_id": f"c-{prefix}-{i}"}
+            for i in range(n)]
+
+
+@pytest.mark.parametrize(("kind", "write"), WRITERS)
+async def test_committed_events_are_published_once_and_rolled_back_ones_never(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str, write: Writer,
+) -> None:
+    outbox = Outbox(topology)
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        await asyncio.to_thread(write, url, outbox, _events("rolled-back", 2), False)
+        await asyncio.to_thread(write, url, outbox, _events("committed", 3), True)
+        assert statuses(url) == {"pending": 3}  # the rolled-back transaction left nothing
+        async with relay_running(url, topology, fresh_vhost) as relay:
+            await eventually(lambda: relay.published == 3, what="3 published")
+        assert statuses(url) == {"published": 3}
+        copies = await drain(fresh_vhost, "shop.orders")
+    assert [c.message_id for c in copies] == ["committed-0", "committed-1", "committed-2"]
+    first = copies[0]
+    assert first.body == b'{"order": "committed-0"}'
+    assert first.properties.content_type == "application/json"
+    assert first.properties.correlation_id == "c-committed-0"
+    assert first.properties.delivery_mode == 2
+    assert first.headers == {"tenant": "acme", "amount": 0.1, "raw": b"\xff\x00"}
+
+
+def test_an_unknown_destination_is_refused_and_nothing_is_written(
+    topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    conn = sqlite3.connect(tmp_path / "app.db")
+    with pytest.raises(UnknownDestination) as refused:
+        outbox.add(conn, exchange="payments", routing_key="x", body=b"{}")
+    assert str(refused.value) == (f"exchange 'payments' is not declared in {topology} (its "
+                                  "exchanges: locked, shop); nothing was written")
+    with pytest.raises(UnknownDestination, match=r"queue 'shop\.order' is not a queue of"):
+        outbox.add(conn, queue="shop.order", body=b"{}")
+    with pytest.raises(ValueError, match=r"give exchange= .* or queue=, not both"):
+        outbox.add(conn, exchange="shop", queue="shop.orders", body=b"{}")
+    with pytest.raises(TypeError, match="headers: cannot encode a set"):
+        outbox.add(conn, exchange="shop", routing_key="order.x", body=b"{}",
+                   headers={"bad": {1, 2}})
+    # Positive control: the same connection writes a good event.
+    outbox.add(conn, queue="shop.orders", body=b"{}", message_id="good")
+    conn.commit()
+    conn.close()
+    assert [(r["exchange"], r["routing_key"], r["message_id"]) for r in rows(url)] == [
+        ("", "shop.orders", "good")]
+
+
+def test_a_connection_in_autocommit_mode_outside_a_transaction_is_refused(
+    tmp_path: Path,
+) -> None:
+    outbox = Outbox(_file(tmp_path))
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    said = ("add: the Connection is in autocommit mode outside a transaction, so the event "
+            "would commit on its own; add it inside the transaction of the writes it belongs "
+            "with; nothing was written")
+    conn = sqlite3.connect(tmp_path / "app.db", isolation_level=None)
+    with pytest.raises(ValueError) as refused:
+        outbox.add(conn, queue="shop.orders", body=b"", message_id="alone")
+    assert str(refused.value) == said
+    conn.execute("BEGIN")  # positive control: inside a transaction it is taken
+    outbox.add(conn, queue="shop.orders", body=b"", message_id="in-a-transaction")
+    conn.execute("COMMIT")
+    conn.close()
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as auto, pytest.raises(ValueError, match="autocommit mode"):
+        outbox.add(auto, queue="shop.orders", body=b"", message_id="sqlalchemy-alone")
+    engine.dispose()
+    assert [r["message_id"] for r in rows(url)] == ["in-a-transaction"]
+
+
+def test_a_postgresql_psycopg_connection_in_autocommit_mode_needs_a_transaction_block(
+    tmp_path: Path,
+) -> None:
+    import psycopg
+
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            with pytest.raises(ValueError, match="autocommit mode outside a transaction"):
+                outbox.add(conn, queue="shop.orders", body=b"", message_id="alone")
+            with conn.transaction():
+                outbox.add(conn, queue="shop.orders", body=b"", message_id="in-a-block")
+        assert [r["message_id"] for r in rows(url)] == ["in-a-block"]
+
+
+# --- what the broker refuses -----------------------------------------------------------------
+
+def _committed(url: str, outbox: Outbox, *events: dict[str, Any]) -> None:
+    """``events`` added in one committed transaction (SQLAlchemy)."""
+    engine = sa.create_engine(_sqlalchemy_url(url))
+    try:
+        with engine.begin() as conn:
+            for event in events:
+                outbox.add(conn, **event)
+    finally:
+        engine.dispose()
+
+
+def _to(routing_key: str, message_id: str, key: str | None = None) -> dict[str, Any]:
+    return {"exchange": "shop", "routing_key": routing_key, "body": message_id.encode(),
+            "message_id": message_id, "key": key}
+
+
+def _sequenced(i: int, key: str | None) -> dict[str, Any]:
+    """Event ``i`` of a stream whose order ``support.outbox.out_of_order`` checks."""
+    return {**_to("order.created", f"e-{i}", key), "body": json.dumps({"seq": i, "key": key})}
+
+
+def _history(url: str, event_id: int) -> list[tuple[str, str | None]]:
+    store = OutboxStore(url)
+    try:
+        found = store.event(event_id)
+        assert found is not None
+        return [(h["status"], h["detail"]) for h in found["history"]]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_an_unroutable_event_fails_with_the_brokers_reason_then_dies_holding_its_key(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(topology)
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        # No queue takes "refund.created": the broker returns it.
+        _committed(url, outbox, _to("refund.created", "lost", "k"),
+                   _to("order.created", "held", "k"), _to("order.created", "free", "other"))
+        retry = RetryPolicy(attempts=2, first_delay=0.2, max_delay=0.2)
+        async with relay_running(url, topology, fresh_vhost, retry=retry) as relay:
+            await eventually(lambda: statuses(url)["dead"] == 1, what="the unroutable dead")
+            assert relay.published == 1
+        # Positive control: the other key's event went out; the held one did not.
+        assert [c.message_id for c in await drain(fresh_vhost, "shop.orders")] == ["free"]
+        by_id = {r["message_id"]: r for r in rows(url)}
+        assert (by_id["lost"]["status"], by_id["lost"]["attempts"]) == ("dead", 2)
+        assert by_id["held"]["status"] == "pending"
+        reason = ("unroutable: no queue bound to exchange 'shop' takes routing key "
+                  "'refund.created' (the broker returned it: 312 NO_ROUTE)")
+        assert by_id["lost"]["last_error"] == reason
+        assert _history(url, by_id["lost"]["id"]) == [
+            ("pending", "added"), ("failed", reason), ("failed", reason),
+            ("dead", "failed 2 times")]
+        # An operator discards it: the key moves on.
+        store = OutboxStore(url)
+        store.discard([by_id["lost"]["id"]], "ana", "sent to the wrong key")
+        store.close()
+        async with relay_running(url, topology, fresh_vhost) as relay:
+            await eventually(lambda: relay.published == 1, what="the held event published")
+        assert [c.message_id for c in await drain(fresh_vhost, "shop.orders")] == ["held"]
+        assert _history(url, by_id["lost"]["id"])[-1] == ("discarded", "sent to the wrong key")
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_in_continue_mode_a_failed_event_does_not_hold_its_key(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(topology)
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        _committed(url, outbox, _to("refund.created", "lost", "k"),
+                   _to("order.created", "next", "k"))
+        retry = RetryPolicy(attempts=1)
+        async with relay_running(url, topology, fresh_vhost, retry=retry,
+                                 on_failure="continue") as relay:
+            await eventually(lambda: relay.published == 1, what="the next event published")
+        assert statuses(url) == {"dead": 1, "published": 1}
+        assert [c.message_id for c in await drain(fresh_vhost, "shop.orders")] == ["next"]
+
+
+async def test_an_event_to_an_exchange_that_is_gone_fails_without_closing_the_channel(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    await on_channel(fresh_vhost, lambda ch: ch.exchange_delete("locked"))
+    conn = sqlite3.connect(tmp_path / "app.db")
+    outbox.add(conn, exchange="locked", routing_key="x", body=b"1", message_id="nowhere")
+    for i in range(20):
+        outbox.add(conn, exchange="shop", routing_key="order.created", body=b"2",
+                   message_id=f"ok-{i}")
+    conn.commit()
+    conn.close()
+    async with relay_running(url, topology, fresh_vhost, retry=RetryPolicy(attempts=1)) as relay:
+        await eventually(lambda: relay.published == 20 and statuses(url)["dead"] == 1,
+                         what="20 published, 1 dead")
+    [dead] = [r for r in rows(url) if r["status"] == "dead"]
+    assert dead["last_error"] == (f"exchange 'locked' does not exist in vhost "
+                                  f"{fresh_vhost.vhost!r} (apply the topology file to create it)")
+    assert len(await drain(fresh_vhost, "shop.orders")) == 20
+
+
+async def test_an_event_the_broker_closes_the_channel_over_is_failed_alone(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, management: Management,
+) -> None:
+    """The user may not write to exchange ``locked`` (ACCESS_REFUSED closes the channel): the
+    events in flight beside it are published, that one fails with the broker's words."""
+    path = f"/permissions/{quote(fresh_vhost.vhost, safe='')}/{quote(fresh_vhost.user, safe='')}"
+    response = management.request("PUT", path, json={"configure": ".*", "read": ".*",
+                                                     "write": "^(?!locked$).*"})
+    assert response.status_code in (201, 204), response.text
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    conn = sqlite3.connect(tmp_path / "app.db")
+    for i in range(50):
+        if i == 20:
+            outbox.add(conn, exchange="locked", routing_key="x", body=b"!", message_id="locked")
+        outbox.add(conn, exchange="shop", routing_key="order.created", body=b".",
+                   message_id=f"ok-{i}")
+    conn.commit()
+    conn.close()
+    async with relay_running(url, topology, fresh_vhost, retry=RetryPolicy(attempts=1)) as relay:
+        await eventually(lambda: statuses(url) == {"published": 50, "dead": 1},
+                         what="50 published, the locked one dead")
+        assert relay.published == 50
+    [dead] = [r for r in rows(url) if r["status"] == "dead"]
+    assert dead["message_id"] == "locked"
+    assert dead["last_error"].startswith("the broker closed the channel: ACCESS_REFUSED")
+    assert "exchange 'locked'" in dead["last_error"]
+    copies = await drain(fresh_vhost, "shop.orders")
+    assert {c.message_id for c in copies} == {f"ok-{i}" for i in range(50)}
+
+
+# --- order, several relays, retention --------------------------------------------------------
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_events_of_a_key_arrive_in_the_order_they_were_added(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(topology)
+    n, keys = 600, 7
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        for start in range(0, n, 50):
+            _committed(url, outbox, *(_sequenced(i, None if i % 5 == 0 else f"k{i % keys}")
+                                      for i in range(start, start + 50)))
+        async with relay_running(url, topology, fresh_vhost, batch=50, depth=3) as relay:
+            await eventually(lambda: relay.published == n, what=f"{n} published")
+        copies = await drain(fresh_vhost, "shop.orders")
+    assert sorted(json.loads(c.body)["seq"] for c in copies) == list(range(n))
+    assert out_of_order([c.body for c in copies]) == []
+
+
+async def test_two_relays_on_one_postgresql_outbox_never_publish_an_event_twice(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    n = 5000
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        _committed(url, outbox, *(_sequenced(i, f"k{i % 40}" if i % 2 else None)
+                                  for i in range(n)))
+        async with (relay_running(url, topology, fresh_vhost, batch=100) as one,
+                    relay_running(url, topology, fresh_vhost, batch=100) as two):
+            await eventually(lambda: one.published + two.published == n, within=120,
+                             what=f"{n} published")
+        # Positive control: both relays took part.
+        assert one.published > 0 and two.published > 0, (one.published, two.published)
+        copies = await drain(fresh_vhost, "shop.orders")
+    ids = [c.message_id for c in copies]
+    assert len(ids) == n and set(ids) == {f"e-{i}" for i in range(n)}
+    assert out_of_order([c.body for c in copies]) == []
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_published_and_discarded_events_older_than_keep_are_removed_with_their_history(
+    tmp_path: Path, kind: str,
+) -> None:
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        _committed(url, outbox, *(_to("order.created", f"e-{i}") for i in range(6)))
+        store = OutboxStore(url)
+        old, new = datetime.now(UTC) - timedelta(days=2), datetime.now(UTC)
+        claim = store.claim(2)
+        e0, e1 = claim.rows
+        store.settle(claim, [e0, e1], [], RetryPolicy(), "test", at=old)
+        claim = store.claim(1)
+        [e2] = claim.rows
+        store.settle(claim, [e2], [], RetryPolicy(), "test", at=new)
+        claim = store.claim(2)
+        e3, e4 = claim.rows
+        store.settle(claim, [], [Failure(e3, "no"), Failure(e4, "no")], RetryPolicy(attempts=1),
+                     "test", at=old)
+        store.discard([e3.id], "ana", "not needed", at=old)
+        store.discard([e4.id], "ana", "not needed", at=new)
+        assert store.sweep(timedelta(days=1)) == 3  # e0, e1 published and e3 discarded 2 days ago
+        assert statuses(url) == {"published": 1, "discarded": 1, "pending": 1}
+        with store.engine.connect() as c:
+            kept = set(c.execute(sa.select(history.c.event_id)).scalars())
+        assert kept == {e4.id}  # e3's history went with it
+        assert store.sweep(timedelta(days=1)) == 0
+        store.close()
+
+
+# --- metrics and the command line --------------------------------------------------------------
+
+async def test_the_relays_metrics_count_what_it_did_and_what_waits(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    conn = sqlite3.connect(tmp_path / "app.db")
+    for i in range(5):
+        outbox.add(conn, exchange="shop", routing_key="order.created", body=b"", key="k",
+                   message_id=f"e-{i}")
+    outbox.add(conn, exchange="shop", routing_key="nowhere", body=b"", message_id="x")
+    conn.commit()
+    conn.close()
+    async with relay_running(url, topology, fresh_vhost, metrics_port=0,
+                             retry=RetryPolicy(attempts=1)) as relay:
+        await eventually(lambda: relay.published == 5 and statuses(url)["dead"] == 1,
+                         what="5 published, 1 dead")
+        assert relay.metrics._server is not None
+        port = relay.metrics._server.server_port
+        text = (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/metrics")).text
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert series['rabbit_retry_outbox_published_total{destination="shop"}'] == 5
+    assert series['rabbit_retry_outbox_failures_total{destination="shop"}'] == 1
+    assert series['rabbit_retry_outbox_dead{destination="shop"}'] == 1
+    assert series['rabbit_retry_outbox_pending{destination="shop"}'] == 0
+    assert series['rabbit_retry_outbox_pending{destination="shop.orders"}'] == 0
+    assert series['rabbit_retry_outbox_oldest_pending_seconds{destination="shop"}'] == 0
+    assert series['rabbit_retry_outbox_publish_seconds_count{destination="shop"}'] == 5
+    assert series["rabbit_retry_outbox_relay_publishing"] == 1
+    assert series["rabbit_retry_outbox_relay_heartbeat_seconds"] > 0
+
+
+def test_the_relay_command_refuses_bad_input_in_one_line(topology: Path, tmp_path: Path) -> None:
+    ran = cli(None, "relay", "--store", "mysql://x/y", "-t", str(topology))
+    assert (ran.code, ran.err.strip()) == (2, "error: --store: unsupported database 'mysql' in "
+                                              "'mysql://x/y' (use sqlite:///PATH or "
+                                              "postgresql://...)")
+    ran = cli(None, "relay", "-t", str(topology), env={"RABBIT_RETRY_OUTBOX_STORE": ""})
+    assert (ran.code, ran.err.strip()) == (
+        2, "error: --store is required (or set RABBIT_RETRY_OUTBOX_STORE)")
+    ran = cli(None, "relay", "--store", f"sqlite:///{tmp_path / 'a.db'}", "-t", str(topology),
+              "--keep", "soon")
+    assert ran.code == 2 and ran.err.startswith("error: --keep: "), ran.err
+    ran = cli(None, "relay", "--store", f"sqlite:///{tmp_path / 'a.db'}", "-t", str(topology),
+              "--no-migrate")
+    assert (ran.code, ran.err.strip()) == (
+        1, f"error: store sqlite:///{tmp_path / 'a.db'}: has no outbox tables; this relay needs "
+           "revision 0001 (apply rabbit_retry/outbox/sql/*.sql, or start the relay without "
+           "--no-migrate to migrate it)")
+    with sqlite3.connect(tmp_path / "a.db") as c:  # --no-migrate made no table
+        assert c.execute("SELECT name FROM sqlite_master").fetchall() == []
+
+
+async def test_a_relay_whose_connection_the_broker_closes_reconnects_and_loses_nothing(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path, management: Management,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    outbox = Outbox(topology)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    migrated(url)
+    added: list[str] = []
+
+    def add(n: int) -> None:
+        conn = sqlite3.connect(tmp_path / "app.db")
+        for _ in range(n):
+            added.append(outbox.add(conn, exchange="shop", routing_key="order.created",
+                                    body=b"{}", key=f"k{len(added) % 3}"))
+        conn.commit()
+        conn.close()
+
+    def relay_connections() -> list[str]:
+        return [c["name"] for c in management.connections(fresh_vhost.vhost)
+                if (c.get("client_properties") or {}).get("connection_name")
+                == "rabbit-retry relay"]
+
+    with caplog.at_level(logging.INFO, logger="rabbit_retry.outbox"):
+        async with relay_running(url, topology, fresh_vhost) as relay:
+            await asyncio.to_thread(add, 200)
+            await eventually(lambda: relay.published == 200, what="200 published")
+            # The statistics list a new connection within a few seconds.
+            names = await eventually(lambda: relay_connections(), within=60,
+                                     what="the relay's connection")
+            for name in names:
+                management.close_connection(name, reason="outbox test")
+            await asyncio.to_thread(add, 300)
+            await eventually(lambda: "broker back after" in caplog.text, within=60,
+                             what="the relay to reconnect")
+            await eventually(lambda: statuses(url) == {"published": 500},
+                             what="500 published")
+    said = caplog.text
+    assert said.count("lost the broker") == 1 and said.count("broker back after") == 1, said
+    assert "outbox test" in said  # the broker's reason, in the one line
+    copies = await drain(fresh_vhost, "shop.orders")
+    assert {c.message_id for c in copies} == set(added)
+    assert len(copies) - len(added) <= 2000  # re-sent: at most what was in flight
+
+
+# --- an operator's view and actions (what the failure desk shows and calls) --------------------
+
+@pytest.mark.parametrize("kind", STORES)
+def test_dead_events_are_listed_shown_with_their_history_retried_and_discarded(
+    tmp_path: Path, kind: str,
+) -> None:
+    from rabbit_retry.outbox.view import shown
+
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store(kind, tmp_path) as url:
+        migrated(url)
+        _committed(url, outbox, *({**_to("refund.created", f"d-{i}", "k"),
+                                   "body": b"\xff" if i == 2 else f'{{"n": {i}}}',
+                                   "headers": {"tenant": "acme"}} for i in range(3)),
+                   {"queue": "shop.orders", "body": b"ok", "message_id": "alive"})
+        store = OutboxStore(url)
+        claim = store.claim(10, on_failure="continue")
+        dead_rows = [r for r in claim.rows if r.message_id.startswith("d-")]
+        store.settle(claim, [], [Failure(r, "unroutable: no queue") for r in dead_rows],
+                     RetryPolicy(attempts=1), "relay-1")
+        total, page = store.events(status="dead", limit=2)
+        assert total == 3 and [r["message_id"] for r in page] == ["d-2", "d-1"]
+        assert store.events(status="dead", text="d-0")[0] == 1
+        assert store.events(status="dead", destination_name="shop.orders")[0] == 0
+        one = store.event(page[0]["id"])
+        assert one is not None
+        view = shown(one)
+        assert (view["destination"], view["status"], view["attempts"], view["error"]) == (
+            "shop", "dead", 1, "unroutable: no queue")
+        assert view["body_base64"] == "/w==" and view["headers"] == {"tenant": "acme"}
+        assert [(h["status"], h["detail"], h["actor"]) for h in view["history"]] == [
+            ("pending", "added", None), ("failed", "unroutable: no queue", "relay-1"),
+            ("dead", "failed 1 times", "relay-1")]
+        # An operator's actions take dead (or failed) events only, and say which they took.
+        ids = [r["id"] for r in store.events(status="dead")[1]]
+        alive = next(r["id"] for r in rows(url) if r["message_id"] == "alive")
+        assert store.retry([ids[0], alive], "ana") == [ids[0]]
+        assert store.discard([ids[0], ids[1]], "ana", "sent by mistake") == [ids[1]]
+        assert store.retry([ids[1]], "ana") == []  # discarded: gone for good
+        retried = store.event(ids[0])
+        assert retried is not None
+        assert (retried["status"], retried["attempts"]) == ("pending", 0)
+        assert [(h["status"], h["detail"], h["actor"]) for h in retried["history"]][-1] == (
+            "pending", "retried", "ana")
+        store.close()
+        assert statuses(url) == {"pending": 2, "dead": 1, "discarded": 1}
+
+
+def test_plan_json_names_the_outbox_destinations(
+    fresh_vhost: Settings, topology: Path, run_cli: Callable[..., Any],
+) -> None:
+    planned = run_cli("plan", str(topology), "--json", settings=fresh_vhost)
+    assert planned.code == 0, planned.err
+    assert json.loads(planned.out)["outbox_destinations"] == {
+        "exchanges": ["locked", "shop"], "queues": ["shop.orders"]}

@@ -1,0 +1,52 @@
+"""The broker application stopped and started under a publishing relay: every committed event
+arrives, in order per key, and the relay says once that it lost the broker and once that it is
+back. It stops the shared broker for a few seconds (``finally`` brings it back): the lead's full
+runs only, like the worker's broker-restart test in test_worker_faults.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from support.amqp import drain_sync
+from support.broker import ctl
+from support.outbox import RelayProcess, Writer, events_topology, out_of_order, published
+from support.poll import wait_for
+
+from rabbit_retry.broker.management import Management
+from rabbit_retry.outbox import Outbox
+from rabbit_retry.settings import Settings
+
+
+def test_the_broker_restarted_under_a_publishing_relay_loses_nothing(
+    fresh_vhost: Settings, tmp_path: Path, management: Management,
+) -> None:
+    topology = events_topology(fresh_vhost, tmp_path, "quorum")
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    relay = RelayProcess(fresh_vhost, topology, url, tmp_path / "relay.log")
+    writer = Writer(url, Outbox(topology), 20_000, exchange="rel", routing_key="event.new")
+    try:
+        relay.start()
+        writer.start()
+        wait_for(lambda: published(url) >= 3_000, "3,000 published", interval=0.05)
+        try:
+            ctl(management, "stop_app")
+            time.sleep(1)
+        finally:
+            ctl(management, "start_app")
+            ctl(management, "await_startup")
+        writer.join()
+        committed = len(writer.committed)
+        wait_for(lambda: published(url) == committed, "every committed event published",
+                 within=600, interval=0.5)
+        assert relay.stop() == 0
+    finally:
+        relay.ensure_dead()
+    log = relay.log()
+    assert log.count("lost the broker") == 1 and log.count("broker back after") == 1, log[-3000:]
+    assert "Traceback" not in log
+    copies = drain_sync(fresh_vhost, "rel.events")
+    assert writer.committed <= {c.message_id for c in copies}
+    assert out_of_order([c.body for c in copies]) == []
+    print(f"[reliability] broker restarted under the relay: {committed} committed, "
+          f"{len(copies)} delivered")

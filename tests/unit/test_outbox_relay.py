@@ -1,0 +1,67 @@
+"""The relay without a broker: while the broker cannot be reached it waits longer and longer
+between tries (never a busy loop) and says so once; a SQLite outbox has one publishing relay."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from rabbit_retry.outbox import relay as relay_module
+from rabbit_retry.outbox.relay import Relay
+from rabbit_retry.outbox.store import OutboxStore
+from rabbit_retry.settings import Settings
+
+TOPOLOGY = """\
+version: 1
+queues:
+  shop.orders: {}
+"""
+
+
+async def test_an_unreachable_broker_is_tried_again_with_growing_waits_and_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    (tmp_path / "shop.yml").write_text(TOPOLOGY)
+    tries: list[int] = []
+
+    async def refused(*_args: object, **_kwargs: object) -> None:
+        tries.append(1)
+        raise ConnectionRefusedError("connection refused")
+
+    monkeypatch.setattr(relay_module, "connect_amqp", refused)
+    relay = Relay(f"sqlite:///{tmp_path / 'app.db'}", tmp_path / "shop.yml",
+                  Settings.from_env("amqp://guest:guest@127.0.0.1:1/"))
+    waits: list[float] = []
+
+    async def wait(seconds: float) -> None:  # instead of sleeping: note how long
+        waits.append(seconds)
+        if len(waits) == 10:
+            relay.stop()
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(relay, "_wait", wait)
+    with caplog.at_level(logging.INFO, logger="rabbit_retry.outbox"):
+        await asyncio.wait_for(relay.run(), timeout=60)
+    assert len(tries) == 10  # one connect per wait: nothing in between
+    # Capped exponential backoff, jittered in the upper half: 0.5, 1, 2, 4, ... 30.
+    for n, seconds in enumerate(waits):
+        ceiling = min(30.0, 0.5 * 2**n)
+        assert ceiling / 2 <= seconds <= ceiling, (n, seconds)
+    said = [r.getMessage() for r in caplog.records if "broker unreachable" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("relay: broker unreachable (connection refused")
+
+
+async def test_on_sqlite_a_second_relay_waits_for_the_first_ones_lease(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    assert store.take_lease("first", 60)
+    assert not store.take_lease("second", 60)  # held: the second waits
+    assert store.take_lease("first", 60)  # renewed by its holder
+    store.drop_lease("first")  # a relay that stops lets go at once
+    assert store.take_lease("second", 60)
+    assert store.take_lease("third", -1) is False  # still the second's
+    store.close()
