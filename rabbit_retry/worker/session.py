@@ -371,7 +371,7 @@ class Session:
         metrics = sub.metrics
         tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
         if action is ACK:  # most of the traffic: nothing else to build or say
-            settle.done(tag)
+            backlog = settle.done(tag)
             if not duplicate:
                 metrics.success += 1
             if self.trace is not None:
@@ -379,6 +379,8 @@ class Session:
             if log.isEnabledFor(logging.DEBUG):
                 journal.decision(sub.queue, message.header.properties.message_id,
                                  history.failures + 1, action, None, duplicate=duplicate)
+            if backlog is not None:  # a run of acks not handed to the connection yet: wait
+                await backlog
             return
         failure = self._failure(stream, history, action, error)
         copy = None if isinstance(action, NativeRetry) else self._copy(stream, message, history,
@@ -401,7 +403,9 @@ class Session:
                 context={"queue": sub.queue, "message_id": props.message_id,
                          "attempt": history.failures + 1},
             )
-            settle.done(tag)
+            backlog = settle.done(tag)
+            if backlog is not None:
+                await backlog
             if isinstance(action, Park):
                 metrics.parked += 1
                 metrics.parked_by_reason[action.reason.value] += 1
