@@ -125,8 +125,10 @@ async def bare_loop(settings: Settings, n: int, prefetch: int) -> Clock:
     return clock
 
 
-async def bare_aiormq(settings: Settings, n: int, prefetch: int) -> Clock:
-    """What the worker itself builds on: aiormq's consume callback and basic_ack."""
+async def bare_aiormq(settings: Settings, n: int, prefetch: int, group: int = 1) -> Clock:
+    """What the worker itself builds on: aiormq's consume callback and basic_ack; with
+    ``group``, only every ``group``-th delivery (and the last) is acked, with ``multiple``: the
+    ceiling of an at-least-once consumer, no handler, no decision."""
     clock = Clock(n)
     connection = await aiormq.connect(settings.url)
     try:
@@ -135,30 +137,11 @@ async def bare_aiormq(settings: Settings, n: int, prefetch: int) -> Clock:
 
         async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
             clock.start()
-            await channel.basic_ack(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
-            clock.complete()
-
-        await channel.basic_consume(QUEUE, on_message)
-        await clock.done.wait()
-    finally:
-        await connection.close()
-    return clock
-
-
-async def bare_grouped(settings: Settings, n: int, prefetch: int) -> Clock:
-    """The ceiling: aiormq acking every ``GROUP``-th delivery with ``multiple`` (the last one
-    too), no handler, no decision."""
-    clock = Clock(n)
-    connection = await aiormq.connect(settings.url)
-    try:
-        channel = await connection.channel(publisher_confirms=False)
-        await channel.basic_qos(prefetch_count=prefetch)
-
-        async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
-            clock.start()
-            if (clock.count + 1) % GROUP == 0 or clock.count + 1 == n:
+            seen = clock.count + 1
+            if seen % group == 0 or seen == n:
                 await channel.basic_ack(
-                    message.delivery.delivery_tag, multiple=True  # type: ignore[union-attr,arg-type]
+                    message.delivery.delivery_tag,  # type: ignore[union-attr,arg-type]
+                    multiple=group > 1,
                 )
             clock.complete()
 
@@ -225,7 +208,7 @@ async def bench(
                 lambda s: bare_loop(s, messages, prefetch),
                 lambda s: our_worker(s, messages, prefetch, topo),
                 lambda s: bare_aiormq(s, messages, prefetch),
-                lambda s: bare_grouped(s, messages, prefetch),
+                lambda s: bare_aiormq(s, messages, prefetch, GROUP),
             ),
             strict=True,
         ):
