@@ -144,6 +144,14 @@ BENCHES = (
         1800,
     ),
     Bench(
+        "batch",
+        "bench.bench_batch",
+        "Batch handler: rows into PostgreSQL, batch 500 against one at a time",
+        {"n": 50_000, "runs": 3},
+        {"n": 1_000, "runs": 1},
+        1200,
+    ),
+    Bench(
         "migrate",
         "bench.bench_migrate",
         "migrate: 10,000 messages, classic to quorum, against a bare shovel-style move",

@@ -85,7 +85,7 @@ def subscribe(
                 f" (it has: {known})"
             ) from None
         threads = None
-        if is_blocking(consumer):
+        if consumer.batch is None and is_blocking(consumer):
             from concurrent.futures import ThreadPoolExecutor  # only blocking handlers need it
 
             threads = ThreadPoolExecutor(

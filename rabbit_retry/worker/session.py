@@ -35,12 +35,14 @@ from rabbit_retry.contract import new_message_id, republish_properties
 from rabbit_retry.settings import mask
 from rabbit_retry.topology.resolved import QueueConfig
 from rabbit_retry.worker import journal, shutdown
+from rabbit_retry.worker.batch import Batcher, outcomes
 from rabbit_retry.worker.consumer import (
     NOT_DECODED,
     Delivery,
     RetryConsumer,
     ack_run,
     payload_error,
+    prefetch,
 )
 from rabbit_retry.worker.deadlines import Deadlines
 from rabbit_retry.worker.decide import (
@@ -106,12 +108,13 @@ class Subscription:
 @dataclass(eq=False)
 class Stream:
     """One subscription consumed on this session: its rules for ``decide``, its lane (and the
-    lane's settler), its pausing."""
+    lane's settler), its pausing, and for a batch consumer its batcher."""
 
     sub: Subscription
     rules: Rules
     lane: Lane = field(init=False)
     pausing: Pausing | None = None
+    batcher: Batcher | None = None
 
 
 class Session:
@@ -164,8 +167,11 @@ class Session:
             )
             consumer = sub.consumer
             stream = Stream(sub, rules)
-            lane = stream.lane = Lane(channel, sub.queue, consumer.prefetch, ack_run(consumer),
+            lane = stream.lane = Lane(channel, sub.queue, prefetch(consumer), ack_run(consumer),
                                       partial(deliver, stream), self._set_lost)
+            if consumer.batch is not None:
+                stream.batcher = Batcher(consumer.batch, partial(self._run_batch, sub),
+                                         self._track)
             if sub.breaker is not None:
                 stream.pausing = Pausing(
                     sub.breaker, lane, consumer.name, sub.metrics,
@@ -181,7 +187,7 @@ class Session:
                 stream.pausing.start_probe()
                 continue
             log.info("consuming queue=%s consumer=%s prefetch=%d", sub.queue, consumer.name,
-                     consumer.prefetch, extra={"queue": sub.queue, "event": "consuming"})
+                     lane.prefetch, extra={"queue": sub.queue, "event": "consuming"})
 
     def _watch(self, channel: AbstractChannel, queue: str) -> None:
         def closed(future: asyncio.Future[Any]) -> None:
@@ -209,7 +215,7 @@ class Session:
         deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
         tag: int = deliver.delivery_tag  # type: ignore[assignment]
         lane.settle.received(tag)
-        history, entered = FIRST, False
+        history, entered, alone = FIRST, False, probe
         try:
             headers = message.header.properties.headers
             if headers or deliver.redelivered:
@@ -232,7 +238,7 @@ class Session:
                         return
                     if turn == "stopped":  # it goes back to the broker unstarted
                         return
-            await self._handle(stream, task, message, history)
+            await self._handle(stream, task, message, history, alone)
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
             log.debug("queue=%s: a delivery's channel closed; the broker has it back", sub.queue)
         except Exception as exc:
@@ -244,10 +250,12 @@ class Session:
             self.tasks.discard(task)
 
     async def _handle(
-        self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage, history: History
+        self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage,
+        history: History, alone: bool = False,
     ) -> None:
         """Run the handler (``decide`` said so on arrival), decide on its outcome, carry it
-        out."""
+        out. A batch consumer's delivery joins a batch for the call (``alone``: a batch of its
+        own) and takes its own outcome from it."""
         sub, rules = stream.sub, stream.rules
         props = message.header.properties
         deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
@@ -290,7 +298,10 @@ class Session:
                 await self._carry_out(stream, message, history, ACK, None, duplicate=True)
                 return
         try:
-            outcome = await self._run(sub, task, delivery)
+            if stream.batcher is None:
+                outcome = await self._run(sub, task, delivery)
+            else:
+                outcome = await stream.batcher.join(delivery, alone=alone)
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
@@ -344,6 +355,36 @@ class Session:
             sub.deadlines.ended(task, None, timeout)
         sub.metrics.handler_seconds.observe(time.perf_counter() - started)
         return Outcome.SUCCESS
+
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        """A task that runs handler code for deliveries (a batch): shutdown waits for it."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    @staticmethod
+    async def _run_batch(
+        sub: Subscription, deliveries: list[Delivery[Any]]
+    ) -> list[Outcome | Exception]:
+        """``handle_batch`` under the handler timeout (the whole call's), in the batch's own
+        task; an outcome per delivery. Raising (or timing out) fails each with the exception."""
+        task = asyncio.current_task()
+        assert task is not None
+        timeout = sub.consumer.handler_timeout
+        started = time.perf_counter()
+        if timeout is not None:
+            sub.deadlines.start(task, timeout)
+        try:
+            returned = await sub.consumer.handle_batch(deliveries)
+        except BaseException as exc:
+            what = exc if timeout is None else sub.deadlines.ended(task, exc, timeout)
+            if not isinstance(what, Exception):  # a cancellation (shutdown), an exit
+                raise
+            sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+            return [what] * len(deliveries)
+        if timeout is not None:
+            sub.deadlines.ended(task, None, timeout)
+        sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+        return outcomes(deliveries, returned)
 
     @staticmethod
     async def _settle_ticket(
@@ -510,6 +551,9 @@ class Session:
         for stream in self.streams:
             await stream.lane.stop(shutdown.CANCEL_TIMEOUT)
         await asyncio.sleep(0)  # deliveries still waiting for their turn leave, unstarted
+        for stream in self.streams:
+            if stream.batcher is not None:  # what a batch collected runs now, within the grace
+                stream.batcher.flush()
         self.stopping = True
         await shutdown.finish(self.tasks, grace, force)
         await self.close()
