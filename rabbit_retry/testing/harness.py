@@ -357,8 +357,12 @@ class TestBroker:
                                       arguments=queue.arguments,
                                       policy=policies.get(queue.name))
         for binding in self.plan.bindings:
-            self.memory.bind(binding.destination, binding.source, binding.routing_key,
-                             binding.arguments)
+            if binding.destination_type == "exchange":
+                self.memory.bind_exchange(binding.destination, binding.source,
+                                          binding.routing_key, binding.arguments)
+            else:
+                self.memory.bind(binding.destination, binding.source, binding.routing_key,
+                                 binding.arguments)
 
     async def __aenter__(self) -> TestBroker:
         return self
