@@ -71,6 +71,8 @@ class Lane:
         ack_run: int,
         deliver: Callable[[DeliveredMessage], Coroutine[Any, Any, None]],
         on_error: Callable[[str], None],
+        *,
+        fixed: bool = False,
     ) -> None:
         self.channel = channel
         self.queue = queue
@@ -79,9 +81,12 @@ class Lane:
         self._deliver = deliver
         self._on_error = on_error
         self.paused = False
-        self.mode: Mode = "probation"
+        # ``fixed``: one consumer for good, at full prefetch (an ordered queue's lane, whose
+        # single active consumer a new consumer would hand to another worker mid-stream).
+        self.fixed = fixed
+        self.mode: Mode = "full" if fixed else "probation"
         self.tag: str | None = None
-        self._target: Mode = "probation"
+        self._target: Mode = self.mode
         self._mover: asyncio.Task[None] | None = None
         self._stopped = False
         self._held = 0  # deliveries received and not gone
@@ -95,7 +100,7 @@ class Lane:
         if paused:
             self.paused = True
             return
-        await self._consume(PROBATION_PREFETCH)
+        await self._consume(self.prefetch if self.fixed else PROBATION_PREFETCH)
 
     async def pause(self) -> None:
         """Cancel the consumer; what has not started gets the turn "hold" as it arrives or wakes."""
@@ -162,6 +167,8 @@ class Lane:
                 self._waiting -= 1
 
     def _want(self, mode: Mode) -> None:
+        if self.fixed:
+            return
         self._target = mode
         if not self._stopped and not self.paused and (self._mover is None or self._mover.done()):
             self._mover = asyncio.create_task(self._move())
