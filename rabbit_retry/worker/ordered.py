@@ -147,11 +147,28 @@ class OrderedLane:
         if key in self.holds or self.backlog.get(key):
             try:
                 await self._defer(key, message, history)
-            finally:
+            except BaseException:
                 self.left(task)
+                raise
+            await self.leave(task, key)
             return None
         turn = self.turns[task] = Turn(key)
         return turn
+
+    async def leave(self, task: Task, key: str | None = None) -> None:
+        """The delivery is settled: once its ack is written, if the key's next delivery waits
+        for it, that one may run. (Acks go out in runs; a key's next message must not run, or
+        be moved, while a crash could still hand this one back to run again after it.)"""
+        turn = self.turns.get(task)
+        key = turn.key if turn is not None else key
+        mine = self._mine.get(task)
+        try:
+            if mine is not None and key is not None and self._tails.get(key) is not mine:
+                await self.settle.flush()
+        except Exception as exc:  # the channel closed: what it held comes back anyway
+            log.debug("queue=%s: acks not written: %r", self.queue, exc)
+        finally:
+            self.left(task)
 
     def left(self, task: Task) -> None:
         """The delivery is settled (or gone): its key's next delivery may run."""
@@ -320,9 +337,12 @@ class OrderedLane:
 
     async def _hand_back(self, key: str, messages: list[DeliveredMessage]) -> None:
         """A free key's waiting messages, in order; once one holds the key again, the rest
-        stay in the held queue."""
+        stay in the held queue, even if that holder comes back and is done before this loop
+        is (the next pass hands them back, behind it)."""
+        held = False
         for message in messages:
-            if key in self.holds:
+            held = held or key in self.holds
+            if held:
                 await self._rewrite(message)
                 continue
             await self._handle(message, key)

@@ -257,8 +257,8 @@ class Session:
                     "", name, b"", spec.Basic.Properties(
                         headers={ORDERED_RELEASE: ""}, delivery_mode=2,
                         message_id=new_message_id()))
-        log.info("consuming ordered queue=%s consumer=%s lanes=%d prefetch=%d", queue,
-                 consumer.name, ordered.lanes, prefetch(consumer),
+        log.info("consuming queue=%s consumer=%s prefetch=%d (ordered, %d lanes)", queue,
+                 consumer.name, prefetch(consumer), ordered.lanes,
                  extra={"queue": queue, "event": "consuming"})
 
     async def _forward(self, stream: Stream, lanes: str, message: DeliveredMessage) -> None:
@@ -327,7 +327,8 @@ class Session:
             headers = message.header.properties.headers
             ours = None if order is None else (
                 deliver.exchange == order.lanes_exchange
-                or (not deliver.exchange and deliver.routing_key == order.held_queue))
+                or (not deliver.exchange
+                    and deliver.routing_key in (order.held_queue, order.lane_queue)))
             if headers or deliver.redelivered:
                 history = read(headers, bool(deliver.redelivered), deliver.exchange or "",
                                deliver.routing_key or "", sub.queue, ours)
@@ -364,7 +365,7 @@ class Session:
             if entered:
                 lane.left(task)
             if order is not None:
-                order.left(task)
+                await order.leave(task)
             sub.metrics.in_flight -= 1
             self.tasks.discard(task)
 

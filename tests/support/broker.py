@@ -31,6 +31,21 @@ def ctl(management: Management, *args: str, timeout: float = 180.0) -> str:
     return done.stdout
 
 
+def enable_plugin(management: Management, exchange_type: str, plugin: str) -> None:
+    """Enable ``plugin`` on the broker under test as a user would (``rabbitmq-plugins enable``:
+    no restart), unless the broker already offers ``exchange_type``."""
+    offered = {t.get("name") for t in management.overview().get("exchange_types") or []}
+    if exchange_type in offered:
+        return
+    version = os.environ.get("RABBIT_RETRY_TEST_BROKER")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ([os.path.join(root, "scripts", "broker.sh"), "plugins", version] if version
+            else ["rabbitmq-plugins"])
+    done = subprocess.run([*argv, "enable", plugin], capture_output=True, text=True,
+                          timeout=180, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{shlex.join(argv)} enable {plugin}: {done.stderr.strip()}"
+
+
 @functools.cache
 def _node(management: Management) -> str:
     """The node's name, looked up once: a test that runs ``stop_app`` must still be able to run
