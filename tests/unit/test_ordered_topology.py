@@ -96,3 +96,28 @@ def test_apply_names_the_plugin_an_ordered_queue_needs_in_one_line() -> None:
     plain = compile_topology(parse_topology(rewards().replace(
         "    ordered: {key: {header: user-id}, lanes: 3}\n", "")))
     assert missing_plugin(plain, {"direct"}) is None
+
+
+def test_status_counts_an_ordered_queues_lanes_and_held_keys() -> None:
+    from rabbit_retry.broker.inspect import LiveQueue, LiveState
+    from rabbit_retry.status import build_status
+
+    plan = compile_topology(parse_topology(rewards()))
+    counts = {"rewards.points": (1, 0), "rewards.points.lane.0": (4, 2),
+              "rewards.points.lane.2": (0, 3), "rewards.points.retry.5s": (2, 0),
+              "rewards.points.parking": (1, 0), "rewards.points.lane.0.held": (6, 0),
+              "rewards.points.lane.1.held": (3, 0)}
+    queues = {}
+    for q in plan.queues:
+        ready, unacked = counts.get(q.name, (0, 0))
+        queues[q.name] = LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                                   ready + unacked, ready, unacked, 2)
+    live = LiveState(queues, {}, ())
+    [row] = build_status(plan, live, (), vhost="v", source="t.yml").queues
+    document = row.to_json()
+    assert (document["ready"], document["unacked"]) == (5, 5)  # Q and its lanes
+    # two retrying and one on its way back through Q hold their keys; so does the parked one
+    assert (document["held_keys"], document["held_messages"]) == (4, 9)
+    [continued] = build_status(plan, live, (), vhost="v", source="t.yml",
+                               on_park={"rewards.points": "continue"}).queues
+    assert continued.held_keys == 3
