@@ -17,7 +17,7 @@ EXAMPLES = ROOT / "topologies"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples import test_fraud_check, test_stock_loader  # noqa: E402
+from examples import test_fraud_check, test_rewards_ledger, test_stock_loader  # noqa: E402
 
 
 def load(name: str) -> Topology:
@@ -25,7 +25,8 @@ def load(name: str) -> Topology:
 
 
 @pytest.mark.parametrize(
-    "name", ["orders.yml", "notifications.yml", "audit.yml", "demo.yml", "warehouse.yml"]
+    "name",
+    ["orders.yml", "notifications.yml", "audit.yml", "demo.yml", "rewards.yml", "warehouse.yml"],
 )
 def test_example_loads_compiles_and_exports(name: str) -> None:
     plan = compile_topology(load(name))
@@ -41,6 +42,7 @@ def test_every_example_is_tested() -> None:
         "demo.yml",
         "notifications.yml",
         "orders.yml",
+        "rewards.yml",
         "warehouse.yml",
     ]
 
@@ -146,3 +148,28 @@ def test_warehouse() -> None:
     # the comment's promise: 5 s, 1 m, 1 m, then parked
     assert [movements.retry.delay_for(f) for f in range(1, 4)] == [5_000, 60_000, 60_000]
     assert movements.retry.max_attempts == 4
+
+
+# --- "Ordered keys" ------------------------------------------------------------------------
+
+
+def test_the_readme_shows_the_ledger_and_its_topology_as_they_are() -> None:
+    readme = (ROOT / "README.md").read_text()
+    example = (ROOT / "examples" / "rewards_ledger.py").read_text()
+    code = example.split('"""', 2)[2].lstrip("\n")
+    assert f"```python\n{code}```" in readme
+    assert f"```yaml\n{(EXAMPLES / 'rewards.yml').read_text()}```" in readme
+
+
+async def test_the_ledger_applies_each_users_events_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    await test_rewards_ledger.test_each_users_events_apply_in_order_through_a_retry(tmp_path)
+
+
+def test_rewards() -> None:
+    points = load("rewards.yml").queue("rewards.points")
+    assert points.ordered is not None
+    assert (points.ordered.header, points.ordered.lanes, points.ordered.on_park) == (
+        "user-id", 8, "hold")

@@ -121,3 +121,29 @@ def test_status_counts_an_ordered_queues_lanes_and_held_keys() -> None:
     [continued] = build_status(plan, live, (), vhost="v", source="t.yml",
                                on_park={"rewards.points": "continue"}).queues
     assert continued.held_keys == 3
+
+
+def test_apply_refuses_to_change_the_lanes_of_a_live_ordered_queue() -> None:
+    from rabbit_retry.broker.diff import diff, refusal
+    from rabbit_retry.broker.inspect import LiveQueue, LiveState
+
+    def live_of(text: str) -> LiveState:
+        plan = compile_topology(parse_topology(text))
+        queues = {q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                                    0, 0, 0, 0) for q in plan.queues}
+        return LiveState(queues, {}, plan.bindings)
+
+    four = rewards("{key: {header: user-id}, lanes: 4}")
+    eight = rewards("{key: {header: user-id}, lanes: 8}")
+    same = diff(compile_topology(parse_topology(four)), live_of(four))
+    assert refusal(same, "v", "r.yml") == []  # positive control: nothing changed, no refusal
+    changed = diff(compile_topology(parse_topology(eight)), live_of(four))
+    [line, _] = refusal(changed, "v", "r.yml")
+    assert line == (
+        "queue rewards.points in vhost 'v' differs from the file: ordered with 4 lanes on the "
+        "broker, 8 in the file: other lanes would take some keys while their earlier messages "
+        "wait in the old ones; keep lanes: 4 (changing the lanes of a live ordered queue is not "
+        "supported yet)")
+    plain = rewards().replace("    ordered: {key: {header: user-id}, lanes: 3}\n", "")
+    [line, _] = refusal(diff(compile_topology(parse_topology(four)), live_of(plain)), "v", "f")
+    assert "a plain queue on the broker that messages reach directly" in line
