@@ -144,6 +144,14 @@ BENCHES = (
         1800,
     ),
     Bench(
+        "ordered",
+        "bench.bench_ordered",
+        "Ordered keys: 1,000 keys against a plain queue",
+        {"n": 20_000, "runs": 3},
+        {"n": 500, "runs": 1},
+        1200,
+    ),
+    Bench(
         "batch",
         "bench.bench_batch",
         "Batch handler: rows into PostgreSQL, batch 500 against one at a time",
