@@ -138,10 +138,17 @@ class Lane:
 
     async def stop(self, cancel_timeout: float) -> None:
         """No more deliveries: cancel the consumer. What runs goes on; what waits for its turn
-        gets ``"stopped"`` (the broker gets it back when the channel closes)."""
+        gets ``"stopped"`` (the broker gets it back when the channel closes).
+
+        A ``fixed`` lane keeps its consumer: cancelled, a single active consumer hands its
+        queue to another worker at once, which would start a key's next message while this one
+        still runs the key's last; what arrives meanwhile stays unstarted and goes back with
+        the channel, after the running handlers are done."""
         self._stopped = True
         self._poke()
         await self._stop_mover()
+        if self.fixed:
+            return
         tag, self.tag = self.tag, None
         if tag is not None:
             with suppress(Exception):
@@ -203,7 +210,7 @@ class Lane:
         """A delivery arrived (``alone``: it came back without a verdict): whether it may run
         now, beside the others (most do). When not, ``turn`` says what it may do, once it may."""
         self._held += 1
-        if (self.paused or alone
+        if (self.paused or alone or self._stopped
                 or self._alone is not None or len(self._shared) >= self.prefetch
                 or (self.mode == "probation" and self._target == "probation")):
             return False
@@ -212,6 +219,8 @@ class Lane:
 
     async def turn(self, task: Task, alone: bool, message_id: str | None) -> Turn:
         """The turn of a delivery ``enter`` did not let run, waiting for it where it must."""
+        if self._stopped:
+            return "stopped"
         if self.paused:
             return "hold"
         if alone:

@@ -318,3 +318,31 @@ async def test_a_batch_never_holds_two_messages_of_one_key() -> None:
             seen[user].append(seq)
     assert {u: s for u, s in seen.items()} == {u: [1, 2, 2, 3, 4] for u in "abcd"}
     assert any(len(b) > 1 for b in consumer.batches)  # positive control: keys did share
+
+
+async def test_a_graceful_stop_hands_a_lane_over_only_after_its_running_handler() -> None:
+    """Stopping, a worker keeps its lanes' consumers (cancelled, the broker would hand a lane
+    to the other worker at once, and the key's next message would run beside its last)."""
+    release = asyncio.Event()
+    order: list[str] = []
+
+    class Slow(Ledger):
+        async def handle(self, delivery: Delivery) -> None:
+            order.append(f"start {delivery.message_id}")
+            if delivery.message_id == "fay-1":
+                await release.wait()
+            order.append(f"end {delivery.message_id}")
+
+    async with broker_for(topology()) as broker, \
+            broker.worker(Slow(), grace=10) as first, broker.worker(Slow()):
+        publish(broker, "fay", 1)
+        await broker.wait_for(lambda: order == ["start fay-1"], what="fay-1 running")
+        stopping = asyncio.create_task(first.stop())
+        await asyncio.sleep(0.05)
+        publish(broker, "fay", 2)
+        await asyncio.sleep(0.05)
+        assert order == ["start fay-1"]  # fay-2 waits for fay-1, on neither worker
+        release.set()
+        await stopping
+        await broker.settle()
+    assert order == ["start fay-1", "end fay-1", "start fay-2", "end fay-2"]
