@@ -52,14 +52,20 @@ def _type_arguments(queue_type: str, replicas: int | None) -> dict[str, Any]:
 
 
 def parking_arguments(queue: QueueConfig) -> dict[str, Any]:
-    if queue.parking_type == "classic":
+    return _keeping_arguments(queue.parking_type, queue.replicas)
+
+
+def _keeping_arguments(queue_type: str, replicas: int | None) -> dict[str, Any]:
+    """A queue that keeps what it holds until a worker or an operator takes it: no TTL, no
+    dead-letter target, and on quorum a delivery limit no peek or takeover reaches."""
+    if queue_type == "classic":
         return {"x-queue-type": "classic"}
     arguments: dict[str, Any] = {
         "x-queue-type": "quorum",
         "x-delivery-limit": PARKING_DELIVERY_LIMIT,
     }
-    if queue.replicas is not None:
-        arguments["x-quorum-initial-group-size"] = queue.replicas
+    if replicas is not None:
+        arguments["x-quorum-initial-group-size"] = replicas
     return arguments
 
 
@@ -69,15 +75,7 @@ LANES_PLUGIN = "rabbitmq_consistent_hash_exchange"
 
 def held_arguments(queue: QueueConfig) -> dict[str, Any]:
     """A held queue keeps what it holds as a parking queue does, in the main queue's type."""
-    if queue.queue_type == "classic":
-        return {"x-queue-type": "classic"}
-    arguments: dict[str, Any] = {
-        "x-queue-type": "quorum",
-        "x-delivery-limit": PARKING_DELIVERY_LIMIT,
-    }
-    if queue.replicas is not None:
-        arguments["x-quorum-initial-group-size"] = queue.replicas
-    return arguments
+    return _keeping_arguments(queue.queue_type, queue.replicas)
 
 
 def _lanes(
