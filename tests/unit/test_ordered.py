@@ -346,3 +346,20 @@ async def test_a_graceful_stop_hands_a_lane_over_only_after_its_running_handler(
         await stopping
         await broker.settle()
     assert order == ["start fay-1", "end fay-1", "start fay-2", "end fay-2"]
+
+
+def test_a_pause_on_an_ordered_queue_is_refused_at_start_in_one_line() -> None:
+    from rabbit_retry import Pause
+    from rabbit_retry.errors import InputError
+    from rabbit_retry.worker import Runner
+
+    class Paused(Ledger):
+        pause = Pause(after=3)
+
+    topo = parse_topology(topology(), "rewards.yml")
+    with pytest.raises(InputError) as caught:
+        Runner([Paused()], topology=topo)
+    assert str(caught.value) == (
+        "Paused.pause: rewards.points is ordered; a pause would hand its lanes to other workers"
+        " mid-stream (not supported yet)")
+    Runner([Ledger()], topology=topo)  # positive control: the same consumer without a pause
