@@ -46,6 +46,8 @@ from rabbit_retry.worker.settle import Settler
 log = logging.getLogger("rabbit_retry.worker")
 
 Task = asyncio.Task[Any]
+# Entries a pass writes back at once (each confirmed before its read one is acked).
+REWRITE_WINDOW = 100
 
 
 @dataclass(slots=True)
@@ -307,8 +309,10 @@ class OrderedLane:
             self._ready.set()
         for index in todo.drop:
             self.settle.done(_tag(taken[index]))
-        for index in todo.keep:
-            await self._rewrite(taken[index])
+        kept = [taken[index] for index in todo.keep]
+        # In windows: the order they land in does not matter, each keeps its sequence number.
+        for start in range(0, len(kept), REWRITE_WINDOW):
+            await asyncio.gather(*map(self._rewrite, kept[start:start + REWRITE_WINDOW]))
         runs = [self._hand_back(key, [taken[i] for i in indexes])
                 for key, indexes in todo.handle.items()]
         if runs:
