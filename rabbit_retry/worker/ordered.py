@@ -125,7 +125,7 @@ class OrderedLane:
         if released is not None:  # an operator discarded the holder (or a nudge: "")
             if released and self._holding(key) == released:
                 await self.release(key, released)
-            self.settle.done(tag)
+            await self._ack(tag)
             return None
         if hold is not None:
             if self._holding(key) == hold:  # the holder is back: it goes first
@@ -134,7 +134,7 @@ class OrderedLane:
             log.info("queue=%s key=%r: a copy of hold %s came back after its hold ended (a"
                      " crash left it behind); dropped, its message was handled", self.queue, key,
                      hold, extra={"queue": self.queue, "event": "stale_holder"})
-            self.settle.done(tag)
+            await self._ack(tag)
             return None
         mine = asyncio.get_running_loop().create_future()
         earlier = self._tails.get(key)
@@ -204,7 +204,7 @@ class OrderedLane:
                               republish_properties(props, headers, self.user, expiration=None),
                               lambda: not message.channel.is_closed)
         self.backlog[key] = self.backlog.get(key, 0) + 1
-        self.settle.done(deliver.delivery_tag)  # type: ignore[arg-type]
+        await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
 
     # --- holds ---------------------------------------------------------------------------------
 
@@ -247,6 +247,12 @@ class OrderedLane:
         self._garbage += 2
         if self.backlog.get(key) or self._garbage >= len(self.holds) + sum(self.backlog.values()):
             self._start_passes()
+
+    async def _ack(self, tag: int) -> None:
+        """Ack with the lane's next run (waiting when a run's worth is not written yet)."""
+        backlog = self.settle.done(tag)
+        if backlog is not None:
+            await backlog
 
     def _next(self) -> int:
         self._seq += 1
@@ -308,7 +314,7 @@ class OrderedLane:
         finally:
             self._ready.set()
         for index in todo.drop:
-            self.settle.done(_tag(taken[index]))
+            await self._ack(_tag(taken[index]))
         kept = [taken[index] for index in todo.keep]
         # In windows: the order they land in does not matter, each keeps its sequence number.
         for start in range(0, len(kept), REWRITE_WINDOW):
@@ -337,7 +343,7 @@ class OrderedLane:
         await self._write(message.body,
                           republish_properties(props, dict(props.headers or {}), self.user),
                           lambda: not message.channel.is_closed)
-        self.settle.done(_tag(message))
+        await self._ack(_tag(message))
 
     async def _hand_back(self, key: str, messages: list[DeliveredMessage]) -> None:
         """A free key's waiting messages, in order; once one holds the key again, the rest

@@ -282,7 +282,9 @@ class Session:
                 delivery_alive=lambda: not message.channel.is_closed,
                 context={"queue": stream.sub.queue, "message_id": props.message_id},
             )
-            settle.done(tag)
+            backlog = settle.done(tag)
+            if backlog is not None:
+                await backlog
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
             log.debug("queue=%s: a delivery's channel closed; the broker has it back",
                       stream.sub.queue)
