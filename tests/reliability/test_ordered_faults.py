@@ -12,14 +12,13 @@ broker application: it is ``alone`` (tests/conftest.py), never run beside other 
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 
 import pytest
 from rel_support import Worker, spec_body
 from rel_support import records as recorded
 from support.amqp import Outgoing, publish_sync, total_depth
-from support.broker import ctl, enable_plugin
+from support.broker import enable_plugin, restart_app
 from support.poll import wait_for
 from support.process import apply, cli
 
@@ -157,12 +156,7 @@ def test_ordered_keys_survive_a_broker_restart(
     messages = [m for m in _stream("restart") if b"fixable" not in m.body]
     publish_sync(fresh_vhost, messages, exchange="rel", routing_key="points")
     wait_for(lambda: len(recorded(records, "ok")) >= len(messages) // 3, "a third handled")
-    try:
-        ctl(management, "stop_app")
-        time.sleep(1)
-    finally:
-        ctl(management, "start_app")
-        ctl(management, "await_startup")
+    restart_app(management)
     wait_for(lambda: len({m for m, _ in recorded(records, "ok")}) == len(messages),
              "every message handled after the restart", within=300)
     wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")

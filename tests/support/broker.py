@@ -11,6 +11,7 @@ import functools
 import os
 import shlex
 import subprocess
+import time
 
 from rabbit_retry.broker.management import Management
 
@@ -29,6 +30,17 @@ def ctl(management: Management, *args: str, timeout: float = 180.0) -> str:
         f"{shlex.join([*prefix, *args])}: {(done.stderr or done.stdout).strip()}{hint}"
     )
     return done.stdout
+
+
+def restart_app(management: Management) -> None:
+    """Stop the broker application and start it again (a test marked ``alone``): it comes back
+    whatever happens while it is down."""
+    try:
+        ctl(management, "stop_app")  # itself takes several seconds: it closes every queue cleanly
+        time.sleep(1)
+    finally:
+        ctl(management, "start_app")
+        ctl(management, "await_startup")
 
 
 def enable_plugin(management: Management, exchange_type: str, plugin: str) -> None:
