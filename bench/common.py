@@ -549,11 +549,13 @@ def measure_drain(
     settle: float = 2 * PAUSE,
     rate: float | None = None,
     env: Mapping[str, str] | None = None,
+    exchange: str = "",
 ) -> Drain:
     """In a throwaway vhost: ``setup`` declares the queues, the backlog of ``n`` messages is
     published (before the consumer starts, or, with ``publish_first=False``, once it consumes,
-    at ``rate`` a second if given), then the consumer process runs until its probe reports; the
-    vhost and process are removed whatever happens."""
+    at ``rate`` a second if given; to ``exchange`` with routing key ``queue``, by default
+    straight to ``queue``), then the consumer process runs until its probe reports; the vhost
+    and process are removed whatever happens."""
     with (
         throwaway_vhost(base, tag) as settings,
         tempfile.TemporaryDirectory(prefix="rr-bench-") as tmp,
@@ -563,7 +565,7 @@ def measure_drain(
         published_at = time.time()
         publish_seconds = 0.0
         if publish_first:
-            publish_seconds = publish_stream_sync(settings, queue, n, make)
+            publish_seconds = publish_stream_sync(settings, queue, n, make, exchange=exchange)
             # Let the broker finish writing the backlog (quorum WAL, segments) before anyone
             # consumes: otherwise the consumer that starts faster pays for the broker's catch-up.
             time.sleep(settle)
@@ -573,6 +575,7 @@ def measure_drain(
             if not publish_first:
                 wait_for_consumer(settings, queue, 60, consumer.proc, consumer.log)
                 published_at = time.time()
-                publish_seconds = publish_stream_sync(settings, queue, n, make, rate=rate)
+                publish_seconds = publish_stream_sync(settings, queue, n, make, rate=rate,
+                                                      exchange=exchange)
             probe = consumer.result(timeout)
         return Drain(n, probe, published_at, publish_seconds)

@@ -10,9 +10,10 @@ prefetch comes from ``BENCH_PREFETCH`` so every system runs with the same one.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from bench.probe import QUEUE, probe
-from rabbit_retry import Delivery, RetryConsumer
+from rabbit_retry import Batch, BatchResult, Delivery, RetryConsumer
 
 PREFETCH = int(os.environ.get("BENCH_PREFETCH", "50"))
 
@@ -54,3 +55,57 @@ class Peer(_Bench):
         if probe().should_fail(body.get("id"), bool(body.get("fail"))):
             raise RuntimeError("bench: planned failure")
         probe().done(body.get("t"))
+
+
+# --- bench_batch: rows into PostgreSQL, one message at a time against batches -------------------
+
+# Where bench_batch's consumers insert: a DSN and a table the benchmark creates per measurement.
+PG_URL = os.environ.get("BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+PG_TABLE = os.environ.get("BENCH_PG_TABLE", "bench_rows")
+PG_POOL = int(os.environ.get("BENCH_PG_POOL", "10"))
+BATCH_SIZE = int(os.environ.get("BENCH_BATCH", "500"))
+INSERT = f"insert into {PG_TABLE} (id, body) values (%s, %s) on conflict (id) do nothing"
+
+
+class _Postgres:
+    """A psycopg connection pool opened with the worker and closed after it."""
+
+    pool: Any = None
+    pool_size = PG_POOL
+
+    async def on_start(self) -> None:
+        from psycopg_pool import AsyncConnectionPool
+
+        self.pool = AsyncConnectionPool(PG_URL, min_size=self.pool_size,
+                                        max_size=self.pool_size, open=False)
+        await self.pool.open(wait=True)
+
+    async def on_stop(self) -> None:
+        await self.pool.close()
+
+
+class PgInsert(_Postgres, _Bench):
+    """One message, one row: an insert and its commit per message (``prefetch`` at once, over
+    a pool of ``BENCH_PG_POOL`` connections)."""
+
+    async def handle(self, delivery: Delivery) -> None:
+        probe().should_fail(None)  # marks the first call: both systems are timed from it
+        async with self.pool.connection() as connection:  # commits on the way out
+            await connection.execute(INSERT, (delivery.message_id, delivery.body))
+        probe().done()
+
+
+class PgInsertBatch(_Postgres, RetryConsumer):
+    """``BENCH_BATCH`` messages, one transaction: ``executemany`` (psycopg pipelines it)."""
+
+    queue = QUEUE
+    batch = Batch(size=BATCH_SIZE, wait=0.2)
+    pool_size = 2  # the worker holds two batches: one fills while one is written
+
+    async def handle_batch(self, deliveries: list[Delivery]) -> BatchResult | None:
+        probe().should_fail(None)
+        async with self.pool.connection() as connection, connection.cursor() as cursor:
+            await cursor.executemany(INSERT, [(d.message_id, d.body) for d in deliveries])
+        for _ in deliveries:
+            probe().done()
+        return None

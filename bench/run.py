@@ -144,6 +144,22 @@ BENCHES = (
         1800,
     ),
     Bench(
+        "ordered",
+        "bench.bench_ordered",
+        "Ordered keys: 1,000 keys against a plain queue",
+        {"n": 20_000, "runs": 3},
+        {"n": 500, "runs": 1},
+        1200,
+    ),
+    Bench(
+        "batch",
+        "bench.bench_batch",
+        "Batch handler: rows into PostgreSQL, batch 500 against one at a time",
+        {"n": 50_000, "runs": 3},
+        {"n": 1_000, "runs": 1},
+        1200,
+    ),
+    Bench(
         "migrate",
         "bench.bench_migrate",
         "migrate: 10,000 messages, classic to quorum, against a bare shovel-style move",

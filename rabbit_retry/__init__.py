@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from rabbit_retry.settings import Settings
     from rabbit_retry.worker import (
         NOT_DECODED,
+        Batch,
+        BatchResult,
         Delivery,
         HandlerTimeout,
         Idempotency,
@@ -36,6 +38,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "NOT_DECODED",
+    "Batch",
+    "BatchResult",
     "Delivery",
     "HandlerTimeout",
     "Idempotency",

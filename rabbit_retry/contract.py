@@ -49,6 +49,22 @@ MESSAGE_ID_GENERATED = "message-id-generated"
 # Kept on replay: a replay that is not traced leaves the link to the attempt that parked it.
 COPY_SPAN = "copy-span"
 
+# Ordered keys (``worker.ordering``). On a copy of an ordered queue's message: its key, and on
+# the copy that holds the key (a retry, a parked copy, a copy sent back) the hold's id. A replay
+# keeps both: a replayed holder is its key's next message.
+ORDERED_KEY = "ordered-key"
+ORDERED_HOLD = "ordered-hold"
+# In a lane's held queue: what an entry is (message | hold | release), its place in the lane's
+# order, and for a hold since when (epoch seconds), why (retry | parked) and whose.
+ORDERED_ENTRY = "ordered-entry"
+ORDERED_SEQ = "ordered-seq"
+ORDERED_SINCE = "ordered-since"
+ORDERED_WHY = "ordered-why"
+ORDERED_HOLDER = "ordered-holder"  # the holding message's message_id
+# On a message sent through ``Q`` by an operator's tool: release the key's hold of that id (the
+# holder was discarded or purged).
+ORDERED_RELEASE = "ordered-release"
+
 # Written by the broker.
 X_DEATH = "x-death"
 X_FIRST_DEATH_QUEUE = "x-first-death-queue"
@@ -208,6 +224,17 @@ def republish_properties(
         fields.setdefault("user_id", None)
         headers.setdefault(ORIGINAL_USER_ID, source.user_id)
     return copy_properties(source, headers, **fields)
+
+
+def release_headers(parked: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The headers of the message that lets a key go on when its parked holder is discarded or
+    purged (sent to ``Q`` like a replay, so it reaches the key's lane the same way: with the
+    key's header, or ``ordered-key`` for the routing key); None when ``parked`` holds no key."""
+    if not parked or as_text(parked.get(ORDERED_HOLD)) is None:
+        return None
+    out = {name: value for name, value in parked.items() if kept_on_replay(name)}
+    out[ORDERED_RELEASE] = as_text(parked.get(ORDERED_HOLD))
+    return out
 
 
 def new_message_id() -> str:

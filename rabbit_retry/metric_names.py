@@ -69,8 +69,23 @@ INTERNAL_ERRORS = Series(
     "Deliveries the worker's own code failed on (a bug): each was charged a failed attempt.",
 )
 
+HELD_KEYS = Series(
+    "rabbit_retry_held_keys",
+    "gauge",
+    ("queue",),
+    "Keys of an ordered queue held by a message waiting for a retry or parked, in the lanes "
+    "this worker consumes.",
+)
+OLDEST_HELD = Series(
+    "rabbit_retry_oldest_held_seconds",
+    "gauge",
+    ("queue",),
+    "How long the longest-held key of an ordered queue has been held (0 when none is), in "
+    "the lanes this worker consumes.",
+)
+
 WORKER = (MESSAGES, PARKED, HANDLER_SECONDS, IN_FLIGHT, PAUSED, PAUSES, DUPLICATES,
-          INTERNAL_ERRORS)
+          INTERNAL_ERRORS, HELD_KEYS, OLDEST_HELD)
 
 # --- the failure desk ----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,6 +64,12 @@ class QueueStatus:
     replicas: tuple[Replication, ...] = ()
     # The policy (and operator policy) that applies to Q: the file's own, another that wins.
     policy: AppliedPolicy | None = None
+    # An ordered queue's: keys held by a message waiting for a retry or parked (every retrying
+    # message of an ordered queue holds its key; so does every parked one with on_park: hold,
+    # and one on its way back through Q), and what waits in its lanes' held queues: the held
+    # keys' later messages and each held key's hold record. None: not an ordered queue.
+    held_keys: int | None = None
+    held_messages: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,6 +84,8 @@ class QueueStatus:
             "stranded_by_dead_letter_cycle": {q: n for q, n in self.held if q in self.stranded},
             "replicas": [r.to_json() for r in self.replicas],
             "policy": self.policy.to_json() if self.policy else None,
+            **({} if self.held_keys is None else {"held_keys": self.held_keys,
+                                                  "held_messages": self.held_messages}),
         }
 
 
@@ -221,21 +229,47 @@ def _replicas_of(plan: Plan, main: str, live: LiveState) -> tuple[Replication, .
     return tuple(out)
 
 
+def _ordered_counts(
+    plan: Plan, main: str, live: LiveState, retrying: int, parked: int | None,
+    on_park: str | None,
+) -> tuple[int, int, int, int] | None:
+    """An ordered queue's ready and unacked messages over ``Q`` and its lanes, its held keys
+    and held messages (see ``QueueStatus``); None for a plain queue."""
+    lanes = [q.name for q in plan.queues_of(main) if q.role == "lane"]
+    if not lanes:
+        return None
+    held = [q.name for q in plan.queues_of(main) if q.role == "held"]
+    live_queues = [live.queues[n] for n in (main, *lanes) if n in live.queues]
+    ready = sum(q.messages_ready for q in live_queues)
+    unacked = sum(q.messages_unacknowledged for q in live_queues)
+    back = live.queues[main].messages_ready if main in live.queues else 0
+    keys = retrying + back + ((parked or 0) if on_park != "continue" else 0)
+    waiting = sum(live.queues[n].messages for n in held if n in live.queues)
+    return ready, unacked, keys, waiting
+
+
 def build_status(
-    plan: Plan, live: LiveState, changes: Sequence[Change], *, vhost: str, source: str
+    plan: Plan, live: LiveState, changes: Sequence[Change], *, vhost: str, source: str,
+    on_park: Mapping[str, str] | None = None,
 ) -> Status:
-    """The status of every main queue of ``plan`` on ``live``; pure."""
+    """The status of every main queue of ``plan`` on ``live``; pure. ``on_park``: each ordered
+    queue's ``on_park`` (default: hold)."""
     rows = []
     policies = applied_policies(plan, live)
     for main in plan.main_queues:
         live_main = live.queues.get(main.name)
         live_parking = live.queues.get(naming.parking_queue(main.name))
         tiers = _tiers_of(main.name, live)
+        parked = live_parking.messages if live_parking else None
+        ordered = _ordered_counts(plan, main.name, live, sum(n for _, n in tiers), parked,
+                                  (on_park or {}).get(main.name))
         rows.append(
             QueueStatus(
                 queue=main.name,
-                ready=live_main.messages_ready if live_main else None,
-                unacked=live_main.messages_unacknowledged if live_main else None,
+                ready=(ordered[0] if ordered else live_main.messages_ready)
+                if live_main else None,
+                unacked=(ordered[1] if ordered else live_main.messages_unacknowledged)
+                if live_main else None,
                 consumers=live_main.consumers if live_main else None,
                 retrying=sum(n for _, n in tiers),
                 parked=live_parking.messages if live_parking else None,
@@ -247,19 +281,23 @@ def build_status(
                 ),
                 replicas=_replicas_of(plan, main.name, live),
                 policy=policies.get(main.name),
+                held_keys=ordered[2] if ordered else None,
+                held_messages=ordered[3] if ordered else None,
             )
         )
         rows[-1] = _with_stranded(rows[-1], plan, changes)
     return Status(vhost, source, tuple(rows), drift_of(changes, plan))
 
 
-def read_status(api: Management, settings: Settings, plan: Plan, source: str) -> Status:
+def read_status(api: Management, settings: Settings, plan: Plan, source: str,
+                on_park: Mapping[str, str] | None = None) -> Status:
     """The status now: objects and unacked counts from the management API, ready and consumer
     counts of every queue read exactly over AMQP."""
     live = read_live(api, settings.vhost)
     exact = asyncio.run(ready_and_consumers(settings, sorted(live.queues)))
     live = with_exact_counts(live, exact)
-    return build_status(plan, live, diff(plan, live), vhost=settings.vhost, source=source)
+    return build_status(plan, live, diff(plan, live), vhost=settings.vhost, source=source,
+                        on_park=on_park)
 
 
 def _replicas_view(status: Status) -> list[RenderableType]:
@@ -345,17 +383,23 @@ def status_view(status: Status) -> RenderableType:
         parts.append(Text(""))
     table = new_table(title=f"vhost {status.vhost}")
     table.add_column("queue")
-    for column in ("ready", "unacked", "consumers", "retrying", "parked"):
+    ordered = any(row.held_keys is not None for row in status.queues)
+    columns = ("ready", "unacked", "consumers", "retrying", "parked")
+    for column in (*columns, *(("held keys", "held messages") if ordered else ())):
         table.add_column(column, justify="right")
     for row in status.queues:
-        table.add_row(
+        cells: list[Text | str] = [
             cell(row.queue),
             cell(row.ready),
             cell(row.unacked),
             cell(row.consumers),
             cell(row.retrying),
             Text(str(row.parked), style="bold yellow") if row.parked else cell(row.parked),
-        )
+        ]
+        if ordered:
+            cells += [Text(str(row.held_keys), style="bold yellow") if row.held_keys
+                      else cell(row.held_keys), cell(row.held_messages)]
+        table.add_row(*cells)
     parts.append(table)
     parts.append(Text(SAMPLED_NOTE, style="dim"))
     parts.extend(_replicas_view(status))

@@ -7,6 +7,7 @@
 #   scripts/broker.sh status VERSION   one line: running or not, and its version
 #   scripts/broker.sh env VERSION      the test variables for it, as `export` lines
 #   scripts/broker.sh ctl VERSION ARGS rabbitmqctl of that version, aimed at that node
+#   scripts/broker.sh plugins VERSION ARGS  rabbitmq-plugins likewise (enable: no restart)
 #
 # VERSION is one of:
 #   3.10  the machine's own rabbitmq-server package (5672, management 15672), as scripts/ensure-broker.sh
@@ -91,6 +92,8 @@ if [ "$(id -u)" -ne 0 ] && { [ -n "$SUITE" ] || ! command -v rabbitmq-server >/d
         env) NODE="rabbit@rr${VERSION//./}" SUITE=docker && print_env ;;
         ctl) exec timeout 300 docker compose -f "$ROOT/docker-compose.yml" --profile "$VERSION" \
             exec -T "rabbitmq-$VERSION" rabbitmqctl "$@" ;;
+        plugins) exec timeout 300 docker compose -f "$ROOT/docker-compose.yml" --profile "$VERSION" \
+            exec -T "rabbitmq-$VERSION" rabbitmq-plugins "$@" ;;
         *) usage ;;
     esac
     exit 0
@@ -109,6 +112,7 @@ if [ -z "$SUITE" ]; then
         status) report_status ;;
         env) print_env ;;
         ctl) exec rabbitmqctl "$@" ;;
+        plugins) exec rabbitmq-plugins "$@" ;;
         *) usage ;;
     esac
     exit 0
@@ -227,6 +231,12 @@ case "$ACTION" in
         mount_once
         exec timeout 300 chroot "$DIR" env -i HOME=/var/lib/rabbitmq PATH=/usr/sbin:/usr/bin:/sbin:/bin \
             rabbitmqctl -n "$NODE" "$@"
+        ;;
+    plugins)
+        [ -f "$DIR/.rabbit-retry-ready" ] || fail "not built; run: $0 up $VERSION"
+        mount_once
+        exec timeout 300 chroot "$DIR" env -i HOME=/var/lib/rabbitmq PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+            rabbitmq-plugins -n "$NODE" "$@"
         ;;
     *) usage ;;
 esac

@@ -76,6 +76,7 @@ ANY_VERSION = (
 ALONE = (
     "reliability/test_worker_faults.py::test_broker_app_stopped_and_started_mid_stream_*",
     "reliability/test_outbox_broker_restart.py",
+    "reliability/test_ordered_faults.py::test_ordered_keys_survive_a_broker_restart",
 )
 CLUSTER = (
     "integration/test_cluster_urls.py",

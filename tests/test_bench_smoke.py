@@ -41,6 +41,8 @@ SHAPES = {
     "resilience": (["no idempotency", "SQLite", "PostgreSQL", "Redis"], 4),
     "migrate": (["rabbit-retry migrate", "bare shovel-style move"], 3),
     "tracing": (["tracing off", "tracing on", "tracing on, not sampled"], 4),
+    "batch": (["handle_batch (batch 500)", "handle (one at a time)"], 3),
+    "ordered": (["ordered (1,000 keys, 4 lanes)", "plain queue"], 3),
 }
 
 
@@ -79,7 +81,8 @@ def test_smoke_run_writes_the_report_and_leaves_no_vhost(
     report = json.loads((tmp_path / "run.json").read_text())
     benches = report["benches"]
     assert list(benches) == ["worker", "retry", "storm", "peers", "apply", "replay", "desk",
-                             "outbox", "resilience", "cluster", "migrate", "tracing"]
+                             "outbox", "resilience", "cluster", "ordered", "batch", "migrate",
+                             "tracing"]
     for key, (systems, width) in SHAPES.items():
         result = benches[key]["result"]
         assert [row[0] for row in result["rows"]] == systems, key

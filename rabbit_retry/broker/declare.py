@@ -141,7 +141,11 @@ def _declare_queue(queue: Queue) -> _Operation:
 
 def _binding(binding: Binding, *, bind: bool) -> _Operation:
     async def op(channel: aiormq.abc.AbstractChannel) -> None:
-        method = channel.queue_bind if bind else channel.queue_unbind
+        method: Callable[..., Awaitable[Any]]
+        if binding.destination_type == "exchange":
+            method = channel.exchange_bind if bind else channel.exchange_unbind
+        else:
+            method = channel.queue_bind if bind else channel.queue_unbind
         await method(
             binding.destination,
             binding.source,

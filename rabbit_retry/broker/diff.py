@@ -296,7 +296,45 @@ def diff(plan: Plan, live: LiveState) -> list[Change]:
     changes += _policy_changes(plan, live)
     changes += _misrouting(plan, live)
     changes += _obsolete(plan, live)
+    changes += _lane_changes(plan, live)
     return changes
+
+
+def _live_lanes(main: str, live: LiveState) -> set[str]:
+    prefix = naming.lane_queue(main, 0)[:-1]
+    return {name for name in live.queues
+            if name.startswith(prefix) and name[len(prefix):].isdigit()}
+
+
+def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
+    """A live queue whose ordering the file changes: more or fewer lanes, or ordered keys
+    turned on or off. Each would send some keys' messages down another path while earlier
+    ones wait on the old one: refused, until a migrate step moves them in order."""
+    for main in plan.main_queues:
+        if main.name not in live.queues:
+            continue
+        wanted = {q.name for q in plan.queues_of(main.name) if q.role == "lane"}
+        there = _live_lanes(main.name, live)
+        if wanted == there:
+            continue
+        if not there:
+            fed = [b for b in live.bindings if b.destination == main.name
+                   and b.destination_type == "queue"
+                   and b.source != naming.retry_exchange(main.name)]
+            if not fed:
+                continue  # nothing reaches it yet: ordering it changes no path
+            detail = (f"the file orders it with {len(wanted)} lanes, but it is a plain queue "
+                      "on the broker that messages reach directly; making a live queue ordered "
+                      "is not supported yet: declare a new ordered queue and move publishers")
+        elif not wanted:
+            detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
+                      "live ordered queue cannot be made plain yet")
+        else:
+            detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
+                      f"file: other lanes would take some keys while their earlier messages "
+                      f"wait in the old ones; keep lanes: {len(there)} (changing the lanes of a "
+                      "live ordered queue is not supported yet)")
+        yield Change("conflict", "queue", main.name, detail, main)
 
 
 def _policy_text(definition: Mapping[str, Any], priority: int) -> str:

@@ -130,9 +130,10 @@ def parse_bindings(raw: Iterable[Mapping[str, Any]]) -> tuple[Binding, ...]:
             str(b["destination"]),
             str(b.get("routing_key", "")),
             dict(b.get("arguments") or {}),
+            "exchange" if b.get("destination_type") == "exchange" else "queue",
         )
         for b in raw
-        if b.get("source") and b.get("destination_type") == "queue"
+        if b.get("source") and b.get("destination_type") in ("queue", "exchange")
     )
 
 

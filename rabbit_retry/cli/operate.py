@@ -62,10 +62,12 @@ def status(settings: Settings, file: str, as_json: bool) -> None:
     from rabbit_retry.status import read_status, status_view
     from rabbit_retry.topology import compile_topology, load_topology
 
-    plan = compile_topology(load_topology(file))
+    topology = load_topology(file)
+    plan = compile_topology(topology)
+    on_park = {q.name: q.ordered.on_park for q in topology.queues if q.ordered is not None}
     with Management.for_settings(settings) as api:
         check_same_broker(settings, api)
-        report = read_status(api, settings, plan, file)
+        report = read_status(api, settings, plan, file, on_park)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:

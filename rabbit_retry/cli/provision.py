@@ -85,6 +85,17 @@ def _notes(plan: Plan, live: LiveState) -> list[str]:
     return notes
 
 
+def _plugin(settings: Settings, plan: Plan) -> str | None:
+    """Why the broker cannot declare an ordered queue's lanes exchange, or None."""
+    if not any(q.role == "lane" for q in plan.queues):
+        return None
+    from rabbit_retry.topology.compile import missing_plugin
+
+    with Management.for_settings(settings) as api:
+        offered = api.overview().get("exchange_types") or []
+    return missing_plugin(plan, {str(t.get("name")) for t in offered if isinstance(t, dict)})
+
+
 def _capacity(settings: Settings, changes: Sequence[Change]) -> str | None:
     """Why the broker cannot take the new quorum queues (RabbitMQ 3.x only), or None."""
     new_quorum = new_quorum_queues(changes)
@@ -250,7 +261,7 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
     names = unsendable(changes)
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
-    problem = _capacity(settings, changes)
+    problem = _plugin(settings, compiled) or _capacity(settings, changes)
     _notes(compiled, live)
     if dry_run:
         _print_changes(changes, settings.vhost)

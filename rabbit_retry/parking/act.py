@@ -147,4 +147,4 @@ async def purge(
     were parked when it started, one by one, never ``queue.purge``: a message parked while the
     operator confirmed is not deleted unseen."""
     async with open_parking(settings, name, kind_of=management_kind_of(settings)) as parking:
-        return await _walk(parking, selection, parking.delete, limit, progress, "purge")
+        return await _walk(parking, selection, parking.discard, limit, progress, "purge")

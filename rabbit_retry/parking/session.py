@@ -31,7 +31,12 @@ from pamqp import commands as spec
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.requeue import REQUEUE_POLL_S, REQUEUE_WAIT_S, requeue_batches
-from rabbit_retry.contract import PROPERTY_NAMES, RETURN_COUNTERS
+from rabbit_retry.contract import (
+    PROPERTY_NAMES,
+    RETURN_COUNTERS,
+    new_message_id,
+    release_headers,
+)
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.parking.headers import replay_properties
 from rabbit_retry.parking.kinds import peek_refusal
@@ -148,9 +153,29 @@ class ParkingQueue:
         properties = replay_properties(
             taken.properties, self._user, handle_again=handle_again,
             extra=trace.copied(taken.message.headers) if trace is not None else None)
+        await self._publish_main(taken.message.body, properties, taken)
+        await self.delete(taken)
+        if trace is not None:
+            trace.replayed()
+
+    async def discard(self, taken: Taken) -> None:
+        """Delete a parked message; one that holds its ordered key first sends the key's lane
+        a release (through the main queue, as a replay goes), so the key's later messages go
+        on: a discarded holder must not hold its key for ever."""
+        release = release_headers(taken.message.headers)
+        if release is not None:
+            await self._publish_main(b"", spec.Basic.Properties(
+                headers=release, delivery_mode=2, message_id=new_message_id()), taken)
+        await self.delete(taken)
+
+    async def _publish_main(
+        self, body: bytes, properties: spec.Basic.Properties, taken: Taken
+    ) -> None:
+        """Publish to the main queue and wait for the broker's confirm; ``BrokerError`` (the
+        parked message stays parked) when it does not take it."""
         try:
             await self._channel.basic_publish(
-                taken.message.body,
+                body,
                 exchange="",
                 routing_key=self.target.main,
                 properties=properties,
@@ -173,9 +198,6 @@ class ParkingQueue:
                 f"no publisher confirm for the copy of parked message #{taken.message.position} "
                 f"within {PUBLISH_TIMEOUT_S:.0f}s; it stays parked (the copy may still arrive)"
             ) from None
-        await self.delete(taken)
-        if trace is not None:
-            trace.replayed()
 
     async def requeue_rest(self) -> None:
         """Every message taken and not settled goes back, in its original position."""

@@ -596,14 +596,28 @@ class Channel(_Closes, AbstractChannel):
         raise _not_modelled("basic.recover")
 
     async def exchange_bind(  # type: ignore[override]
-        self, *args: Any, **kwargs: Any
+        self, destination: str = "", source: str = "", routing_key: str = "",
+        nowait: bool = False, arguments: ArgumentsType | None = None,
+        timeout: TimeoutType = None,
     ) -> spec.Exchange.BindOk:
-        raise _not_modelled("exchange-to-exchange bindings")
+        self._check_open()
+        try:
+            self.memory.bind_exchange(destination, source, routing_key, arguments)
+        except BrokerError as error:
+            raise self._fail(error) from None
+        return spec.Exchange.BindOk()
 
     async def exchange_unbind(  # type: ignore[override]
-        self, *args: Any, **kwargs: Any
+        self, destination: str = "", source: str = "", routing_key: str = "",
+        nowait: bool = False, arguments: ArgumentsType | None = None,
+        timeout: TimeoutType = None,
     ) -> spec.Exchange.UnbindOk:
-        raise _not_modelled("exchange-to-exchange bindings")
+        self._check_open()
+        try:
+            self.memory.bind_exchange(destination, source, routing_key, arguments, unbind=True)
+        except BrokerError as error:
+            raise self._fail(error) from None
+        return spec.Exchange.UnbindOk()
 
     async def flow(self, active: bool, timeout: TimeoutType = None) -> spec.Channel.FlowOk:
         raise _not_modelled("channel.flow")
@@ -637,7 +651,7 @@ class Connection(_Closes, AbstractConnection):
             "product": "RabbitMQ", "version": version, "cluster_name": "rabbit-retry-test",
             "capabilities": {
                 "publisher_confirms": True, "basic.nack": True, "consumer_cancel_notify": True,
-                "exchange_exchange_bindings": False, "connection.blocked": True,
+                "exchange_exchange_bindings": True, "connection.blocked": True,
                 "per_consumer_qos": True,
             },
         }

@@ -68,6 +68,10 @@ class Verdict(enum.StrEnum):
     RETRIED = "retried"  # a copy confirmed into a tier, or nack'ed into one by the broker
     PARKED = "parked"  # a copy confirmed into the parking queue, then acked
     SENT_BACK = "sent-back"  # a copy to the end of its own queue (a paused consumer's)
+    # Ordered queues: moved to its lane's held queue (an earlier message of its key waits), or
+    # sent on from ``Q`` (back from a tier, replayed) to its key's lane.
+    HELD = "held"
+    FORWARDED = "forwarded"
     REQUEUED = "requeued"  # nack / reject with requeue
     DEAD_LETTERED = "dead-lettered"  # nack / reject without requeue, not into a tier
     UNSETTLED = "unsettled"  # its channel closed first: the broker delivers it again
@@ -176,12 +180,17 @@ class _Journal(Observer):
         self, channel: Channel, exchange: str, routing_key: str, message: DeliveredMessage,
         routed: Routed,
     ) -> None:
+        if _bookkeeping(message):
+            return
         record = None
         task = asyncio.current_task()
         if task is not None:
             record = self._by_task.get(task)
+        message_id = message.header.properties.message_id
+        own = None if record is None else record.held.message.header.properties.message_id
+        if own and message_id and own != message_id:
+            record = None  # a task that took several (an ordered lane's pass): by id instead
         if record is None or id(record.held) not in self._open:
-            message_id = message.header.properties.message_id
             alike = [r for r in self._open.values()
                      if message_id and r.held.message.header.properties.message_id == message_id]
             record = alike[0] if len(alike) == 1 else None
@@ -193,6 +202,8 @@ class _Journal(Observer):
         record = self._open.pop(id(held), None)
         if held.task is not None and self._by_task.get(held.task) is record:
             del self._by_task[held.task]
+        if _bookkeeping(held.message):  # a held queue's hold or release, a lane's nudge
+            return
         copies = record.copies if record is not None else []
         self.decisions.append(self._decide(held, how, requeue, routed, copies))
 
@@ -221,6 +232,10 @@ class _Journal(Observer):
             return Decision(Verdict.RETRIED, queue, message, to, copy)
         if role == "parking":
             return Decision(Verdict.PARKED, queue, message, to, copy)
+        if role == "held":
+            return Decision(Verdict.HELD, queue, message, to, copy)
+        if role == "lane" and self._role(queue) == "main":
+            return Decision(Verdict.FORWARDED, queue, message, to, copy)
         return Decision(Verdict.SENT_BACK if to == queue else Verdict.ACKED, queue, message, to,
                         copy)
 
@@ -239,6 +254,15 @@ class _Journal(Observer):
         header, redelivered = self.memory.render(target, Entry(content, -1, None))
         return Message(content.body, frames.unmarshal(header), content.exchange,
                        content.routing_keys[0], redelivered)
+
+
+def _bookkeeping(message: DeliveredMessage) -> bool:
+    """An ordered lane's own record (a hold or a release in its held queue, a nudge): no
+    message of the user's."""
+    from rabbit_retry.contract import ORDERED_ENTRY, ORDERED_RELEASE
+
+    headers = message.header.properties.headers or {}
+    return headers.get(ORDERED_ENTRY) in ("hold", "release") or headers.get(ORDERED_RELEASE) == ""
 
 
 class Worker:
@@ -357,8 +381,12 @@ class TestBroker:
                                       arguments=queue.arguments,
                                       policy=policies.get(queue.name))
         for binding in self.plan.bindings:
-            self.memory.bind(binding.destination, binding.source, binding.routing_key,
-                             binding.arguments)
+            if binding.destination_type == "exchange":
+                self.memory.bind_exchange(binding.destination, binding.source,
+                                          binding.routing_key, binding.arguments)
+            else:
+                self.memory.bind(binding.destination, binding.source, binding.routing_key,
+                                 binding.arguments)
 
     async def __aenter__(self) -> TestBroker:
         return self

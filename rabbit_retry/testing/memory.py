@@ -22,10 +22,19 @@ docs/versions.md) and read in RabbitMQ's source:
   ``delivery_limit``. Classic queues count nothing: only the ``redelivered`` flag.
 - **Dead-letter cycles.** A message dead-lettered (other than by a rejection) back into a queue
   it already died in, with no rejection since, is dropped.
+- **Single active consumer** (``x-single-active-consumer``): only the queue's earliest consumer
+  still registered gets deliveries; when it goes (cancelled, its channel closed), the next one
+  takes over, and its returned deliveries with it.
+- **Exchange-to-exchange bindings** route on with the same routing key and headers; a
+  destination reached twice takes the message once.
+- **``x-consistent-hash``** (RabbitMQ's plugin, taken as enabled): each binding's key is its
+  weight, buckets numbered in binding order, a message hashed on its routing key or on the header
+  its ``hash-header`` argument names, then jump-consistent-hashed onto the buckets. The hash
+  function is not Erlang's ``phash2``: which queue a key lands in differs from RabbitMQ's, that
+  the same key always lands in the same queue (while the bindings stay) does not.
 
-Not modelled: priorities, single active consumer, exchange-to-exchange bindings, ``CC``/``BCC``
-routing, clustering, and the moment a delivery is in flight (a cancelled consumer here never has
-one on its way).
+Not modelled: priorities, ``CC``/``BCC`` routing, clustering, and the moment a delivery is in
+flight (a cancelled consumer here never has one on its way).
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ VERSIONS = {
     "4.3": Version("4.3", "4.3.6", "4.3", 20, 16 * 1024 * 1024),
 }
 
-EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers")
+EXCHANGE_TYPES = ("direct", "fanout", "topic", "headers", "x-consistent-hash")
 
 
 class BrokerError(Exception):
@@ -143,9 +152,10 @@ class Consumer:
 
 @dataclass(frozen=True, slots=True)
 class Binding:
-    queue: str
+    queue: str  # the destination: a queue, or with ``to_exchange`` an exchange
     routing_key: str
     arguments: Mapping[str, Any]
+    to_exchange: bool = False
 
 
 @dataclass(eq=False)
@@ -168,6 +178,10 @@ class Queue:
     @property
     def quorum(self) -> bool:
         return self.kind == "quorum"
+
+    @property
+    def single_active(self) -> bool:
+        return self.arguments.get("x-single-active-consumer") is True
 
     def setting(self, argument: str, key: str, lowest: bool = True) -> Any:
         """A queue argument or the queue's policy key; where both are numbers, the lower."""
@@ -329,13 +343,32 @@ class Memory:
         if binding in self.bindings.get(target.name, []):
             self.bindings[target.name].remove(binding)
 
+    def bind_exchange(
+        self, destination: str, source: str, routing_key: str,
+        arguments: Mapping[str, Any] | None = None, *, unbind: bool = False,
+    ) -> None:
+        """``exchange.bind`` (``unbind``: ``exchange.unbind``): ``source`` routes on to
+        ``destination``."""
+        self.exchange(destination)
+        origin = self.exchange(source)
+        if "" in (source, destination):
+            raise BrokerError(403, "ACCESS_REFUSED - operation not permitted on the default "
+                                   "exchange")
+        binding = Binding(destination, routing_key, dict(arguments or {}), to_exchange=True)
+        bound = self.bindings.setdefault(origin.name, [])
+        if unbind:
+            if binding in bound:
+                bound.remove(binding)
+        elif binding not in bound:
+            bound.append(binding)
+
     def delete_queue(self, name: str) -> int:
         """Deletes ``name`` with its ready messages; its consumers are cancelled."""
         queue = self.queues.pop(name, None)
         if queue is None:
             return 0
         for exchange, bound in self.bindings.items():
-            self.bindings[exchange] = [b for b in bound if b.queue != name]
+            self.bindings[exchange] = [b for b in bound if b.to_exchange or b.queue != name]
         for consumer in list(queue.consumers):
             queue.consumers.remove(consumer)
             consumer.cancelled()
@@ -347,6 +380,8 @@ class Memory:
                                    f"'{name}'")
         self.exchanges.pop(name, None)
         self.bindings.pop(name, None)
+        for exchange, bound in self.bindings.items():
+            self.bindings[exchange] = [b for b in bound if not (b.to_exchange and b.queue == name)]
 
     def purge(self, name: str) -> int:
         queue = self.queue(name)
@@ -358,25 +393,50 @@ class Memory:
     # --- routing -------------------------------------------------------------------------------
 
     def route(
-        self, exchange: Exchange, routing_key: str, headers: Mapping[str, Any] | None
+        self, exchange: Exchange, routing_key: str, headers: Mapping[str, Any] | None,
+        _seen: set[str] | None = None,
     ) -> list[Queue]:
         """The queues a message published to ``exchange`` reaches (its alternate exchange's,
-        when its own bindings match nothing)."""
+        when its own bindings match nothing; on through exchange-to-exchange bindings, each
+        exchange once)."""
         names: list[str] = []
-        seen: set[str] = set()
+        seen = set() if _seen is None else _seen
         current: Exchange | None = exchange
+        found: list[Queue] = []
         while current is not None and current.name not in seen:
             seen.add(current.name)
             if current.name == "":
                 names = [routing_key] if routing_key in self.queues else []
+                bound: list[Binding] = []
+            elif current.type == "x-consistent-hash":
+                bound = self._hashed(current, routing_key, headers)
             else:
-                names = [b.queue for b in self.bindings.get(current.name, [])
+                bound = [b for b in self.bindings.get(current.name, [])
                          if _matches(current.type, b, routing_key, headers)]
-            if names:
+            names += [b.queue for b in bound if not b.to_exchange]
+            for b in bound:
+                if b.to_exchange and b.queue in self.exchanges:
+                    found += self.route(self.exchanges[b.queue], routing_key, headers, seen)
+            if names or found:
                 break
             alternate = current.arguments.get("alternate-exchange")
             current = self.exchanges.get(alternate) if isinstance(alternate, str) else None
-        return [self.queues[n] for n in dict.fromkeys(names) if n in self.queues]
+        queues = [self.queues[n] for n in dict.fromkeys(names) if n in self.queues]
+        return list(dict.fromkeys(queues + found))
+
+    def _hashed(
+        self, exchange: Exchange, routing_key: str, headers: Mapping[str, Any] | None
+    ) -> list[Binding]:
+        """The one binding of a consistent-hash exchange a message goes to (none bound: none)."""
+        buckets: list[Binding] = []
+        for binding in self.bindings.get(exchange.name, []):
+            weight = binding.routing_key
+            buckets += [binding] * (int(weight) if weight.isdigit() else 0)
+        if not buckets:
+            return []
+        header = exchange.arguments.get("hash-header")
+        value = (headers or {}).get(header) if isinstance(header, str) else routing_key
+        return [buckets[_jump_hash(_stable_hash(value), len(buckets))]]
 
     def publish(
         self, exchange: str, routing_key: str, body: bytes, header: bytes, *, returns: int = 0
@@ -476,6 +536,9 @@ class Memory:
 
     @staticmethod
     def _next_consumer(queue: Queue) -> Consumer | None:
+        if queue.single_active:  # only the earliest consumer still there gets anything
+            active = queue.consumers[0]
+            return active if active.has_credit else None
         count = len(queue.consumers)
         for step in range(count):
             consumer = queue.consumers[(queue.turn + step) % count]
@@ -736,6 +799,23 @@ class Memory:
                 and head.expires_at <= self.now_ms:
             queue.pop()
             self._dead_letter(queue, head, "expired")
+
+
+def _stable_hash(value: object) -> int:
+    """The same number for the same value in every process (``hash`` of a str is salted)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "big")
+
+
+def _jump_hash(key: int, buckets: int) -> int:
+    """Jump consistent hashing (Lamping and Veach), as the plugin spreads keys over buckets."""
+    chosen, jump = -1, 0
+    while jump < buckets:
+        chosen = jump
+        key = (key * 2862933555777941757 + 1) % 2**64
+        jump = int((chosen + 1) * (2**31 / ((key >> 33) + 1)))
+    return chosen
 
 
 def _matches(kind: str, binding: Binding, key: str, headers: Mapping[str, Any] | None) -> bool:

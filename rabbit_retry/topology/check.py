@@ -111,6 +111,28 @@ def check(spec: TopologySpec) -> list[Problem]:
         owners[1].update((tier, queue.name) for tier in _tier_names(queue))
     for queue in queues.values():
         problems += _queue_problems(queue, queues, spec, owners)
+    problems += _lane_problems(queues, spec)
+    return problems
+
+
+def _lane_problems(queues: Mapping[str, QueueConfig], spec: TopologySpec) -> list[Problem]:
+    """An ordered queue's lanes exchange, lane and held queues must not be names the file uses."""
+    problems = []
+    for queue in queues.values():
+        if queue.ordered is None:
+            continue
+        lanes = naming.lanes_exchange(queue.name)
+        if lanes in spec.exchanges:
+            problems.append(Problem(("exchanges", lanes), f"exchange {shorten(lanes)} collides "
+                                    f"with the lanes exchange of ordered queue "
+                                    f"{shorten(queue.name)}"))
+        for lane in range(queue.ordered.lanes):
+            for derived in (naming.lane_queue(queue.name, lane),
+                            naming.held_queue(queue.name, lane)):
+                if derived in queues:
+                    problems.append(Problem(("queues", derived), f"queue {shorten(derived)} "
+                                            f"collides with a lane of ordered queue "
+                                            f"{shorten(queue.name)}"))
     return problems
 
 

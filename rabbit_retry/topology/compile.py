@@ -16,6 +16,16 @@ Why the arguments are what they are:
   return on 3.10-4.2), and 3.10 reads -1 as "drop at the first return", so -1 cannot serve every
   version. It has no dead-letter target: nothing ever leaves it but by a verb or the desk.
 - ``replicas`` sets ``x-quorum-initial-group-size`` on every quorum queue of ``Q``.
+- An ordered queue (``ordered``) is entered through ``Q.lanes``, a consistent-hash exchange
+  (RabbitMQ's ``rabbitmq_consistent_hash_exchange`` plugin, on every version: 4.3's built-in
+  ``x-modulus-hash`` hashes the routing key only, so a header key would need the plugin anyway,
+  and one type keeps one plan for every broker). The file's bindings bind ``Q.lanes`` to their
+  exchanges, so a key's messages always reach the same lane queue ``Q.lane.<i>``, which takes
+  the main queue's arguments and a single active consumer: one worker at a time takes a lane,
+  in order, and the next one takes over when it goes. ``Q`` itself only takes messages coming
+  back (from a tier, a replay): the worker sends each on to ``Q.lanes``. Each lane has a held
+  queue ``Q.lane.<i>.held`` with the parking queue's arguments (nothing in it expires or is
+  dropped) for the messages of keys that wait for an earlier one.
 """
 
 from __future__ import annotations
@@ -42,35 +52,85 @@ def _type_arguments(queue_type: str, replicas: int | None) -> dict[str, Any]:
 
 
 def parking_arguments(queue: QueueConfig) -> dict[str, Any]:
-    if queue.parking_type == "classic":
+    return _keeping_arguments(queue.parking_type, queue.replicas)
+
+
+def _keeping_arguments(queue_type: str, replicas: int | None) -> dict[str, Any]:
+    """A queue that keeps what it holds until a worker or an operator takes it: no TTL, no
+    dead-letter target, and on quorum a delivery limit no peek or takeover reaches."""
+    if queue_type == "classic":
         return {"x-queue-type": "classic"}
     arguments: dict[str, Any] = {
         "x-queue-type": "quorum",
         "x-delivery-limit": PARKING_DELIVERY_LIMIT,
     }
-    if queue.replicas is not None:
-        arguments["x-quorum-initial-group-size"] = queue.replicas
+    if replicas is not None:
+        arguments["x-quorum-initial-group-size"] = replicas
     return arguments
+
+
+LANES_EXCHANGE_TYPE = "x-consistent-hash"
+LANES_PLUGIN = "rabbitmq_consistent_hash_exchange"
+
+
+def held_arguments(queue: QueueConfig) -> dict[str, Any]:
+    """A held queue keeps what it holds as a parking queue does, in the main queue's type."""
+    return _keeping_arguments(queue.queue_type, queue.replicas)
+
+
+def _lanes(
+    queue: QueueConfig, main_arguments: dict[str, Any]
+) -> tuple[list[Exchange], list[Queue], list[Binding]]:
+    """An ordered queue's lanes exchange, lane and held queues, and their bindings."""
+    assert queue.ordered is not None
+    name, ordered = queue.name, queue.ordered
+    lanes = naming.lanes_exchange(name)
+    hashing = {} if ordered.header is None else {"hash-header": ordered.header}
+    exchanges = [Exchange(lanes, LANES_EXCHANGE_TYPE, arguments=hashing, role="lanes-exchange",
+                          owner=name)]
+    queues: list[Queue] = []
+    # The file's bindings bind the lanes exchange; the binding key of a lane is its weight.
+    bindings = [Binding(b.exchange, lanes, b.routing_key, dict(b.arguments), "exchange")
+                for b in queue.bindings]
+    for lane in range(ordered.lanes):
+        lane_name = naming.lane_queue(name, lane)
+        queues.append(Queue(lane_name, "lane", name,
+                            {**main_arguments, "x-single-active-consumer": True}))
+        queues.append(Queue(naming.held_queue(name, lane), "held", name, held_arguments(queue)))
+        bindings.append(Binding(lanes, lane_name, "1"))
+    return exchanges, queues, bindings
+
+
+def missing_plugin(plan: Plan, exchange_types: set[str]) -> str | None:
+    """The one line ``apply`` says when the broker lacks the exchange type an ordered queue's
+    lanes need (``exchange_types``: what the broker offers), or None."""
+    ordered = [e.owner for e in plan.exchanges if e.type == LANES_EXCHANGE_TYPE and e.owner]
+    if not ordered or LANES_EXCHANGE_TYPE in exchange_types:
+        return None
+    return (f"queue {ordered[0]!r} is ordered: enable RabbitMQ's consistent-hash exchange on "
+            f"every node first: rabbitmq-plugins enable {LANES_PLUGIN}")
 
 
 def compile_queue(queue: QueueConfig) -> tuple[list[Exchange], list[Queue], list[Binding]]:
     """Every object that one main queue needs, in the order they should be declared."""
     name = queue.name
     retry_exchange = naming.retry_exchange(name)
-    main = Queue(
-        name=name,
-        role="main",
-        owner=name,
-        arguments={
-            **queue.arguments,
-            **_type_arguments(queue.queue_type, queue.replicas),
-            "x-dead-letter-exchange": retry_exchange,
-            "x-dead-letter-routing-key": name,
-        },
-    )
+    main_arguments = {
+        **queue.arguments,
+        **_type_arguments(queue.queue_type, queue.replicas),
+        "x-dead-letter-exchange": retry_exchange,
+        "x-dead-letter-routing-key": name,
+    }
+    main = Queue(name=name, role="main", owner=name, arguments=main_arguments)
     exchanges = [Exchange(retry_exchange, "direct", role="retry-exchange", owner=name)]
     queues = [main]
-    bindings = [Binding(b.exchange, name, b.routing_key, dict(b.arguments)) for b in queue.bindings]
+    if queue.ordered is not None:
+        lane_exchanges, lane_queues, bindings = _lanes(queue, main_arguments)
+        exchanges += lane_exchanges
+        queues += lane_queues
+    else:
+        bindings = [Binding(b.exchange, name, b.routing_key, dict(b.arguments))
+                    for b in queue.bindings]
     for index, delay_ms in enumerate(queue.retry.tiers_ms):
         tier = naming.tier_queue(name, delay_ms)
         queues.append(

@@ -42,7 +42,7 @@ def to_definitions(plan: Plan) -> dict[str, Any]:
             {
                 "source": b.source,
                 "destination": b.destination,
-                "destination_type": "queue",
+                "destination_type": b.destination_type,
                 "routing_key": b.routing_key,
                 "arguments": _plain(b.arguments),
             }
@@ -88,7 +88,8 @@ def to_mermaid(plan: Plan) -> str:
     queues_of: dict[str, list[Queue]] = {}
     for queue in plan.queues:
         queues_of.setdefault(queue.owner, []).append(queue)
-    retry_exchanges = {e.owner: e for e in plan.exchanges if e.owner is not None}
+    retry_exchanges = {e.owner: e for e in plan.exchanges if e.role == "retry-exchange"}
+    lanes_exchanges = {e.owner: e for e in plan.exchanges if e.role == "lanes-exchange"}
     for exchange in plan.exchanges:
         if exchange.owner is None:
             out.append(f"  {_hexagon(ids.exchange(exchange.name), exchange.name, exchange.type)}")
@@ -102,6 +103,9 @@ def to_mermaid(plan: Plan) -> str:
         retry = retry_exchanges.get(main.name)
         if retry is not None:
             out.append(f"    {_hexagon(ids.exchange(retry.name), retry.name, 'retry exchange')}")
+        lanes = lanes_exchanges.get(main.name)
+        if lanes is not None:
+            out.append(f"    {_hexagon(ids.exchange(lanes.name), lanes.name, 'lanes exchange')}")
         for queue in queues_of.get(main.name, []):
             shape = _queue_shape(queue, policy_of.get(queue.name))
             out.append(f"    {ids.queue(queue.name)}{shape}")
@@ -113,7 +117,8 @@ def to_mermaid(plan: Plan) -> str:
     for queue in plan.queues:
         if queue.name not in ids.queues:
             out.append(f"  {ids.queue(queue.name)}{_queue_shape(queue)}")
-    for name in dict.fromkeys(b.destination for b in plan.bindings):
+    for name in dict.fromkeys(b.destination for b in plan.bindings
+                              if b.destination_type == "queue"):
         if name not in ids.queues:
             out.append(f"  {ids.queue(name)}[({_label(name, 'queue')})]")
     out += _binding_edges(plan, ids)
@@ -165,14 +170,16 @@ def _queue_shape(queue: Queue, policy: Policy | None = None) -> str:
 
 
 def _binding_edges(plan: Plan, ids: _NodeIds) -> list[str]:
-    keys: dict[tuple[str, str], list[str]] = {}
+    keys: dict[tuple[str, str, str], list[str]] = {}
     for binding in plan.bindings:
-        keys.setdefault((binding.source, binding.destination), []).append(_binding_text(binding))
+        keys.setdefault((binding.source, binding.destination, binding.destination_type),
+                        []).append(_binding_text(binding))
     edges = []
-    for (source, destination), texts in keys.items():
+    for (source, destination, kind), texts in keys.items():
         shown = ", ".join(t for t in texts if t)
         arrow = f"-->|{_quote(shown)}|" if shown else "-->"
-        edges.append(f"  {ids.exchange(source)} {arrow} {ids.queue(destination)}")
+        target = ids.exchange(destination) if kind == "exchange" else ids.queue(destination)
+        edges.append(f"  {ids.exchange(source)} {arrow} {target}")
     return edges
 
 

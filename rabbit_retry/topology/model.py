@@ -22,6 +22,8 @@ from rabbit_retry.topology.resolved import (
     BindingConfig,
     ExchangeConfig,
     ExchangeType,
+    OnPark,
+    OrderedConfig,
     QueueConfig,
     QueueType,
     RetryPolicy,
@@ -35,6 +37,10 @@ DEFAULT_DELAYS_MS = (5_000, 30_000, 300_000)
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_QUEUE_TYPE: QueueType = "quorum"
 SUPPORTED_VERSION = 1
+DEFAULT_LANES = 4
+# Each lane is a queue (and a held queue) that one worker consumes at a time: beyond this, the
+# lanes cost the broker more than they spread.
+MAX_LANES = 64
 
 
 class _Spec(BaseModel):
@@ -103,6 +109,29 @@ class PolicySpec(_Spec):
         }
 
 
+class HeaderKeySpec(_Spec):
+    header: str = Field(min_length=1, max_length=255)
+
+
+class OrderedSpec(_Spec):
+    """``ordered: {key: routing_key | {header: NAME}, lanes: N, on_park: hold | continue}``."""
+
+    key: Literal["routing_key"] | HeaderKeySpec
+    lanes: int = Field(default=DEFAULT_LANES, ge=1, le=MAX_LANES)
+    on_park: OnPark = "hold"
+
+    @field_validator("key", mode="before")
+    @classmethod
+    def _one_of_two(cls, key: Any) -> Any:
+        # One line for either shape, rather than pydantic's one per member of the union.
+        if key == "routing_key":
+            return key
+        header = key.get("header") if isinstance(key, dict) and set(key) == {"header"} else None
+        if isinstance(header, str) and header:
+            return HeaderKeySpec(header=header)
+        raise ValueError(f"expected routing_key or {{header: NAME}}, got {key!r}")
+
+
 class QueueSpec(_Spec):
     queue_type: QueueType | None = None
     bindings: list[BindingSpec] = Field(default_factory=list)
@@ -111,6 +140,7 @@ class QueueSpec(_Spec):
     replicas: int | None = Field(default=None, ge=1)
     arguments: dict[str, Any] = Field(default_factory=dict)
     policy: PolicySpec | None = None
+    ordered: OrderedSpec | None = None
 
 
 class DefaultsSpec(_Spec):
@@ -170,6 +200,11 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
                     queue.policy.priority
                     if queue.policy and queue.policy.priority is not None
                     else DEFAULT_POLICY_PRIORITY
+                ),
+                ordered=None if queue.ordered is None else OrderedConfig(
+                    None if queue.ordered.key == "routing_key" else queue.ordered.key.header,
+                    queue.ordered.lanes,
+                    queue.ordered.on_park,
                 ),
             )
         )

@@ -39,6 +39,7 @@ class Thresholds:
     retry_window: str = "10m"  # rates over this window
     retry_for: str = "10m"  # ...for this long
     paused_for: str = "5m"  # a Pause holds the queue's consumer this long
+    oldest_held_seconds: int = 1800  # an ordered queue's key has been held this long
 
 
 DEFAULT_THRESHOLDS = Thresholds()
@@ -75,7 +76,24 @@ def alert_rules(plan: Plan, thresholds: Thresholds = DEFAULT_THRESHOLDS,
     rules = [rule for queue in queue_names(plan) for rule in _queue_rules(queue, thresholds)]
     if destinations:
         rules += outbox_rules(destinations)
+    ordered = sorted({q.owner for q in plan.queues if q.role == "lane"})
+    rules += [_held_rule(queue, thresholds) for queue in ordered]
     return {"groups": [{"name": ALERT_GROUP, "rules": rules}]}
+
+
+def _held_rule(queue: str, t: Thresholds) -> dict[str, Any]:
+    q = f"queue={promql_string(queue)}"
+    return _rule(
+        "RabbitRetryKeyHeldTooLong",
+        f"max by (queue) ({names.OLDEST_HELD.name}{{{q}}}) > {t.oldest_held_seconds}",
+        None,
+        {"queue": template_literal(queue), "severity": "warning"},
+        "{{ $labels.queue }}: a key has been held {{ $value | humanizeDuration }}",
+        "A key of ordered queue {{ $labels.queue }} has waited "
+        f"{{{{ $value | humanizeDuration }}}} (threshold {t.oldest_held_seconds}s) for a "
+        "message parked (or retrying) before its later messages; they wait in the lane's held "
+        "queue. Replay the parked message to let the key go on, or discard it to skip it.",
+    )
 
 
 def _queue_rules(queue: str, t: Thresholds) -> list[dict[str, Any]]:
@@ -247,6 +265,16 @@ _PANELS = (
                 f"sum by (queue) (increase({names.PAUSES.name}{{{_QUEUE}}}[{_RATE}]))",
                 "{{queue}} pauses",
             ),
+        ],
+    ),
+    _Panel(
+        "Held keys (ordered queues)",
+        "Keys waiting for an earlier message (retrying or parked), and the oldest one's wait.",
+        "short",
+        [
+            (f"sum by (queue) ({names.HELD_KEYS.name}{{{_QUEUE}}})", "{{queue}} held keys"),
+            (f"max by (queue) ({names.OLDEST_HELD.name}{{{_QUEUE}}})",
+             "{{queue}} oldest held (s)"),
         ],
     ),
     _Panel(

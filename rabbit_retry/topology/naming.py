@@ -10,6 +10,9 @@ from rabbit_retry.topology.durations import label, parse_duration
 RETRY_SUFFIX = ".retry"
 PARKING_SUFFIX = ".parking"
 MIGRATING_SUFFIX = ".migrating"
+LANES_SUFFIX = ".lanes"
+LANE_INFIX = ".lane."
+HELD_SUFFIX = ".held"
 POLICY_PREFIX = "rabbit-retry:"
 
 
@@ -34,6 +37,21 @@ def tier_prefix(queue: str) -> str:
 
 def parking_queue(queue: str) -> str:
     return queue + PARKING_SUFFIX
+
+
+def lanes_exchange(queue: str) -> str:
+    """The hashing exchange an ordered queue's messages enter through, to their key's lane."""
+    return queue + LANES_SUFFIX
+
+
+def lane_queue(queue: str, lane: int) -> str:
+    """Lane ``lane`` of an ordered queue: one worker consumes it at a time."""
+    return f"{queue}{LANE_INFIX}{lane}"
+
+
+def held_queue(queue: str, lane: int) -> str:
+    """Where lane ``lane`` keeps the messages of its held keys, and which keys are held."""
+    return lane_queue(queue, lane) + HELD_SUFFIX
 
 
 def migrating_queue(queue: str) -> str:

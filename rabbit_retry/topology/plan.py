@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Role = Literal["main", "tier", "parking", "retry-exchange", "user"]
+Role = Literal["main", "tier", "parking", "retry-exchange", "user", "lanes-exchange", "lane",
+               "held"]
+DestinationType = Literal["queue", "exchange"]
 
 
 def _args_key(arguments: Mapping[str, Any]) -> str:
@@ -46,11 +48,13 @@ class Binding:
     destination: str
     routing_key: str
     arguments: Mapping[str, Any] = field(default_factory=dict)
+    destination_type: DestinationType = "queue"  # an exchange: an ordered queue's lanes exchange
 
     @property
-    def key(self) -> tuple[str, str, str, str]:
+    def key(self) -> tuple[str, str, str, str, str]:
         """Identity as the broker sees it: two bindings with equal keys are the same binding."""
-        return (self.source, self.destination, self.routing_key, _args_key(self.arguments))
+        return (self.source, self.destination, self.routing_key, _args_key(self.arguments),
+                self.destination_type)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,21 @@ class BindingConfig:
     arguments: Mapping[str, Any] = field(default_factory=dict)
 
 
+OnPark = Literal["hold", "continue"]
+
+
+@dataclass(frozen=True, slots=True)
+class OrderedConfig:
+    """A queue's ordered keys (README, "Ordered keys"): messages of one key are handled in the
+    order they were published; ``header`` names the header that carries the key (None: the
+    routing key); ``lanes`` queues spread the keys over workers; ``on_park`` says whether a
+    parked message holds its key."""
+
+    header: str | None
+    lanes: int
+    on_park: OnPark = "hold"
+
+
 @dataclass(frozen=True, slots=True)
 class QueueConfig:
     name: str
@@ -68,6 +83,7 @@ class QueueConfig:
     replicas: int | None = None  # x-quorum-initial-group-size of its quorum queues; None: broker's
     policy: Mapping[str, Any] = field(default_factory=dict)  # broker policy definition keys
     policy_priority: int = DEFAULT_POLICY_PRIORITY
+    ordered: OrderedConfig | None = None
 
     @property
     def quorum_queues(self) -> bool:
@@ -123,6 +139,8 @@ def to_values(topology: Topology) -> tuple[Any, ...]:
                 q.replicas,
                 dict(q.policy),
                 q.policy_priority,
+                None if q.ordered is None else (q.ordered.header, q.ordered.lanes,
+                                                q.ordered.on_park),
             )
             for q in topology.queues
         ),
@@ -146,9 +164,10 @@ def from_values(values: tuple[Any, ...]) -> Topology:
                 replicas,
                 policy,
                 priority,
+                None if ordered is None else OrderedConfig(*ordered),
             )
             for (name, queue_type, bindings, retry, arguments, parking_type, replicas, policy,
-                 priority) in queues
+                 priority, ordered) in queues
         ),
         source=source,
     )

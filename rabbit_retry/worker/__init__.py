@@ -2,7 +2,8 @@
 
 Pure core: ``attempts`` (failures so far), ``redelivery`` (how each broker version counts
 returns), ``decide`` (the decision table), ``copies`` (headers of retry and parked copies),
-``pause`` (when a failing downstream pauses a queue), ``checks`` (what a consumer may declare).
+``pause`` (when a failing downstream pauses a queue), ``batch`` (a batch's outcome per
+delivery), ``checks`` (what a consumer may declare).
 Edges: ``consumer`` (what users write),
 ``session`` (one connection's consuming), ``lane`` (prefetch, and returned deliveries one at a
 time), ``deadlines`` (handler timeouts on one timer), ``publisher`` (confirmed copies),
@@ -10,6 +11,7 @@ time), ``deadlines`` (handler timeouts on one timer), ``publisher`` (confirmed c
 loaded only when declared), ``runner`` (startup check, reconnects, shutdown), ``metrics``.
 """
 
+from rabbit_retry.worker.batch import Batch, BatchResult
 from rabbit_retry.worker.consumer import (
     NOT_DECODED,
     Delivery,
@@ -24,6 +26,8 @@ from rabbit_retry.worker.runner import Runner, run, run_consumers
 
 __all__ = [
     "NOT_DECODED",
+    "Batch",
+    "BatchResult",
     "Delivery",
     "HandlerTimeout",
     "Idempotency",

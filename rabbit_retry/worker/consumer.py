@@ -23,6 +23,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, cast
 
 from rabbit_retry.errors import InputError
+from rabbit_retry.worker.batch import Batch, BatchResult
 from rabbit_retry.worker.checks import require_exception_types
 from rabbit_retry.worker.idempotency import Idempotency
 from rabbit_retry.worker.pause import Pause
@@ -173,6 +174,9 @@ class RetryConsumer(Generic[PayloadT]):
     # Around every handler call, outermost first: ``async def mw(delivery, call_next)`` (timing,
     # tracing, a context variable); under the handler's timeout, before any decision.
     middleware: tuple[Middleware, ...] = ()
+    # Hand deliveries to ``handle_batch`` in batches (README, "Batch handlers") instead of one
+    # at a time to ``handle``.
+    batch: Batch | None = None
 
     async def on_start(self) -> None:
         """Called once before the worker consumes (open a pool, warm a cache); raising stops
@@ -186,14 +190,45 @@ class RetryConsumer(Generic[PayloadT]):
         """Handle one message: ``async def`` (awaited) or plain ``def`` (run in a thread)."""
         raise NotImplementedError(f"{type(self).__qualname__} must define handle()")
 
+    async def handle_batch(
+        self, deliveries: list[Delivery[PayloadT]]
+    ) -> BatchResult | None:
+        """Handle a batch (with ``batch = Batch(...)``): return None when all succeeded, or a
+        ``BatchResult`` naming the deliveries that failed with their exceptions; raising fails
+        every delivery of the batch."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define handle_batch()")
+
     @property
     def name(self) -> str:
         return type(self).__name__
 
 
+def prefetch(consumer: RetryConsumer[Any]) -> int:
+    """How many deliveries the consumer holds at once: its ``prefetch``; for a batch consumer
+    that leaves it at the default, twice its batch size (one batch fills while one runs)."""
+    rule = consumer.batch
+    if rule is not None and not _sets(consumer, "prefetch"):
+        return min(2 * rule.size, 65535)
+    return consumer.prefetch
+
+
+def _sets(consumer: RetryConsumer[Any], attribute: str) -> bool:
+    """Whether the consumer (its instance or a class below ``RetryConsumer``) sets
+    ``attribute``."""
+    if attribute in vars(consumer):
+        return True
+    return any(attribute in vars(klass) for klass in type(consumer).__mro__
+               if klass is not RetryConsumer and issubclass(klass, RetryConsumer))
+
+
 def ack_run(consumer: RetryConsumer[Any]) -> int:
-    """How many done deliveries one ack frame may settle (``RetryConsumer.ack_run``)."""
-    return consumer.ack_run or max(1, consumer.prefetch // 10)
+    """How many done deliveries one ack frame may settle (``RetryConsumer.ack_run``); a batch
+    consumer's default is its batch size: a batch's successes go in one frame."""
+    if consumer.ack_run:
+        return consumer.ack_run
+    if consumer.batch is not None:
+        return consumer.batch.size
+    return max(1, consumer.prefetch // 10)
 
 
 def handler_call(
@@ -240,7 +275,10 @@ def check_consumer(consumer: RetryConsumer[Any]) -> TypeAdapter[Any] | None:
         raise InputError(f"{name} is not a RetryConsumer subclass instance")
     if not isinstance(consumer.queue, str) or not consumer.queue:
         raise InputError(f"{name}.queue: set it to the name of a queue in the topology file")
-    _check_handle(consumer, name)
+    if consumer.batch is not None or type(consumer).handle_batch is not RetryConsumer.handle_batch:
+        _check_batch(consumer, name)
+    else:
+        _check_handle(consumer, name)
     _check_numbers(consumer, name)
     middleware = consumer.middleware
     if not isinstance(middleware, tuple) or not all(callable(m) for m in middleware):
@@ -278,6 +316,33 @@ def _check_handle(consumer: RetryConsumer[Any], name: str) -> None:
         raise InputError(
             f"{name}.handle{signature}: the worker calls it with one delivery ({exc})"
         ) from None
+
+
+def _check_batch(consumer: RetryConsumer[Any], name: str) -> None:
+    """A batch consumer: ``batch`` and an ``async def handle_batch(self, deliveries)``, which
+    the worker calls with a list; a prefetch that can hold a whole batch."""
+    rule = consumer.batch
+    if rule is None:
+        raise InputError(f"{name}: handle_batch needs batch = Batch(size=N, wait=SECONDS)")
+    if not isinstance(rule, Batch):
+        raise InputError(f"{name}.batch: expected Batch(size=N, wait=SECONDS), got {rule!r}")
+    rule.check(name)
+    handle_batch = consumer.handle_batch
+    if type(consumer).handle_batch is RetryConsumer.handle_batch:
+        raise InputError(f"{name}: batch is set; define async def handle_batch(self, deliveries)")
+    if not (inspect.iscoroutinefunction(handle_batch)
+            or inspect.iscoroutinefunction(inspect.unwrap(handle_batch))):
+        raise InputError(f"{name}.handle_batch: must be an async def")
+    if type(consumer).handle is not RetryConsumer.handle:
+        raise InputError(f"{name}: define handle_batch or handle, not both (batch is set)")
+    if consumer.middleware:
+        raise InputError(f"{name}.middleware: runs around handle, which a batch consumer does not"
+                         " have; wrap the work inside handle_batch instead")
+    if _sets(consumer, "prefetch") and consumer.prefetch < rule.size:
+        raise InputError(
+            f"{name}.prefetch = {consumer.prefetch} is below batch size {rule.size}: a batch"
+            " could never fill (leave prefetch unset: twice the batch size)"
+        )
 
 
 def _check_numbers(consumer: RetryConsumer[Any], name: str) -> None:

@@ -128,6 +128,9 @@ class Rules:
     queue_type: QueueType
     delivery_limit: int | None
     counting: Counting
+    # False for an ordered queue's lanes: a retry always leaves as a copy, which carries the
+    # hold of its key (``ordering``); the broker's own cycle could carry nothing.
+    native: bool = True
 
     @property
     def counts_returns_itself(self) -> bool:
@@ -228,6 +231,7 @@ def _failed(history: History, rules: Rules, cause: Cause) -> Action:
     if after >= policy.max_attempts:
         return Park(ParkReason.EXHAUSTED, after, cause)
     delay_ms = policy.delay_for(after)
-    if uses_native_retry(policy, rules.queue_type) and native_ok(history, rules.counting):
+    if (rules.native and uses_native_retry(policy, rules.queue_type)
+            and native_ok(history, rules.counting)):
         return NativeRetry(after, delay_ms, cause)
     return TierRetry(after, delay_ms, naming.tier_routing_key(delay_ms), cause)

@@ -104,13 +104,19 @@ def read(
     exchange: str,
     routing_key: str,
     queue: str,
+    ours: bool | None = None,
 ) -> History:
     """The history of a delivery from ``queue`` that came through ``exchange`` with
-    ``routing_key`` (the ``basic.deliver``'s) with these ``headers``."""
+    ``routing_key`` (the ``basic.deliver``'s) with these ``headers``. ``ours`` says whether
+    that route is one only rabbit-retry's copies take (default: the default exchange with
+    routing key ``queue``; an ordered queue's lanes also believe their lanes exchange and held
+    queue)."""
     if not headers:
         return REDELIVERED if redelivered else FIRST
+    if ours is None:
+        ours = by_our_route(exchange, routing_key, queue)
     try:
-        return _read(headers, redelivered, by_our_route(exchange, routing_key, queue), queue)
+        return _read(headers, redelivered, ours, queue)
     except Exception:  # a hostile Mapping: garbled, so nothing is believed; never a crash
         return History(redelivered=redelivered, x_death_clean=False)
 

@@ -71,6 +71,8 @@ class Lane:
         ack_run: int,
         deliver: Callable[[DeliveredMessage], Coroutine[Any, Any, None]],
         on_error: Callable[[str], None],
+        *,
+        fixed: bool = False,
     ) -> None:
         self.channel = channel
         self.queue = queue
@@ -79,9 +81,12 @@ class Lane:
         self._deliver = deliver
         self._on_error = on_error
         self.paused = False
-        self.mode: Mode = "probation"
+        # ``fixed``: one consumer for good, at full prefetch (an ordered queue's lane, whose
+        # single active consumer a new consumer would hand to another worker mid-stream).
+        self.fixed = fixed
+        self.mode: Mode = "full" if fixed else "probation"
         self.tag: str | None = None
-        self._target: Mode = "probation"
+        self._target: Mode = self.mode
         self._mover: asyncio.Task[None] | None = None
         self._stopped = False
         self._held = 0  # deliveries received and not gone
@@ -95,7 +100,7 @@ class Lane:
         if paused:
             self.paused = True
             return
-        await self._consume(PROBATION_PREFETCH)
+        await self._consume(self.prefetch if self.fixed else PROBATION_PREFETCH)
 
     async def pause(self) -> None:
         """Cancel the consumer; what has not started gets the turn "hold" as it arrives or wakes."""
@@ -133,10 +138,17 @@ class Lane:
 
     async def stop(self, cancel_timeout: float) -> None:
         """No more deliveries: cancel the consumer. What runs goes on; what waits for its turn
-        gets ``"stopped"`` (the broker gets it back when the channel closes)."""
+        gets ``"stopped"`` (the broker gets it back when the channel closes).
+
+        A ``fixed`` lane keeps its consumer: cancelled, a single active consumer hands its
+        queue to another worker at once, which would start a key's next message while this one
+        still runs the key's last; what arrives meanwhile stays unstarted and goes back with
+        the channel, after the running handlers are done."""
         self._stopped = True
         self._poke()
         await self._stop_mover()
+        if self.fixed:
+            return
         tag, self.tag = self.tag, None
         if tag is not None:
             with suppress(Exception):
@@ -162,6 +174,8 @@ class Lane:
                 self._waiting -= 1
 
     def _want(self, mode: Mode) -> None:
+        if self.fixed:
+            return
         self._target = mode
         if not self._stopped and not self.paused and (self._mover is None or self._mover.done()):
             self._mover = asyncio.create_task(self._move())
@@ -196,7 +210,7 @@ class Lane:
         """A delivery arrived (``alone``: it came back without a verdict): whether it may run
         now, beside the others (most do). When not, ``turn`` says what it may do, once it may."""
         self._held += 1
-        if (self.paused or alone
+        if (self.paused or alone or self._stopped
                 or self._alone is not None or len(self._shared) >= self.prefetch
                 or (self.mode == "probation" and self._target == "probation")):
             return False
@@ -205,6 +219,8 @@ class Lane:
 
     async def turn(self, task: Task, alone: bool, message_id: str | None) -> Turn:
         """The turn of a delivery ``enter`` did not let run, waiting for it where it must."""
+        if self._stopped:
+            return "stopped"
         if self.paused:
             return "hold"
         if alone:

@@ -99,8 +99,8 @@ class ExemplarDurations(Durations):
 class QueueMetrics:
     """The series of one queue, as numbers the session bumps (``success += 1``)."""
 
-    __slots__ = ("duplicates", "handler_seconds", "in_flight", "internal_errors", "parked",
-                 "parked_by_reason", "paused", "pauses", "retried", "success")
+    __slots__ = ("duplicates", "handler_seconds", "held_sources", "in_flight", "internal_errors",
+                 "parked", "parked_by_reason", "paused", "pauses", "retried", "success")
 
     def __init__(self) -> None:
         self.success = 0
@@ -113,6 +113,18 @@ class QueueMetrics:
         self.pauses = 0
         self.duplicates = 0
         self.internal_errors = 0
+        # An ordered queue's lanes on this worker, each saying (held keys, oldest hold's start).
+        self.held_sources: list[Callable[[], tuple[int, float | None]]] = []
+
+    def held(self) -> tuple[int, float]:
+        """Held keys, and seconds the oldest has been held (0 when none is)."""
+        keys, oldest = 0, None
+        for source in list(self.held_sources):
+            count, since = source()
+            keys += count
+            if since is not None and (oldest is None or since < oldest):
+                oldest = since
+        return keys, 0.0 if oldest is None else max(0.0, time.time() - oldest)
 
 
 class Metrics:
@@ -177,7 +189,9 @@ class Metrics:
                 out[names.MESSAGES].add_metric([queue, outcome], getattr(m, outcome))
             for reason, count in list(m.parked_by_reason.items()):
                 out[names.PARKED].add_metric([queue, reason], count)
-            for series, value in ((names.IN_FLIGHT, m.in_flight), (names.PAUSED, m.paused),
+            held_keys, oldest_held = m.held()
+            for series, value in ((names.HELD_KEYS, held_keys), (names.OLDEST_HELD, oldest_held),
+                                  (names.IN_FLIGHT, m.in_flight), (names.PAUSED, m.paused),
                                   (names.PAUSES, m.pauses), (names.DUPLICATES, m.duplicates),
                                   (names.INTERNAL_ERRORS, m.internal_errors)):
                 out[series].add_metric([queue], value)

@@ -84,8 +84,13 @@ def subscribe(
                 f"{consumer.name}.queue = {consumer.queue!r} is not a queue in {topology.source}"
                 f" (it has: {known})"
             ) from None
+        if config.ordered is not None and consumer.pause is not None:
+            raise InputError(
+                f"{consumer.name}.pause: {config.name} is ordered; a pause would hand its lanes"
+                " to other workers mid-stream (not supported yet)"
+            )
         threads = None
-        if is_blocking(consumer):
+        if consumer.batch is None and is_blocking(consumer):
             from concurrent.futures import ThreadPoolExecutor  # only blocking handlers need it
 
             threads = ThreadPoolExecutor(
@@ -121,6 +126,11 @@ async def check_objects(
             wanted += [("queue", naming.tier_queue(sub.queue, ms))
                        for ms in sub.config.retry.tiers_ms]
             wanted.append(("queue", sub.parking_queue))
+            if sub.config.ordered is not None:
+                wanted.append(("exchange", naming.lanes_exchange(sub.queue)))
+                for lane in range(sub.config.ordered.lanes):
+                    wanted += [("queue", naming.lane_queue(sub.queue, lane)),
+                               ("queue", naming.held_queue(sub.queue, lane))]
             for kind, name in wanted:
                 try:
                     if kind == "queue":

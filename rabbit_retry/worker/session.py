@@ -11,7 +11,10 @@ resolves and whatever is still in flight is dropped: the broker has it back alre
 Around it: a ``Lane`` per consumer (prefetch, and returned deliveries one at a time), its
 ``Pausing`` (a consumer's ``Pause``), ``journal`` (one log line per decision), ``shutdown``
 (in-flight handlers finish within a grace period), and in a process that traces, ``tracing``
-(each delivery's coroutine inside its span; told each decision).
+(each delivery's coroutine inside its span; told each decision). An ordered queue is consumed
+as its lanes, each with an ``OrderedLane`` that admits a delivery when its key's turn has come
+(``ordered``), and as ``Q`` itself, whose messages (back from a tier, replayed) are sent on to
+the lanes.
 """
 
 from __future__ import annotations
@@ -31,16 +34,27 @@ import aiormq.exceptions
 from aiormq import spec
 from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
 
-from rabbit_retry.contract import new_message_id, republish_properties
+from rabbit_retry.contract import (
+    ORDERED_HOLD,
+    ORDERED_KEY,
+    ORDERED_RELEASE,
+    ORIGINAL_ROUTING_KEY,
+    as_text,
+    new_message_id,
+    republish_properties,
+)
 from rabbit_retry.settings import mask
+from rabbit_retry.topology import naming
 from rabbit_retry.topology.resolved import QueueConfig
 from rabbit_retry.worker import journal, shutdown
+from rabbit_retry.worker.batch import Batcher, outcomes
 from rabbit_retry.worker.consumer import (
     NOT_DECODED,
     Delivery,
     RetryConsumer,
     ack_run,
     payload_error,
+    prefetch,
 )
 from rabbit_retry.worker.deadlines import Deadlines
 from rabbit_retry.worker.decide import (
@@ -62,6 +76,8 @@ from rabbit_retry.worker.decide import (
 from rabbit_retry.worker.history import FIRST, History, read
 from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
+from rabbit_retry.worker.ordered import OrderedLane, Turn
+from rabbit_retry.worker.ordering import HoldWhy
 from rabbit_retry.worker.pause import Breaker, Change
 from rabbit_retry.worker.pausing import Pausing
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
@@ -106,12 +122,14 @@ class Subscription:
 @dataclass(eq=False)
 class Stream:
     """One subscription consumed on this session: its rules for ``decide``, its lane (and the
-    lane's settler), its pausing."""
+    lane's settler), its pausing, and for a batch consumer its batcher."""
 
     sub: Subscription
     rules: Rules
     lane: Lane = field(init=False)
     pausing: Pausing | None = None
+    batcher: Batcher | None = None
+    order: OrderedLane | None = None  # one lane of an ordered queue
 
 
 class Session:
@@ -152,20 +170,20 @@ class Session:
         if self.trace is not None:  # decided once: an untraced delivery pays nothing for it
             deliver = self.trace.around(deliver)
         for sub in self.subscriptions:
+            if sub.config.ordered is not None:
+                await self._start_ordered(sub, deliver)
+                continue
             channel = await self.amqp.channel(publisher_confirms=False)
             self._watch(channel, sub.queue)
             config = sub.config
-            rules = Rules(
-                config.retry,
-                config.queue_type,
-                delivery_limit(config.queue_type,
-                               with_policy_limit(config.arguments, config.policy), self.counting),
-                self.counting,
-            )
+            rules = self._rules(config)
             consumer = sub.consumer
             stream = Stream(sub, rules)
-            lane = stream.lane = Lane(channel, sub.queue, consumer.prefetch, ack_run(consumer),
+            lane = stream.lane = Lane(channel, sub.queue, prefetch(consumer), ack_run(consumer),
                                       partial(deliver, stream), self._set_lost)
+            if consumer.batch is not None:
+                stream.batcher = Batcher(consumer.batch, partial(self._run_batch, sub),
+                                         self._track)
             if sub.breaker is not None:
                 stream.pausing = Pausing(
                     sub.breaker, lane, consumer.name, sub.metrics,
@@ -181,7 +199,101 @@ class Session:
                 stream.pausing.start_probe()
                 continue
             log.info("consuming queue=%s consumer=%s prefetch=%d", sub.queue, consumer.name,
-                     consumer.prefetch, extra={"queue": sub.queue, "event": "consuming"})
+                     lane.prefetch, extra={"queue": sub.queue, "event": "consuming"})
+
+    def _rules(self, config: QueueConfig, *, native: bool = True) -> Rules:
+        return Rules(
+            config.retry,
+            config.queue_type,
+            delivery_limit(config.queue_type,
+                           with_policy_limit(config.arguments, config.policy), self.counting),
+            self.counting,
+            native,
+        )
+
+    async def _start_ordered(
+        self, sub: Subscription, deliver: Callable[..., Coroutine[Any, Any, None]]
+    ) -> None:
+        """``Q`` (forwarded to the lanes on every worker) and each lane of an ordered queue (the
+        broker makes one worker at a time its consumer)."""
+        ordered = sub.config.ordered
+        assert ordered is not None
+        consumer, queue = sub.consumer, sub.queue
+        rules = self._rules(sub.config, native=False)
+        lanes = naming.lanes_exchange(queue)
+        channel = await self.amqp.channel(publisher_confirms=False)
+        self._watch(channel, queue)
+        router = Stream(sub, rules)
+        router.lane = Lane(channel, queue, prefetch(consumer), ack_run(consumer),
+                           partial(self._forward, router, lanes), self._set_lost, fixed=True)
+        self.streams.append(router)
+        await router.lane.start()
+        for number in range(ordered.lanes):
+            name = naming.lane_queue(queue, number)
+            held = naming.held_queue(queue, number)
+            channel = await self.amqp.channel(publisher_confirms=False)
+            self._watch(channel, name)
+            stream = Stream(sub, rules)
+            lane = stream.lane = Lane(channel, name, prefetch(consumer), ack_run(consumer),
+                                      partial(deliver, stream), self._set_lost, fixed=True)
+            stream.order = OrderedLane(
+                config=ordered, queue=queue, lane_queue=name, held_queue=held,
+                lanes_exchange=lanes, channel=channel, settle=lane.settle,
+                publisher=self.publisher, user=self.user,
+                handle=partial(self._released, stream), lost=self._set_lost,
+            )
+            if consumer.batch is not None:
+                stream.batcher = Batcher(consumer.batch, partial(self._run_batch, sub),
+                                         self._track)
+            self.streams.append(stream)
+            await lane.start()
+            sub.metrics.held_sources.append(stream.order.summary)
+            declared = await channel.queue_declare(held, passive=True)
+            if declared.message_count:
+                # Whoever is the lane's active consumer reads its held queue at its next
+                # delivery: give it one (an empty release) so that a lane with nothing new
+                # coming hands back what a crashed worker left waiting.
+                await self.publisher.publish(
+                    "", name, b"", spec.Basic.Properties(
+                        headers={ORDERED_RELEASE: ""}, delivery_mode=2,
+                        message_id=new_message_id()))
+        log.info("consuming queue=%s consumer=%s prefetch=%d (ordered, %d lanes)", queue,
+                 consumer.name, prefetch(consumer), ordered.lanes,
+                 extra={"queue": queue, "event": "consuming"})
+
+    async def _forward(self, stream: Stream, lanes: str, message: DeliveredMessage) -> None:
+        """A message back at an ordered queue's ``Q`` (from a tier, a replay, an operator's
+        release): on to its key's lane through the lanes exchange, confirmed, then acked."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        settle = stream.lane.settle
+        tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        settle.received(tag)
+        props = message.header.properties
+        headers = dict(props.headers or {})
+        try:
+            routing_key = (as_text(headers.get(ORDERED_KEY))
+                           or as_text(headers.get(ORIGINAL_ROUTING_KEY))
+                           or message.delivery.routing_key or "")  # type: ignore[union-attr]
+            await self.publisher.publish_held(
+                lanes, routing_key, message.body,
+                republish_properties(props, headers, self.user),
+                delivery_alive=lambda: not message.channel.is_closed,
+                context={"queue": stream.sub.queue, "message_id": props.message_id},
+            )
+            backlog = settle.done(tag)
+            if backlog is not None:
+                await backlog
+        except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
+            log.debug("queue=%s: a delivery's channel closed; the broker has it back",
+                      stream.sub.queue)
+        finally:
+            self.tasks.discard(task)
+
+    async def _released(self, stream: Stream, message: DeliveredMessage, key: str) -> None:
+        """A message of a key that is free again, from its lane's held queue."""
+        await self._deliver(stream, message, released=key)
 
     def _watch(self, channel: AbstractChannel, queue: str) -> None:
         def closed(future: asyncio.Future[Any]) -> None:
@@ -194,7 +306,8 @@ class Session:
         channel.on_consumer_cancel_callbacks.add(cancelled)
 
     async def _deliver(
-        self, stream: Stream, message: DeliveredMessage, probe: bool = False
+        self, stream: Stream, message: DeliveredMessage, probe: bool = False,
+        released: str | None = None,
     ) -> None:
         """A delivery's task (aiormq's; a probe's ``basic.get`` runs in the probe's): its
         history, its turn on the lane, then ``_handle``; tracked for shutdown, counted in
@@ -208,20 +321,33 @@ class Session:
         # Consumers only get deliveries. (Annotations, not ``cast`` calls: each call costs.)
         deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
         tag: int = deliver.delivery_tag  # type: ignore[assignment]
-        lane.settle.received(tag)
-        history, entered = FIRST, False
+        order = stream.order
+        if released is None:  # a held queue's message was opened when its pass took it
+            lane.settle.received(tag)
+        history, entered, alone = FIRST, False, probe or released is not None
         try:
             headers = message.header.properties.headers
+            ours = None if order is None else (
+                deliver.exchange == order.lanes_exchange
+                or (not deliver.exchange
+                    and deliver.routing_key in (order.held_queue, order.lane_queue)))
             if headers or deliver.redelivered:
                 history = read(headers, bool(deliver.redelivered), deliver.exchange or "",
-                               deliver.routing_key or "", sub.queue)
+                               deliver.routing_key or "", sub.queue, ours)
+            if order is not None:  # its key's turn first: anything it becomes is in order
+                if released is None:
+                    if await order.admit(task, message, history, bool(ours)) is None:
+                        return
+                else:
+                    order.turns[task] = Turn(released)
+            if history is not FIRST:
                 # Parked on arrival, counted as a return, taken at its limit: none of it runs
                 # the handler, so none of it waits for a turn.
                 action = decide(history, Outcome.ARRIVED, stream.rules)
                 if action is not HANDLE:
                     await self._carry_out(stream, message, history, action, None)
                     return
-            if not probe:
+            if not alone:
                 alone = history is not FIRST and runs_alone(history, stream.rules.queue_type)
                 entered = True
                 if not lane.enter(task, alone):
@@ -232,7 +358,7 @@ class Session:
                         return
                     if turn == "stopped":  # it goes back to the broker unstarted
                         return
-            await self._handle(stream, task, message, history)
+            await self._handle(stream, task, message, history, alone)
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
             log.debug("queue=%s: a delivery's channel closed; the broker has it back", sub.queue)
         except Exception as exc:
@@ -240,14 +366,18 @@ class Session:
         finally:
             if entered:
                 lane.left(task)
+            if order is not None:
+                await order.leave(task)
             sub.metrics.in_flight -= 1
             self.tasks.discard(task)
 
     async def _handle(
-        self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage, history: History
+        self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage,
+        history: History, alone: bool = False,
     ) -> None:
         """Run the handler (``decide`` said so on arrival), decide on its outcome, carry it
-        out."""
+        out. A batch consumer's delivery joins a batch for the call (``alone``: a batch of its
+        own) and takes its own outcome from it."""
         sub, rules = stream.sub, stream.rules
         props = message.header.properties
         deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
@@ -290,7 +420,10 @@ class Session:
                 await self._carry_out(stream, message, history, ACK, None, duplicate=True)
                 return
         try:
-            outcome = await self._run(sub, task, delivery)
+            if stream.batcher is None:
+                outcome = await self._run(sub, task, delivery)
+            else:
+                outcome = await stream.batcher.join(delivery, alone=alone)
         except asyncio.CancelledError:
             if not self.stopping:
                 raise
@@ -345,6 +478,36 @@ class Session:
         sub.metrics.handler_seconds.observe(time.perf_counter() - started)
         return Outcome.SUCCESS
 
+    def _track(self, task: asyncio.Task[Any]) -> None:
+        """A task that runs handler code for deliveries (a batch): shutdown waits for it."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    @staticmethod
+    async def _run_batch(
+        sub: Subscription, deliveries: list[Delivery[Any]]
+    ) -> list[Outcome | Exception]:
+        """``handle_batch`` under the handler timeout (the whole call's), in the batch's own
+        task; an outcome per delivery. Raising (or timing out) fails each with the exception."""
+        task = asyncio.current_task()
+        assert task is not None
+        timeout = sub.consumer.handler_timeout
+        started = time.perf_counter()
+        if timeout is not None:
+            sub.deadlines.start(task, timeout)
+        try:
+            returned = await sub.consumer.handle_batch(deliveries)
+        except BaseException as exc:
+            what = exc if timeout is None else sub.deadlines.ended(task, exc, timeout)
+            if not isinstance(what, Exception):  # a cancellation (shutdown), an exit
+                raise
+            sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+            return [what] * len(deliveries)
+        if timeout is not None:
+            sub.deadlines.ended(task, None, timeout)
+        sub.metrics.handler_seconds.observe(time.perf_counter() - started)
+        return outcomes(deliveries, returned)
+
     @staticmethod
     async def _settle_ticket(
         sub: Subscription, ticket: Ticket, outcome: Outcome, message: DeliveredMessage
@@ -367,10 +530,13 @@ class Session:
         duplicate: bool = False,
     ) -> None:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
-        sub, settle = stream.sub, stream.lane.settle
+        sub, settle, order = stream.sub, stream.lane.settle, stream.order
         metrics = sub.metrics
         tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        turn = None if order is None else order.turns.get(asyncio.current_task())  # type: ignore[arg-type]
         if action is ACK:  # most of the traffic: nothing else to build or say
+            if turn is not None and turn.hold is not None:  # the holder: its key goes on
+                await order.release(turn.key, turn.hold)  # type: ignore[union-attr]
             backlog = settle.done(tag)
             if not duplicate:
                 metrics.success += 1
@@ -396,13 +562,34 @@ class Session:
         else:
             exchange, routing_key, headers = copy
             props = message.header.properties
-            await self.publisher.publish_held(
-                exchange, routing_key, message.body,
-                republish_properties(props, headers, self.user, expiration=None),
-                delivery_alive=lambda: not message.channel.is_closed,
-                context={"queue": sub.queue, "message_id": props.message_id,
-                         "attempt": history.failures + 1},
-            )
+            hold = None
+            if turn is not None:  # an ordered queue's: the copy says its key, and may hold it
+                assert order is not None
+                headers[ORDERED_KEY] = turn.key
+                why: HoldWhy = ("parked" if isinstance(action, Park)
+                                else "sent-back" if isinstance(action, Requeue) else "retry")
+                if why != "parked" or order.config.on_park == "hold":
+                    hold = order.hold(turn.key, why, props.message_id)
+                    headers[ORDERED_HOLD] = hold.id
+                else:
+                    headers.pop(ORDERED_HOLD, None)
+            try:
+                await self.publisher.publish_held(
+                    exchange, routing_key, message.body,
+                    republish_properties(props, headers, self.user, expiration=None),
+                    delivery_alive=lambda: not message.channel.is_closed,
+                    context={"queue": sub.queue, "message_id": props.message_id,
+                             "attempt": history.failures + 1},
+                )
+            except BaseException:
+                if hold is not None and turn is not None and order is not None:
+                    order.forget(turn.key, hold)
+                raise
+            if turn is not None and order is not None:
+                if hold is not None:
+                    await order.record(turn.key, hold)
+                elif turn.hold is not None:  # parked to continue: the key goes on
+                    await order.release(turn.key, turn.hold)
             backlog = settle.done(tag)
             if backlog is not None:
                 await backlog
@@ -510,6 +697,9 @@ class Session:
         for stream in self.streams:
             await stream.lane.stop(shutdown.CANCEL_TIMEOUT)
         await asyncio.sleep(0)  # deliveries still waiting for their turn leave, unstarted
+        for stream in self.streams:
+            if stream.batcher is not None:  # what a batch collected runs now, within the grace
+                stream.batcher.flush()
         self.stopping = True
         await shutdown.finish(self.tasks, grace, force)
         await self.close()
@@ -518,6 +708,11 @@ class Session:
         for stream in self.streams:
             if stream.pausing is not None:
                 await stream.pausing.stop()
+            if stream.order is not None:
+                await stream.order.stop()
+                held = stream.sub.metrics.held_sources
+                if stream.order.summary in held:
+                    held.remove(stream.order.summary)
 
     async def close(self) -> None:
         """Send the acks still due, close the connection, and drop whatever is still in

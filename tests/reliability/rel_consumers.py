@@ -36,12 +36,15 @@ FIXED = Path(RECORD_DIR) / "fixed"
 
 
 def record(kind: str, delivery: Delivery) -> None:
-    line = f"{delivery.message_id} {delivery.attempt} {os.getpid()}\n".encode()
-    fd = os.open(os.path.join(RECORD_DIR, kind), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    line = f"{delivery.message_id} {delivery.attempt} {os.getpid()}\n"
+    # Each kind on its own, and both in one file in the order they happened (ordered keys).
+    for name, text in ((kind, line), ("events", f"{kind} {line}")):
+        fd = os.open(os.path.join(RECORD_DIR, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                     0o644)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
 
 
 class Transient(RuntimeError):
@@ -115,6 +118,12 @@ class Orders(_Behaviour):
 
 class Payments(_Behaviour):
     queue = "rel.payments"
+
+
+class Points(_Behaviour):
+    """``rel.points``, an ordered queue keyed by header ``user-id`` (test_ordered_faults)."""
+
+    queue = "rel.points"
 
 
 class Order(BaseModel):

@@ -5,11 +5,10 @@ runs only, like the worker's broker-restart test in test_worker_faults.py."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from support.amqp import drain_sync
-from support.broker import ctl
+from support.broker import restart_app
 from support.outbox import RelayProcess, Writer, events_topology, out_of_order, published
 from support.poll import wait_for
 
@@ -29,12 +28,7 @@ def test_the_broker_restarted_under_a_publishing_relay_loses_nothing(
         relay.start()
         writer.start()
         wait_for(lambda: published(url) >= 3_000, "3,000 published", interval=0.05)
-        try:
-            ctl(management, "stop_app")
-            time.sleep(1)
-        finally:
-            ctl(management, "start_app")
-            ctl(management, "await_startup")
+        restart_app(management)
         writer.join()
         committed = len(writer.committed)
         wait_for(lambda: published(url) == committed, "every committed event published",

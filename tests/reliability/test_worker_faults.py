@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rel_support import Worker, mixed_stream, ok_ids, settle, worker_connections
 from support.amqp import publish_sync
-from support.broker import ctl
+from support.broker import restart_app
 from support.poll import wait_for
 from support.process import apply
 
@@ -147,12 +147,7 @@ def test_broker_app_stopped_and_started_mid_stream_loses_nothing(
     threshold = _thresholds(expected, (0.3,))[0]
     wait_for(lambda: len(ok_ids(records)) >= threshold, f"{threshold} successes")
     stopped_at = time.monotonic()
-    try:
-        ctl(management, "stop_app")  # itself takes several seconds: it closes every queue cleanly
-        time.sleep(1)
-    finally:
-        ctl(management, "start_app")
-        ctl(management, "await_startup")
+    restart_app(management)
     outage = time.monotonic() - stopped_at
     wait_for(lambda: "reconnected after" in worker.log(), "the worker to reconnect", within=180)
     assert not worker.exited() and worker.pid == pid, "the worker must reconnect by itself"

@@ -11,6 +11,7 @@ import functools
 import os
 import shlex
 import subprocess
+import time
 
 from rabbit_retry.broker.management import Management
 
@@ -29,6 +30,32 @@ def ctl(management: Management, *args: str, timeout: float = 180.0) -> str:
         f"{shlex.join([*prefix, *args])}: {(done.stderr or done.stdout).strip()}{hint}"
     )
     return done.stdout
+
+
+def restart_app(management: Management) -> None:
+    """Stop the broker application and start it again (a test marked ``alone``): it comes back
+    whatever happens while it is down."""
+    try:
+        ctl(management, "stop_app")  # itself takes several seconds: it closes every queue cleanly
+        time.sleep(1)
+    finally:
+        ctl(management, "start_app")
+        ctl(management, "await_startup")
+
+
+def enable_plugin(management: Management, exchange_type: str, plugin: str) -> None:
+    """Enable ``plugin`` on the broker under test as a user would (``rabbitmq-plugins enable``:
+    no restart), unless the broker already offers ``exchange_type``."""
+    offered = {t.get("name") for t in management.overview().get("exchange_types") or []}
+    if exchange_type in offered:
+        return
+    version = os.environ.get("RABBIT_RETRY_TEST_BROKER")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    argv = ([os.path.join(root, "scripts", "broker.sh"), "plugins", version] if version
+            else ["rabbitmq-plugins"])
+    done = subprocess.run([*argv, "enable", plugin], capture_output=True, text=True,
+                          timeout=180, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, f"{shlex.join(argv)} enable {plugin}: {done.stderr.strip()}"
 
 
 @functools.cache

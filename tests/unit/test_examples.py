@@ -17,14 +17,17 @@ EXAMPLES = ROOT / "topologies"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples import test_fraud_check  # noqa: E402
+from examples import test_fraud_check, test_rewards_ledger, test_stock_loader  # noqa: E402
 
 
 def load(name: str) -> Topology:
     return load_topology(EXAMPLES / name)
 
 
-@pytest.mark.parametrize("name", ["orders.yml", "notifications.yml", "audit.yml", "demo.yml"])
+@pytest.mark.parametrize(
+    "name",
+    ["orders.yml", "notifications.yml", "audit.yml", "demo.yml", "rewards.yml", "warehouse.yml"],
+)
 def test_example_loads_compiles_and_exports(name: str) -> None:
     plan = compile_topology(load(name))
     assert plan.main_queues
@@ -39,6 +42,8 @@ def test_every_example_is_tested() -> None:
         "demo.yml",
         "notifications.yml",
         "orders.yml",
+        "rewards.yml",
+        "warehouse.yml",
     ]
 
 
@@ -120,3 +125,51 @@ async def test_the_example_consumer_test_passes(
 
 def test_every_example_consumer_test_is_run() -> None:
     assert len(CONSUMER_TESTS) == 4
+
+
+# --- "Batch handlers" ----------------------------------------------------------------------
+
+
+def test_the_readme_shows_the_batch_consumer_as_it_is() -> None:
+    example = (ROOT / "examples" / "stock_loader.py").read_text()
+    code = example.split('"""', 2)[2].lstrip("\n")
+    assert f"```python\n{code}```" in (ROOT / "README.md").read_text()
+
+
+async def test_the_batch_consumer_stores_the_known_and_parks_the_unknown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    await test_stock_loader.test_a_batch_stores_the_known_and_parks_the_unknown(tmp_path)
+
+
+def test_warehouse() -> None:
+    movements = load("warehouse.yml").queue("warehouse.movements")
+    # the comment's promise: 5 s, 1 m, 1 m, then parked
+    assert [movements.retry.delay_for(f) for f in range(1, 4)] == [5_000, 60_000, 60_000]
+    assert movements.retry.max_attempts == 4
+
+
+# --- "Ordered keys" ------------------------------------------------------------------------
+
+
+def test_the_readme_shows_the_ledger_and_its_topology_as_they_are() -> None:
+    readme = (ROOT / "README.md").read_text()
+    example = (ROOT / "examples" / "rewards_ledger.py").read_text()
+    code = example.split('"""', 2)[2].lstrip("\n")
+    assert f"```python\n{code}```" in readme
+    assert f"```yaml\n{(EXAMPLES / 'rewards.yml').read_text()}```" in readme
+
+
+async def test_the_ledger_applies_each_users_events_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    await test_rewards_ledger.test_each_users_events_apply_in_order_through_a_retry(tmp_path)
+
+
+def test_rewards() -> None:
+    points = load("rewards.yml").queue("rewards.points")
+    assert points.ordered is not None
+    assert (points.ordered.header, points.ordered.lanes, points.ordered.on_park) == (
+        "user-id", 8, "hold")

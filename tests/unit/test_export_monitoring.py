@@ -330,6 +330,7 @@ def test_dashboard_is_valid_json_with_the_variables_and_panels() -> None:
         "Handler duration",
         "In flight",
         "Paused",
+        "Held keys (ordered queues)",
         "Duplicates",
         "Worker internal errors",
         "Failure desk: ingested, replayed, discarded",
@@ -454,3 +455,19 @@ def test_export_of_a_bad_file_says_why_and_writes_nothing(
     assert captured.out == ""
     assert "max_attempts: must be at least 1, got 0" in captured.err
 
+
+def test_an_ordered_queue_gets_an_alert_when_a_key_is_held_too_long() -> None:
+    from rabbit_retry.topology import compile_topology, parse_topology
+
+    plan = compile_topology(parse_topology("""\
+version: 1
+queues:
+  plain: {}
+  rewards.points:
+    ordered: {key: {header: user-id}, lanes: 2}
+"""))
+    rules = alert_rules(plan)["groups"][0]["rules"]
+    held = [r for r in rules if r["alert"] == "RabbitRetryKeyHeldTooLong"]
+    assert [r["labels"]["queue"] for r in held] == ["rewards.points"]  # ordered queues only
+    assert held[0]["expr"] == (
+        'max by (queue) (rabbit_retry_oldest_held_seconds{queue="rewards.points"}) > 1800')

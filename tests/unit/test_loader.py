@@ -153,7 +153,7 @@ queues:
         "t.yml:4: queues.b.retry.max_attempts: must be at least 1, got 0",
         "t.yml:6: queues.a.queue_type: expected 'quorum' or 'classic', got 'lazy'",
         "t.yml:7: queues.a.colour: unknown key 'colour' (allowed: queue_type, bindings, retry, "
-        "parking, replicas, arguments, policy)",
+        "parking, replicas, arguments, policy, ordered)",
     ]
 
 
@@ -167,7 +167,7 @@ def test_unknown_key_suggests_the_near_miss() -> None:
     text = "version: 1\nqueues:\n  q:\n    retries: {max_attempts: 2}\n"
     assert problems(text) == [
         "t.yml:4: queues.q.retries: unknown key 'retries'; did you mean 'retry'? (allowed: "
-        "queue_type, bindings, retry, parking, replicas, arguments, policy)"
+        "queue_type, bindings, retry, parking, replicas, arguments, policy, ordered)"
     ]
 
 
@@ -266,7 +266,7 @@ queues:
 """
     assert problems(text) == [
         "t.yml:10: queues.c.bogus: unknown key 'bogus' (allowed: queue_type, bindings, retry, "
-        "parking, replicas, arguments, policy)"
+        "parking, replicas, arguments, policy, ordered)"
     ]
 
 

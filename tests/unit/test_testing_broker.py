@@ -130,6 +130,69 @@ async def test_an_alternate_exchange_takes_what_its_exchange_cannot_route(
     assert empty.publish(exchange="main", routing_key="other") == ["spilled"]
 
 
+async def test_an_exchange_bound_to_an_exchange_routes_on_with_the_same_key(
+    empty: TestBroker,
+) -> None:
+    channel = await channel_of(empty)
+    await channel.exchange_declare("events", exchange_type="topic", durable=True)
+    await channel.exchange_declare("points", exchange_type="direct", durable=True)
+    await channel.queue_declare("p", durable=True)
+    await channel.queue_declare("all", durable=True)
+    await channel.exchange_bind("points", "events", routing_key="points.*")
+    await channel.queue_bind("p", "points", routing_key="points.earned")
+    await channel.queue_bind("all", "events", routing_key="#")
+    await channel.exchange_bind("events", "points", routing_key="points.earned")  # a cycle
+    assert empty.publish(exchange="events", routing_key="points.earned") == ["all", "p"]
+    assert empty.publish(exchange="events", routing_key="points.spent") == ["all"]
+    await channel.exchange_unbind("points", "events", routing_key="points.*")
+    assert empty.publish(exchange="events", routing_key="points.earned") == ["all"]
+    assert [len(empty.messages(q)) for q in ("p", "all")] == [1, 3]  # each queue once
+
+
+@pytest.mark.parametrize("hash_on", ["routing key", "header"])
+async def test_a_consistent_hash_exchange_keeps_each_key_on_one_queue(
+    empty: TestBroker, hash_on: str
+) -> None:
+    channel = await channel_of(empty)
+    arguments = {"hash-header": "user-id"} if hash_on == "header" else None
+    await channel.exchange_declare("lanes", exchange_type="x-consistent-hash", durable=True,
+                                   arguments=arguments)
+    for lane in range(4):
+        await channel.queue_declare(f"lane.{lane}", durable=True)
+        await channel.queue_bind(f"lane.{lane}", "lanes", routing_key="1")  # weight 1
+
+    def send(key: str) -> list[str]:
+        if hash_on == "header":
+            return empty.publish(exchange="lanes", routing_key="any", headers={"user-id": key})
+        return empty.publish(exchange="lanes", routing_key=key)
+
+    first = {f"u{i}": send(f"u{i}") for i in range(200)}
+    assert all(len(queues) == 1 for queues in first.values())
+    assert all(send(key) == queues for key, queues in first.items())  # stable per key
+    spread = {queues[0] for queues in first.values()}
+    assert spread == {"lane.0", "lane.1", "lane.2", "lane.3"}  # and spread over all of them
+
+
+async def test_only_the_single_active_consumer_gets_deliveries_until_it_goes(
+    empty: TestBroker,
+) -> None:
+    first_channel, second_channel = await channel_of(empty), await channel_of(empty)
+    await first_channel.queue_declare("sac", durable=True, arguments={
+        **QUORUM, "x-single-active-consumer": True})
+    first = await taker(first_channel, "sac", prefetch=10)
+    second = await taker(second_channel, "sac", prefetch=10)
+    for i in range(3):
+        empty.publish(queue="sac", body=str(i))
+    await empty.settle()
+    assert ([m.body for m in first], second) == ([b"0", b"1", b"2"], [])
+    await first_channel.basic_ack(first[0].delivery.delivery_tag)
+    await first_channel.close()  # 1 and 2 go back, and the second consumer takes over
+    empty.publish(queue="sac", body="3")
+    await empty.settle()
+    assert [m.body for m in second] == [b"1", b"2", b"3"]
+    assert [m.redelivered for m in second] == [True, True, False]
+
+
 # --- publishing: confirms, returns, refusals -----------------------------------------------------
 
 

@@ -1,0 +1,377 @@
+"""One lane of an ordered queue on one session: each key's messages one after another, a held key's
+later messages moved to the lane's held queue, and the passes over that queue that hand them
+back in order once their key is free. ``ordering`` (pure) says what the held queue means; this
+module reads and writes it, and the session asks it at three points of a delivery's way:
+
+- ``admit`` as the delivery arrives: run it now (its key's earlier message is done), move it to
+  the held queue (its key is held, or has messages waiting there), drop it (a holder's copy
+  whose hold is over: a crash left it behind) or take it as an operator's release;
+- ``hold`` / ``record`` / ``release`` while its action is carried out: a copy that goes to a
+  tier, to parking (``on_park: hold``) or back to the queue holds the key; the holder handled
+  (or parked with ``on_park: continue``) releases it;
+- ``left`` once the delivery is settled: the key's next message may run.
+
+The first delivery a lane gets on a session (the broker made this worker its single active
+consumer) waits until the held queue was read once; only the lane's active consumer ever reads
+or writes its held queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+from aiormq import spec
+from aiormq.abc import AbstractChannel, DeliveredMessage
+
+from rabbit_retry.contract import (
+    ORDERED_HOLD,
+    ORDERED_RELEASE,
+    as_text,
+    new_message_id,
+    republish_properties,
+)
+from rabbit_retry.topology.resolved import OrderedConfig
+from rabbit_retry.worker import shutdown
+from rabbit_retry.worker.history import History
+from rabbit_retry.worker.ordering import Entry, Hold, HoldWhy, fold, key_of, plan, read_entry
+from rabbit_retry.worker.publisher import Publisher
+from rabbit_retry.worker.settle import Settler
+
+log = logging.getLogger("rabbit_retry.worker")
+
+Task = asyncio.Task[Any]
+# Entries a pass writes back at once (each confirmed before its read one is acked).
+REWRITE_WINDOW = 100
+
+
+@dataclass(slots=True)
+class Turn:
+    """A delivery admitted to run: its key, and the hold it is the holder of (None: none)."""
+
+    key: str
+    hold: str | None = None
+
+
+class OrderedLane:
+    """Lane ``lane`` of the ordered queue ``queue``, consumed on ``channel`` and settled by
+    ``settle``; ``handle(message, key)`` runs a released message from the held queue through
+    the session like any delivery."""
+
+    def __init__(
+        self,
+        *,
+        config: OrderedConfig,
+        queue: str,
+        lane_queue: str,
+        held_queue: str,
+        lanes_exchange: str,
+        channel: AbstractChannel,
+        settle: Settler,
+        publisher: Publisher,
+        user: str,
+        handle: Callable[[DeliveredMessage, str], Awaitable[None]],
+        lost: Callable[[str], None],
+    ) -> None:
+        self.config = config
+        self.queue = queue
+        self.lane_queue = lane_queue
+        self.held_queue = held_queue
+        self.lanes_exchange = lanes_exchange
+        self.channel = channel
+        self.settle = settle
+        self.publisher = publisher
+        self.user = user
+        self._handle = handle
+        self._lost = lost
+        self.holds: dict[str, Hold] = {}
+        self.backlog: dict[str, int] = {}  # per key: its messages waiting in the held queue
+        self.turns: dict[Task, Turn] = {}  # the running deliveries' keys
+        self._tails: dict[str, asyncio.Future[None]] = {}  # per key: its last admitted delivery
+        self._mine: dict[Task, asyncio.Future[None]] = {}
+        self._seq = 0
+        self._pending: dict[str, Hold | None] = {}  # holds set or ended, not yet written
+        self._writes = asyncio.Lock()  # a pass's read sees every write that went before it
+        self._ready = asyncio.Event()  # the held queue was read: deliveries may be admitted
+        self._passes: asyncio.Task[None] | None = None
+        self._again = False
+        # Entries written that no longer say anything (a release, the hold it ended, a hold
+        # replaced): a pass drops them once they are as many as the entries still needed, so
+        # the held queue stays small and a pass costs about one read per entry written.
+        self._garbage = 0
+
+    # --- a delivery's way ----------------------------------------------------------------------
+
+    async def admit(
+        self, task: Task, message: DeliveredMessage, history: History, ours: bool
+    ) -> Turn | None:
+        """Whether the delivery runs now (its ``Turn``), after its key's earlier delivery, or
+        was taken care of here (moved to the held queue, dropped, a release: acked; None)."""
+        if not self._ready.is_set():
+            self._start_passes()
+            await self._ready.wait()
+        headers = message.header.properties.headers
+        tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        routing_key = (history.source[1] if history.source
+                       else message.delivery.routing_key or "")  # type: ignore[union-attr]
+        key = key_of(self.config.header, headers, routing_key, ours)
+        hold = as_text(headers.get(ORDERED_HOLD)) if ours and headers else None
+        released = as_text(headers.get(ORDERED_RELEASE)) if ours and headers else None
+        if released is not None:  # an operator discarded the holder (or a nudge: "")
+            if released and self._holding(key) == released:
+                await self.release(key, released)
+            await self._ack(tag)
+            return None
+        if hold is not None:
+            if self._holding(key) == hold:  # the holder is back: it goes first
+                turn = self.turns[task] = Turn(key, hold)
+                return turn
+            log.info("queue=%s key=%r: a copy of hold %s came back after its hold ended (a"
+                     " crash left it behind); dropped, its message was handled", self.queue, key,
+                     hold, extra={"queue": self.queue, "event": "stale_holder"})
+            await self._ack(tag)
+            return None
+        mine = asyncio.get_running_loop().create_future()
+        earlier = self._tails.get(key)
+        self._tails[key] = mine
+        self._mine[task] = mine
+        if earlier is not None and not earlier.done():
+            try:
+                await asyncio.shield(earlier)
+            except BaseException:  # cancelled while it waited: the next one must not wait on it
+                self.left(task)
+                raise
+        if key in self.holds or self.backlog.get(key):
+            try:
+                await self._defer(key, message, history)
+            except BaseException:
+                self.left(task)
+                raise
+            await self.leave(task, key)
+            return None
+        turn = self.turns[task] = Turn(key)
+        return turn
+
+    async def leave(self, task: Task, key: str | None = None) -> None:
+        """The delivery is settled: once its ack is written, if the key's next delivery waits
+        for it, that one may run. (Acks go out in runs; a key's next message must not run, or
+        be moved, while a crash could still hand this one back to run again after it.)"""
+        turn = self.turns.get(task)
+        key = turn.key if turn is not None else key
+        mine = self._mine.get(task)
+        try:
+            if mine is not None and key is not None and self._tails.get(key) is not mine:
+                await self.settle.flush()
+        except Exception as exc:  # the channel closed: what it held comes back anyway
+            log.debug("queue=%s: acks not written: %r", self.queue, exc)
+        finally:
+            self.left(task)
+
+    def left(self, task: Task) -> None:
+        """The delivery is settled (or gone): its key's next delivery may run."""
+        turn = self.turns.pop(task, None)
+        mine = self._mine.pop(task, None)
+        if mine is None:
+            return
+        mine.set_result(None)
+        key = turn.key if turn is not None else next(
+            (k for k, f in self._tails.items() if f is mine), None)
+        if key is not None and self._tails.get(key) is mine:
+            del self._tails[key]
+
+    def _holding(self, key: str) -> str | None:
+        hold = self.holds.get(key)
+        return hold.id if hold is not None else None
+
+    async def _defer(self, key: str, message: DeliveredMessage, history: History) -> None:
+        """Move a held key's delivery to the held queue (confirmed), then ack it."""
+        from rabbit_retry.worker import copies  # loaded by the first held key
+
+        props = message.header.properties
+        deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+        source = history.source or (deliver.exchange or "", deliver.routing_key or "")
+        headers = copies.retry_headers(props.headers, retry_count=history.failures,
+                                       original=source, expiration=props.expiration)
+        async with self._writes:
+            entry = Entry("message", key, self._next())
+            headers.update(entry.headers())
+            await self._write(message.body,
+                              republish_properties(props, headers, self.user, expiration=None),
+                              lambda: not message.channel.is_closed)
+        self.backlog[key] = self.backlog.get(key, 0) + 1
+        await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
+
+    # --- holds ---------------------------------------------------------------------------------
+
+    def hold(self, key: str, why: HoldWhy, holder: str | None) -> Hold:
+        """A new hold of ``key``, in force at once (its copy may come back before it is
+        written); ``record`` writes it once the copy is confirmed, ``forget`` takes it back."""
+        hold = Hold(new_message_id(), -1, time.time(), why, holder)
+        if key in self.holds:
+            self._garbage += 1
+        self.holds[key] = hold
+        self._pending[key] = hold
+        return hold
+
+    def forget(self, key: str, hold: Hold) -> None:
+        """The holder's copy was not published: no hold."""
+        if self.holds.get(key) is hold:
+            del self.holds[key]
+        if self._pending.get(key) is hold:
+            del self._pending[key]
+
+    async def record(self, key: str, hold: Hold) -> None:
+        """Write ``hold`` to the held queue (before the holder's delivery is acked)."""
+        async with self._writes:
+            entry = Entry("hold", key, self._next(), hold.id, hold.since, hold.why, hold.holder)
+            await self._write_entry(entry)
+            if self._pending.get(key) is hold:
+                del self._pending[key]
+
+    async def release(self, key: str, hold_id: str) -> None:
+        """The holder of ``hold_id`` is done (handled, parked to continue, discarded): write the
+        release, then the key's waiting messages are handed back by a pass."""
+        current = self.holds.get(key)
+        if current is not None and current.id == hold_id:
+            del self.holds[key]
+        self._pending[key] = None
+        async with self._writes:
+            await self._write_entry(Entry("release", key, self._next(), hold_id))
+            if self._pending.get(key) is None:
+                self._pending.pop(key, None)
+        self._garbage += 2
+        if self.backlog.get(key) or self._garbage >= len(self.holds) + sum(self.backlog.values()):
+            self._start_passes()
+
+    async def _ack(self, tag: int) -> None:
+        """Ack with the lane's next run (waiting when a run's worth is not written yet)."""
+        backlog = self.settle.done(tag)
+        if backlog is not None:
+            await backlog
+
+    def _next(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    async def _write_entry(self, entry: Entry) -> None:
+        properties = spec.Basic.Properties(headers=entry.headers(), delivery_mode=2,
+                                           message_id=new_message_id())
+        await self._write(b"", properties, lambda: not self.channel.is_closed)
+
+    async def _write(self, body: bytes, properties: spec.Basic.Properties,
+                     alive: Callable[[], bool]) -> None:
+        await self.publisher.publish_held(
+            "", self.held_queue, body, properties, delivery_alive=alive,
+            context={"queue": self.queue, "message_id": properties.message_id},
+        )
+
+    # --- passes over the held queue ------------------------------------------------------------
+
+    def _start_passes(self) -> None:
+        if self._passes is None or self._passes.done():
+            self._passes = asyncio.create_task(self._run_passes())
+        else:
+            self._again = True
+
+    async def _run_passes(self) -> None:
+        try:
+            while True:
+                self._again = False
+                await self._one_pass()
+                # Free keys whose messages were moved meanwhile (behind those handed back).
+                waiting = any(n and key not in self.holds for key, n in self.backlog.items())
+                if not (self._again or waiting):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the channel died: the session reconnects and reads again
+            self._lost(f"reading the held queue {self.held_queue!r} failed: {exc!r}")
+
+    async def _one_pass(self) -> None:
+        """Read the held queue whole, then keep, drop or hand back each entry (``plan``)."""
+        self._ready.clear()
+        try:
+            async with self._writes:
+                taken = await self._take_all()
+                entries = [read_entry(m.header.properties.headers) for m in taken]
+                folded = fold(entries)
+                self._seq = max(self._seq, folded.top)
+                todo = plan(entries, folded)
+                holds = dict(folded.holds)
+                for key, pending in self._pending.items():  # set or ended, being written
+                    if pending is None:
+                        holds.pop(key, None)
+                    else:
+                        holds[key] = pending
+                self.holds = holds
+                self.backlog = {key: len(indexes) for key, indexes in folded.waiting.items()}
+                self._garbage = 0
+        finally:
+            self._ready.set()
+        for index in todo.drop:
+            await self._ack(_tag(taken[index]))
+        kept = [taken[index] for index in todo.keep]
+        # In windows: the order they land in does not matter, each keeps its sequence number.
+        for start in range(0, len(kept), REWRITE_WINDOW):
+            await asyncio.gather(*map(self._rewrite, kept[start:start + REWRITE_WINDOW]))
+        runs = [self._hand_back(key, [taken[i] for i in indexes])
+                for key, indexes in todo.handle.items()]
+        if runs:
+            await asyncio.gather(*runs)
+
+    async def _take_all(self) -> list[DeliveredMessage]:
+        declared = await self.channel.queue_declare(self.held_queue, passive=True)
+        taken: list[DeliveredMessage] = []
+        for _ in range(declared.message_count or 0):
+            message = await self.channel.basic_get(self.held_queue, no_ack=False)
+            if not isinstance(message.delivery, spec.Basic.GetOk):
+                break
+            # Open at once: a multiple ack of the lane's other deliveries must not cover it.
+            self.settle.received(_tag(message))
+            taken.append(message)
+        return taken
+
+    async def _rewrite(self, message: DeliveredMessage) -> None:
+        """Write an entry again at the end of the held queue (same headers, same sequence
+        number), then ack the one read."""
+        props = message.header.properties
+        await self._write(message.body,
+                          republish_properties(props, dict(props.headers or {}), self.user),
+                          lambda: not message.channel.is_closed)
+        await self._ack(_tag(message))
+
+    async def _hand_back(self, key: str, messages: list[DeliveredMessage]) -> None:
+        """A free key's waiting messages, in order; once one holds the key again, the rest
+        stay in the held queue, even if that holder comes back and is done before this loop
+        is (the next pass hands them back, behind it)."""
+        held = False
+        for message in messages:
+            held = held or key in self.holds
+            if held:
+                await self._rewrite(message)
+                continue
+            await self._handle(message, key)
+            self.backlog[key] = max(0, self.backlog.get(key, 0) - 1)
+        if not self.backlog.get(key):
+            self.backlog.pop(key, None)
+
+    def summary(self) -> tuple[int, float | None]:
+        """Held keys now, and since when the oldest is held (epoch seconds; None: none)."""
+        oldest = min((h.since for h in self.holds.values()), default=None)
+        return len(self.holds), oldest
+
+    async def stop(self) -> None:
+        passes, self._passes = self._passes, None
+        if passes is not None and not passes.done():
+            await shutdown.cancel([passes])
+            with suppress(asyncio.CancelledError, Exception):
+                await passes
+
+
+def _tag(message: DeliveredMessage) -> int:
+    return message.delivery.delivery_tag  # type: ignore[union-attr,return-value]

@@ -1,0 +1,203 @@
+"""Ordered keys (README, "Ordered keys"): which key a message belongs to, and the held queue's
+log that says which keys wait and what waits with them (pure).
+
+Each lane of an ordered queue is consumed by one worker at a time (single active consumer) and
+that worker handles each key's messages one after another. When a message cannot be done now
+(it goes to a retry tier, to parking with ``on_park: hold``, or back to its queue), its key is
+*held*: until that message (the *holder*) comes back and is handled, every later message of the
+key is moved to the lane's held queue instead of running, so nothing of the key sits unacked for
+the length of a delay and nothing of it overtakes the holder. The held queue is the lane's
+memory, always written (and confirmed) before the delivery it concerns is acked:
+
+- a ``hold`` entry: the key is held by hold ``h``; its holder carries ``ordered-hold: h``;
+- a ``release`` entry: hold ``h`` ended (its holder was handled, or an operator discarded it);
+- a ``message`` entry: a later message of a held key, a copy of the delivery as it arrived.
+
+Each entry has a sequence number, increasing in the order the lane wrote them. A worker that
+takes a lane over reads the whole held queue once (``fold``): per key, the last hold or release
+says whether it is held and by which hold; its messages, by sequence and each once, are what
+waits. Each time keys are released the worker reads the held queue again and ``plan`` says what
+becomes of each entry: kept (written again at the end: the key is still held), handled (its key
+is free: in sequence order, before anything newer of the key) or dropped (a release, a hold
+that ended, a duplicate that a crash left behind).
+
+Why this keeps order through crashes: a holder's copy is confirmed before its hold is written,
+and the hold before the delivery is acked. A crash before the hold leaves the delivery to be
+handled again in place and its copy without a hold (*stale*: dropped when it comes back); a
+crash after it leaves the delivery to be moved behind its own hold, handled again after the
+holder and before anything later. Duplicates an interrupted rewrite leaves carry the same
+sequence number and count once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rabbit_retry.contract import (
+    ORDERED_ENTRY,
+    ORDERED_HOLD,
+    ORDERED_HOLDER,
+    ORDERED_KEY,
+    ORDERED_SEQ,
+    ORDERED_SINCE,
+    ORDERED_WHY,
+    as_text,
+    header_text,
+)
+
+EntryKind = Literal["message", "hold", "release"]
+HoldWhy = Literal["retry", "parked", "sent-back"]
+MAX_SEQ = 2**63 - 1  # an AMQP signed 64-bit integer
+_KINDS: dict[str, EntryKind] = {"message": "message", "hold": "hold", "release": "release"}
+
+
+def key_of(
+    header: str | None, headers: Mapping[str, Any] | None, routing_key: str, ours: bool
+) -> str:
+    """The key of a message: on a copy rabbit-retry made (``ours``: it came through a route only
+    rabbit-retry publishes to), the ``ordered-key`` it carries; else the value of the header
+    the queue names (``header``; absent: the empty key) or the routing key."""
+    if ours and headers:
+        carried = as_text(headers.get(ORDERED_KEY))
+        if carried is not None:
+            return carried
+    if header is None:
+        return routing_key
+    return header_text((headers or {}).get(header)) or ""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry of a held queue (see the module docstring)."""
+
+    kind: EntryKind
+    key: str
+    seq: int
+    hold: str | None = None  # a hold's or a release's hold id
+    since: float = 0.0  # a hold's: when its key was held (epoch seconds)
+    why: str = ""  # a hold's: retry | parked | sent-back
+    holder: str | None = None  # a hold's: the holding message's message_id
+
+    def headers(self) -> dict[str, Any]:
+        """The headers that mark a message as this entry (a message entry keeps its own)."""
+        out: dict[str, Any] = {ORDERED_ENTRY: self.kind, ORDERED_KEY: self.key,
+                               ORDERED_SEQ: self.seq}
+        if self.hold is not None:
+            out[ORDERED_HOLD] = self.hold
+        if self.kind == "hold":
+            out[ORDERED_SINCE] = self.since
+            out[ORDERED_WHY] = self.why
+            if self.holder is not None:
+                out[ORDERED_HOLDER] = self.holder
+        return out
+
+
+def read_entry(headers: Mapping[str, Any] | None) -> Entry | None:
+    """The entry a held queue's message is, or None when it is none (garbled, or put there by
+    something else than a worker)."""
+    if not headers:
+        return None
+    kind = _KINDS.get(as_text(headers.get(ORDERED_ENTRY)) or "")
+    key = as_text(headers.get(ORDERED_KEY))
+    seq = headers.get(ORDERED_SEQ)
+    if key is None or kind is None:
+        return None
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ:
+        return None
+    hold = as_text(headers.get(ORDERED_HOLD))
+    if kind != "message" and hold is None:
+        return None
+    since = headers.get(ORDERED_SINCE)
+    return Entry(
+        kind, key, seq, hold,
+        float(since) if isinstance(since, int | float) and not isinstance(since, bool) else 0.0,
+        as_text(headers.get(ORDERED_WHY)) or "",
+        as_text(headers.get(ORDERED_HOLDER)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """A held key: by which hold, since when, why, and which message holds it."""
+
+    id: str
+    seq: int
+    since: float
+    why: str
+    holder: str | None = None
+
+
+@dataclass
+class Folded:
+    """What a held queue says: the held keys, and per key the indexes of its waiting messages in
+    sequence order (each sequence number once); ``top`` the highest sequence number in it."""
+
+    holds: dict[str, Hold] = field(default_factory=dict)
+    waiting: dict[str, list[int]] = field(default_factory=dict)
+    top: int = -1
+
+
+def fold(entries: Sequence[Entry | None]) -> Folded:
+    """The state ``entries`` (a held queue read from its head, ``None`` for a foreign message)
+    add up to, whatever order a crash left them in."""
+    folded = Folded()
+    controls: dict[str, list[Entry]] = {}
+    messages: dict[str, dict[int, int]] = {}
+    for index, entry in enumerate(entries):
+        if entry is None:
+            continue
+        folded.top = max(folded.top, entry.seq)
+        if entry.kind == "message":
+            messages.setdefault(entry.key, {}).setdefault(entry.seq, index)
+        else:
+            controls.setdefault(entry.key, []).append(entry)
+    for key, written in controls.items():
+        hold: Hold | None = None
+        for entry in sorted(written, key=lambda e: e.seq):
+            assert entry.hold is not None
+            if entry.kind == "hold":
+                hold = Hold(entry.hold, entry.seq, entry.since, entry.why, entry.holder)
+            elif hold is not None and hold.id == entry.hold:
+                hold = None
+        if hold is not None:
+            folded.holds[key] = hold
+    folded.waiting = {key: [seqs[s] for s in sorted(seqs)] for key, seqs in messages.items()}
+    return folded
+
+
+@dataclass
+class PassPlan:
+    """What one pass over a held queue does with each entry it read (by index)."""
+
+    keep: list[int] = field(default_factory=list)  # written again at the end, then acked
+    drop: list[int] = field(default_factory=list)  # acked
+    handle: dict[str, list[int]] = field(default_factory=dict)  # per free key, in order
+
+
+def plan(entries: Sequence[Entry | None], folded: Folded) -> PassPlan:
+    """What becomes of each entry: a held key's messages and its current hold are kept, a free
+    key's messages handled in order, everything else dropped; a foreign message is kept (never
+    dropped: the held queue is no place to lose one)."""
+    out = PassPlan()
+    waiting = {index for indexes in folded.waiting.values() for index in indexes}
+    current = {hold.seq for hold in folded.holds.values()}
+    kept_holds: set[int] = set()
+    for index, entry in enumerate(entries):
+        if entry is None:
+            out.keep.append(index)
+        elif entry.kind == "hold":
+            if entry.seq in current and entry.seq not in kept_holds:
+                kept_holds.add(entry.seq)
+                out.keep.append(index)
+            else:
+                out.drop.append(index)
+        elif entry.kind == "release" or index not in waiting:
+            out.drop.append(index)  # a release is folded in; a duplicate counts once
+        elif entry.key in folded.holds:
+            out.keep.append(index)
+    for key, indexes in folded.waiting.items():
+        if key not in folded.holds:
+            out.handle[key] = list(indexes)
+    return out

@@ -1,0 +1,164 @@
+"""Ordered keys under faults, on the real broker with real worker processes: two workers share
+an ordered queue's lanes, the one consuming them is SIGKILLed mid-stream (twice, alternately) and
+started again, messages fail and retry, two keys are held by a parked message until it is
+replayed. Per key, the handler calls and successes the workers wrote to one append-only file
+never go back to an earlier message once a later one of the key succeeded; every message
+succeeds; nothing is left in a lane, a tier or a held queue.
+
+The broker-restart variant (``test_ordered_keys_survive_a_broker_restart``) stops and starts the
+broker application: it is ``alone`` (tests/conftest.py), never run beside other tests.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from rel_support import Worker, spec_body
+from rel_support import records as recorded
+from support.amqp import Outgoing, publish_sync, total_depth
+from support.broker import enable_plugin, restart_app
+from support.poll import wait_for
+from support.process import apply, cli
+
+from rabbit_retry.broker.management import Management
+from rabbit_retry.settings import Settings
+
+Q = "rel.points"
+LANES = 4
+USERS = 24
+EVENTS = 15
+PARKED = {("u3", 7), ("u11", 12)}  # Permanent until ``fixed`` exists: they hold their keys
+TOPOLOGY = f"""\
+version: 1
+exchanges:
+  rel: {{type: topic}}
+queues:
+  {Q}:
+    queue_type: %(type)s
+    bindings: [{{exchange: rel, routing_key: points}}]
+    ordered: {{key: {{header: user-id}}, lanes: {LANES}}}
+    retry: {{delays: [200ms, 500ms], max_attempts: 5}}
+"""
+QUEUES = [Q, f"{Q}.retry.200ms", f"{Q}.retry.500ms",
+          *(f"{Q}.lane.{i}" for i in range(LANES)), *(f"{Q}.lane.{i}.held" for i in range(LANES))]
+
+
+def _stream(seed: str) -> list[Outgoing]:
+    rng = random.Random(seed)
+    messages = []
+    for seq in range(1, EVENTS + 1):
+        for u in range(USERS):
+            user = f"u{u}"
+            behaviour: dict[str, object] = {}
+            if (user, seq) in PARKED:
+                behaviour["fixable"] = True
+            elif rng.random() < 0.2:
+                behaviour["fail"] = rng.choice([1, 2])
+            mid = f"{user}-{seq:03d}"
+            messages.append(Outgoing(mid, spec_body(mid, **behaviour), {"user-id": user}))
+    return messages
+
+
+def _per_key(kind: str, directory: Path) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for message_id, _attempt in recorded(directory, kind):
+        user, seq = message_id.rsplit("-", 1)
+        out.setdefault(user, []).append(int(seq))
+    return out
+
+
+def _never_back(directory: Path) -> None:
+    """No call of a key's message after a later message of the key succeeded."""
+    calls: list[tuple[str, int, str]] = []
+    path = directory / "events"
+    for line in path.read_text().splitlines():
+        kind, message_id = line.split(" ")[:2]
+        user, seq = message_id.rsplit("-", 1)
+        calls.append((user, int(seq), kind))
+    done: dict[str, int] = {}
+    for user, seq, kind in calls:
+        if seq < done.get(user, 0):  # what the key went through, for the failure's reader
+            print("\n".join(line for line in path.read_text().splitlines()
+                            if f" {user}-" in line))
+        assert seq >= done.get(user, 0), f"{user}: {seq} handled after {done[user]} succeeded"
+        if kind == "ok":
+            done[user] = max(done.get(user, 0), seq)
+
+
+@pytest.fixture
+def points(fresh_vhost: Settings, tmp_path: Path, management: Management) -> Path:
+    enable_plugin(management, "x-consistent-hash", "rabbitmq_consistent_hash_exchange")
+    return tmp_path
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_two_workers_one_killed_mid_stream_keep_every_keys_order(
+    fresh_vhost: Settings, points: Path, records: Path, worker_guard: list[Worker],
+    queue_type: str,
+) -> None:
+    topology = points / "points.yml"
+    topology.write_text(TOPOLOGY % {"type": queue_type})
+    apply(fresh_vhost, topology)
+    first = Worker(fresh_vhost, topology, records, "Points", sleep_ms=20, prefetch=8,
+                   log_name="first.log")
+    second = Worker(fresh_vhost, topology, records, "Points", sleep_ms=20, prefetch=8,
+                    log_name="second.log")
+    worker_guard += [first, second]
+    first.start()
+    second.start()
+    messages = _stream(queue_type)
+    publish_sync(fresh_vhost, messages, exchange="rel", routing_key="points")
+    # A parked message holds its key: the key's later messages wait for its replay too.
+    blocked = sum(EVENTS - seq + 1 for _user, seq in PARKED)
+    total = len(messages) - blocked
+    kills = 0
+    for fraction, victim in ((0.25, first), (0.6, second)):
+        wait_for(lambda f=fraction: len({m for m, _ in recorded(records, "ok")})
+                 >= total * f, f"{fraction:.0%} of the messages handled")
+        victim.kill()  # SIGKILL: whatever it held goes back, its lanes to the other worker
+        kills += 1
+        victim.start()
+    ok = lambda: {m for m, _ in recorded(records, "ok")}  # noqa: E731
+    wait_for(lambda: len(ok()) >= total, "every message but the parked ones handled")
+    wait_for(lambda: total_depth(fresh_vhost, [f"{Q}.parking"]) == len(PARKED),
+             "the two held keys' messages parked")
+    assert len(ok()) == total  # the held keys' later messages wait for them
+    (records / "fixed").touch()
+    done = cli(fresh_vhost, "parking", "replay", Q, "--yes")
+    assert done.code == 0, done.err
+    wait_for(lambda: len(ok()) == len(messages), "the replayed keys finished in order")
+    wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
+    first.stop()
+    second.stop()
+    handled = _per_key("ok", records)
+    assert {u: sorted(set(s)) for u, s in handled.items()} == {
+        f"u{u}": list(range(1, EVENTS + 1)) for u in range(USERS)}
+    _never_back(records)
+    print(f"[reliability] ordered, {queue_type}: {len(messages)} messages, {kills} SIGKILLs, "
+          f"{sum(len(s) for s in handled.values()) - len(messages)} handled twice")
+
+
+def test_ordered_keys_survive_a_broker_restart(
+    fresh_vhost: Settings, points: Path, records: Path, worker_guard: list[Worker],
+    management: Management,
+) -> None:
+    """The broker application stops mid-stream and starts again (``alone`` in
+    tests/conftest.py: never beside other tests); the worker reconnects, reads its lanes' held
+    queues again and goes on in order."""
+    topology = points / "points.yml"
+    topology.write_text(TOPOLOGY % {"type": "quorum"})
+    apply(fresh_vhost, topology)
+    worker = Worker(fresh_vhost, topology, records, "Points", sleep_ms=20, prefetch=8)
+    worker_guard.append(worker)
+    worker.start()
+    messages = [m for m in _stream("restart") if b"fixable" not in m.body]
+    publish_sync(fresh_vhost, messages, exchange="rel", routing_key="points")
+    wait_for(lambda: len(recorded(records, "ok")) >= len(messages) // 3, "a third handled")
+    restart_app(management)
+    wait_for(lambda: len({m for m, _ in recorded(records, "ok")}) == len(messages),
+             "every message handled after the restart", within=300)
+    wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
+    worker.stop()
+    _never_back(records)

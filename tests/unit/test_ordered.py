@@ -1,0 +1,365 @@
+"""Ordered keys on the in-memory broker: per key the handler sees messages in publish order
+through retries, parks, replays, discards, two workers and a crash mid-stream; a held key's later
+messages wait in its lane's held queue, not unacked, while other keys flow; a batch never holds
+two messages of one key."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+
+from rabbit_retry import Batch, BatchResult, Delivery, Permanent, RetryConsumer
+from rabbit_retry.contract import release_headers
+from rabbit_retry.parking.headers import replay_headers
+from rabbit_retry.testing import TestBroker, Verdict, frames
+from rabbit_retry.topology import parse_topology
+
+Q = "rewards.points"
+PARKING = Q + ".parking"
+VERSIONS = ("3.10", "4.0", "4.3")
+LANES = 3
+
+
+def topology(queue_type: str = "quorum", on_park: str = "hold", key: str = "{header: user-id}",
+             delays: str = "[5s, 1m]", attempts: int = 4) -> str:
+    return f"""\
+version: 1
+exchanges:
+  rewards: {{type: topic}}
+queues:
+  {Q}:
+    queue_type: {queue_type}
+    bindings: [{{exchange: rewards, routing_key: "points.#"}}]
+    ordered: {{key: {key}, lanes: {LANES}, on_park: {on_park}}}
+    retry: {{delays: {delays}, max_attempts: {attempts}}}
+"""
+
+
+def broker_for(yaml: str, version: str = "4.3") -> TestBroker:
+    return TestBroker(parse_topology(yaml, "rewards.yml"), version=version)
+
+
+class Ledger(RetryConsumer):
+    """Applies each user's events; ``plan[(user, seq)]`` says how its attempts go: a number of
+    transient failures first, or "park" (Permanent on its first attempt)."""
+
+    queue = Q
+    prefetch = 20
+
+    def __init__(self, plan: dict[tuple[str, int], Any] | None = None) -> None:
+        self.plan = dict(plan or {})
+        self.applied: dict[str, list[int]] = defaultdict(list)
+        self.calls: dict[str, list[int]] = defaultdict(list)
+
+    async def handle(self, delivery: Delivery) -> None:
+        user, seq = delivery.headers["user-id"], delivery.payload["seq"]
+        self.calls[user].append(seq)
+        await asyncio.sleep(0)  # let the others interleave
+        step = self.plan.get((user, seq), 0)
+        if step == "park":
+            self.plan[(user, seq)] = 0  # a replay succeeds
+            raise Permanent(f"{user}/{seq}: no such account yet")
+        if step:
+            self.plan[(user, seq)] = step - 1
+            raise RuntimeError(f"{user}/{seq}: ledger busy")
+        self.applied[user].append(seq)
+
+
+def publish(broker: TestBroker, user: str, seq: int) -> None:
+    broker.publish(json={"seq": seq}, exchange="rewards", routing_key="points.earned",
+                   headers={"user-id": user}, message_id=f"{user}-{seq}")
+
+
+def never_backwards(calls: dict[str, list[int]]) -> None:
+    """Per key, no message is handled after a later one of its key was."""
+    for user, seqs in calls.items():
+        assert seqs == sorted(seqs), (user, seqs)
+
+
+def held(broker: TestBroker) -> int:
+    return sum(len(broker.messages(f"{Q}.lane.{lane}.held")) for lane in range(LANES))
+
+
+def replay(broker: TestBroker, message_id: str) -> None:
+    """What ``parking replay`` does with one parked message: back to ``Q``, then gone."""
+    parked = _take_parked(broker, message_id)
+    broker.publish(parked.body, queue=Q, headers=replay_headers(parked.headers),
+                   message_id=message_id)
+
+
+def discard(broker: TestBroker, message_id: str) -> None:
+    """What ``parking purge`` (and the desk's discard) does with a holder: a release to ``Q``."""
+    parked = _take_parked(broker, message_id)
+    release = release_headers(parked.headers)
+    assert release is not None
+    broker.publish(b"", queue=Q, headers=release)
+
+
+def _take_parked(broker: TestBroker, message_id: str) -> Any:
+    [parked] = [m for m in broker.parked(Q) if m.message_id == message_id]
+    queue = broker.memory.queue(PARKING)
+    queue.ready = [e for e in queue.ready
+                   if frames.unmarshal(e.content.header).message_id != message_id]
+    return parked
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_each_keys_messages_are_handled_in_publish_order_through_retries(
+    version: str, queue_type: str
+) -> None:
+    rng = random.Random(f"{version}-{queue_type}")
+    users = [f"u{i}" for i in range(12)]
+    plan = {(u, s): rng.choice([0, 0, 0, 1, 2]) for u in users for s in range(1, 6)}
+    ledger = Ledger(plan)
+    async with broker_for(topology(queue_type), version) as broker, broker.worker(ledger):
+        for seq in range(1, 6):
+            for user in users:
+                publish(broker, user, seq)
+        await broker.settle(retries=True)
+        assert held(broker) == 0 and broker.discarded == []
+    assert {u: ledger.applied[u] for u in users} == {u: [1, 2, 3, 4, 5] for u in users}
+    never_backwards(ledger.calls)
+    assert any(n for n in plan.values())  # positive control: there were retries
+
+
+async def test_the_first_failure_of_a_key_holds_its_later_messages_in_the_held_queue() -> None:
+    ledger = Ledger({("alice", 1): 1})
+    async with broker_for(topology()) as broker, broker.worker(ledger) as worker:
+        for seq in (1, 2, 3):
+            publish(broker, "alice", seq)
+        first = await broker.settle()
+        assert [(d.message_id, d.verdict) for d in first] == [
+            ("alice-1", Verdict.RETRIED), ("alice-2", Verdict.HELD), ("alice-3", Verdict.HELD)]
+        assert held(broker) == 3  # two messages and the hold; nothing unacked meanwhile
+        connection = worker.connection
+        assert connection is not None and list(connection.held()) == []
+        metrics = worker.runner.metrics.for_queue(Q)
+        assert metrics.held()[0] == 1
+        rest = await broker.settle(retries=True)
+        assert [d.verdict for d in rest] == [Verdict.FORWARDED, Verdict.ACKED, Verdict.ACKED,
+                                             Verdict.ACKED]
+        assert metrics.held() == (0, 0.0)
+    assert ledger.applied["alice"] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_a_parked_message_holds_its_key_until_replayed_then_goes_first(
+    queue_type: str,
+) -> None:
+    ledger = Ledger({("bob", 2): "park"})
+    async with broker_for(topology(queue_type)) as broker, broker.worker(ledger):
+        for seq in (1, 2, 3, 4):
+            publish(broker, "bob", seq)
+        await broker.settle(retries=True)
+        assert ledger.applied["bob"] == [1]
+        [parked] = broker.parked(Q)
+        assert parked.headers["ordered-key"] == "bob" and parked.headers["ordered-hold"]
+        publish(broker, "bob", 5)  # still held: waits behind the parked one
+        await broker.settle(retries=True)
+        assert ledger.applied["bob"] == [1]
+        replay(broker, "bob-2")
+        await broker.settle(retries=True)
+        assert held(broker) == 0
+    assert ledger.applied["bob"] == [1, 2, 3, 4, 5]
+    never_backwards(ledger.calls)
+
+
+async def test_a_discarded_holder_releases_its_key_and_the_rest_follow() -> None:
+    ledger = Ledger({("carol", 1): "park"})
+    async with broker_for(topology()) as broker, broker.worker(ledger):
+        for seq in (1, 2, 3):
+            publish(broker, "carol", seq)
+        await broker.settle(retries=True)
+        assert ledger.applied["carol"] == []
+        discard(broker, "carol-1")
+        await broker.settle(retries=True)
+        assert held(broker) == 0 and broker.parked(Q) == []
+    assert ledger.applied["carol"] == [2, 3]
+
+
+async def test_on_park_continue_lets_the_key_move_on() -> None:
+    ledger = Ledger({("dan", 1): "park"})
+    async with broker_for(topology(on_park="continue")) as broker, broker.worker(ledger):
+        for seq in (1, 2, 3):
+            publish(broker, "dan", seq)
+        await broker.settle(retries=True)
+        [parked] = broker.parked(Q)
+        assert "ordered-hold" not in parked.headers
+    assert ledger.applied["dan"] == [2, 3]
+
+
+async def test_other_keys_flow_while_one_is_held() -> None:
+    ledger = Ledger({("held", 1): "park"})
+    async with broker_for(topology()) as broker, broker.worker(ledger) as worker:
+        publish(broker, "held", 1)
+        await broker.settle()
+        for seq in range(2, 7):
+            publish(broker, "held", seq)
+        others = [f"o{i}" for i in range(40)]
+        for seq in range(1, 6):
+            for user in others:
+                publish(broker, user, seq)
+        decisions = await broker.settle()
+        by_verdict = Counter(d.verdict for d in decisions)
+        assert by_verdict == {Verdict.ACKED: 200, Verdict.HELD: 5}
+        connection = worker.connection
+        assert connection is not None and list(connection.held()) == []  # nothing unacked
+        assert held(broker) == 6  # the held key's five and its hold
+    assert all(ledger.applied[u] == [1, 2, 3, 4, 5] for u in others)
+    assert ledger.applied["held"] == []
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_a_crash_mid_stream_and_a_second_worker_keep_every_keys_order(
+    version: str,
+) -> None:
+    rng = random.Random(version)
+    users = [f"u{i}" for i in range(8)]
+    plan = {(u, s): rng.choice([0, 0, 1]) for u in users for s in range(1, 9)}
+    first, second = Ledger(plan), Ledger(plan)
+    calls: dict[str, list[int]] = defaultdict(list)
+    async with broker_for(topology(), version) as broker:
+        async with broker.worker(first) as one, broker.worker(second):
+            for seq in range(1, 5):
+                for user in users:
+                    publish(broker, user, seq)
+            await broker.settle()
+            await one.crash()  # its lanes move to the second worker, held keys and all
+            for seq in range(5, 9):
+                for user in users:
+                    publish(broker, user, seq)
+            await broker.settle(retries=True)
+        assert held(broker) == 0 and broker.discarded == []
+    for ledger in (first, second):
+        for user, seqs in ledger.calls.items():
+            calls[user] += seqs
+    applied = {u: sorted(set(first.applied[u]) | set(second.applied[u])) for u in users}
+    assert applied == {u: list(range(1, 9)) for u in users}
+    assert sum(len(first.applied[u]) for u in users) > 0  # the first did work before it died
+    assert sum(len(second.applied[u]) for u in users) > 0
+    for user in users:  # each worker saw each key's messages in order
+        assert first.calls[user] == sorted(first.calls[user])
+        assert second.calls[user] == sorted(second.calls[user])
+        # ... and the second never went back before what the first handled
+        handled_by_first = max(first.applied[user], default=0)
+        assert all(s >= handled_by_first for s in second.calls[user]), (user, calls[user])
+
+
+async def test_a_key_held_when_its_worker_dies_stays_held_for_the_next() -> None:
+    ledger = Ledger({("eve", 1): 1})
+    async with broker_for(topology()) as broker:
+        async with broker.worker(ledger) as worker:
+            for seq in (1, 2, 3):
+                publish(broker, "eve", seq)
+            await broker.settle()
+            await worker.crash()
+        assert held(broker) == 3
+        async with broker.worker(ledger):
+            publish(broker, "eve", 4)  # the new worker learns eve is held from the held queue
+            decisions = await broker.settle()
+            # Taking the lane over, it read the held queue (eve-2 and 3 written back as they
+            # were) and moved eve-4 behind them: nothing of eve ran.
+            assert sorted((d.message_id, d.verdict) for d in decisions) == [
+                ("eve-2", Verdict.HELD), ("eve-3", Verdict.HELD), ("eve-4", Verdict.HELD)]
+            assert ledger.calls["eve"] == [1]
+            await broker.settle(retries=True)
+    assert ledger.applied["eve"] == [1, 2, 3, 4]
+    never_backwards(ledger.calls)
+
+
+async def test_routing_key_keys_keep_their_order_too() -> None:
+    class ByRoute(Ledger):
+        async def handle(self, delivery: Delivery) -> None:
+            delivery.headers = {"user-id": delivery.routing_key}  # type: ignore[misc]
+            await super().handle(delivery)
+
+    ledger = ByRoute({("points.u1", 1): 2})
+    async with broker_for(topology(key="routing_key")) as broker, broker.worker(ledger):
+        for seq in (1, 2, 3):
+            for user in ("u1", "u2"):
+                broker.publish(json={"seq": seq}, exchange="rewards",
+                               routing_key=f"points.{user}", message_id=f"{user}-{seq}")
+        await broker.settle(retries=True)
+    assert dict(ledger.applied) == {"points.u1": [1, 2, 3], "points.u2": [1, 2, 3]}
+    never_backwards(ledger.calls)
+
+
+async def test_a_batch_never_holds_two_messages_of_one_key() -> None:
+    class Batched(RetryConsumer):
+        queue = Q
+        batch = Batch(size=50, wait=0.02)
+
+        def __init__(self) -> None:
+            self.batches: list[list[tuple[str, int]]] = []
+
+        async def handle_batch(self, deliveries: list[Delivery]) -> BatchResult | None:
+            self.batches.append([(d.headers["user-id"], d.payload["seq"]) for d in deliveries])
+            failed = {d: RuntimeError("busy") for d in deliveries
+                      if d.payload["seq"] == 2 and d.attempt == 1}
+            return BatchResult(failed=failed)
+
+    consumer = Batched()
+    async with broker_for(topology()) as broker, broker.worker(consumer):
+        for seq in range(1, 5):
+            for user in ("a", "b", "c", "d"):
+                publish(broker, user, seq)
+        await broker.settle(retries=True)
+    for batch in consumer.batches:
+        users = [user for user, _ in batch]
+        assert len(users) == len(set(users)), batch
+    seen: dict[str, list[int]] = defaultdict(list)
+    for batch in consumer.batches:
+        for user, seq in batch:
+            seen[user].append(seq)
+    assert {u: s for u, s in seen.items()} == {u: [1, 2, 2, 3, 4] for u in "abcd"}
+    assert any(len(b) > 1 for b in consumer.batches)  # positive control: keys did share
+
+
+async def test_a_graceful_stop_hands_a_lane_over_only_after_its_running_handler() -> None:
+    """Stopping, a worker keeps its lanes' consumers (cancelled, the broker would hand a lane
+    to the other worker at once, and the key's next message would run beside its last)."""
+    release = asyncio.Event()
+    order: list[str] = []
+
+    class Slow(Ledger):
+        async def handle(self, delivery: Delivery) -> None:
+            order.append(f"start {delivery.message_id}")
+            if delivery.message_id == "fay-1":
+                await release.wait()
+            order.append(f"end {delivery.message_id}")
+
+    async with broker_for(topology()) as broker, \
+            broker.worker(Slow(), grace=10) as first, broker.worker(Slow()):
+        publish(broker, "fay", 1)
+        await broker.wait_for(lambda: order == ["start fay-1"], what="fay-1 running")
+        stopping = asyncio.create_task(first.stop())
+        await asyncio.sleep(0.05)
+        publish(broker, "fay", 2)
+        await asyncio.sleep(0.05)
+        assert order == ["start fay-1"]  # fay-2 waits for fay-1, on neither worker
+        release.set()
+        await stopping
+        await broker.settle()
+    assert order == ["start fay-1", "end fay-1", "start fay-2", "end fay-2"]
+
+
+def test_a_pause_on_an_ordered_queue_is_refused_at_start_in_one_line() -> None:
+    from rabbit_retry import Pause
+    from rabbit_retry.errors import InputError
+    from rabbit_retry.worker import Runner
+
+    class Paused(Ledger):
+        pause = Pause(after=3)
+
+    topo = parse_topology(topology(), "rewards.yml")
+    with pytest.raises(InputError) as caught:
+        Runner([Paused()], topology=topo)
+    assert str(caught.value) == (
+        "Paused.pause: rewards.points is ordered; a pause would hand its lanes to other workers"
+        " mid-stream (not supported yet)")
+    Runner([Ledger()], topology=topo)  # positive control: the same consumer without a pause

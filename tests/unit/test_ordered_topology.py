@@ -1,0 +1,149 @@
+"""An ordered queue in the topology file: what it compiles to (a consistent-hash lanes exchange
+the file's bindings feed, lane queues with a single active consumer, a held queue per lane), its
+refusals in one line each, and the one line apply says when the broker lacks the plugin."""
+
+from __future__ import annotations
+
+import pytest
+
+from rabbit_retry.topology import compile_topology, parse_topology
+from rabbit_retry.topology.compile import missing_plugin
+from rabbit_retry.topology.load import TopologyError
+from rabbit_retry.topology.resolved import OrderedConfig, from_values, to_values
+
+REWARDS = """\
+version: 1
+exchanges:
+  rewards: {type: topic}
+queues:
+  rewards.points:
+    queue_type: QTYPE
+    bindings: [{exchange: rewards, routing_key: "points.*"}]
+    ordered: ORDERED
+    retry: {delays: [5s, 1m], max_attempts: 4}
+"""
+
+
+def rewards(ordered: str = "{key: {header: user-id}, lanes: 3}", qtype: str = "quorum") -> str:
+    return REWARDS.replace("ORDERED", ordered).replace("QTYPE", qtype)
+
+
+def test_an_ordered_queue_resolves_with_its_defaults() -> None:
+    topology = parse_topology(rewards("{key: routing_key}"))
+    assert topology.queue("rewards.points").ordered == OrderedConfig(None, 4, "hold")
+    assert from_values(to_values(topology)) == topology  # crosses to the worker intact
+
+
+@pytest.mark.parametrize("qtype", ["quorum", "classic"])
+def test_an_ordered_queue_compiles_to_lanes_fed_by_the_files_bindings(qtype: str) -> None:
+    plan = compile_topology(parse_topology(rewards(qtype=qtype)))
+    [lanes] = [e for e in plan.exchanges if e.role == "lanes-exchange"]
+    assert (lanes.name, lanes.type, dict(lanes.arguments)) == (
+        "rewards.points.lanes", "x-consistent-hash", {"hash-header": "user-id"})
+    roles = [(q.name, q.role) for q in plan.queues_of("rewards.points")]
+    assert roles[:7] == [
+        ("rewards.points", "main"),
+        ("rewards.points.lane.0", "lane"), ("rewards.points.lane.0.held", "held"),
+        ("rewards.points.lane.1", "lane"), ("rewards.points.lane.1.held", "held"),
+        ("rewards.points.lane.2", "lane"), ("rewards.points.lane.2.held", "held"),
+    ]
+    queues = {q.name: q for q in plan.queues}
+    main, lane = queues["rewards.points"], queues["rewards.points.lane.1"]
+    assert dict(lane.arguments) == {**main.arguments, "x-single-active-consumer": True}
+    held = queues["rewards.points.lane.1.held"].arguments
+    assert held.get("x-dead-letter-exchange") is None and held.get("x-message-ttl") is None
+    assert held["x-queue-type"] == qtype
+    feeds = [(b.source, b.destination, b.routing_key, b.destination_type) for b in plan.bindings
+             if "rewards.points.lane" in b.destination or b.destination_type == "exchange"]
+    assert feeds == [
+        ("rewards", "rewards.points.lanes", "points.*", "exchange"),  # nothing binds Q itself
+        ("rewards.points.lanes", "rewards.points.lane.0", "1", "queue"),
+        ("rewards.points.lanes", "rewards.points.lane.1", "1", "queue"),
+        ("rewards.points.lanes", "rewards.points.lane.2", "1", "queue"),
+    ]
+
+
+@pytest.mark.parametrize(("ordered", "message"), [
+    ("{key: user-id}", "queues.rewards.points.ordered.key"),
+    ("{key: routing_key, lanes: 0}", "queues.rewards.points.ordered.lanes"),
+    ("{key: routing_key, lanes: 65}", "queues.rewards.points.ordered.lanes"),
+    ("{key: routing_key, on_park: skip}", "queues.rewards.points.ordered.on_park"),
+    ("{key: {header: ''}}", "queues.rewards.points.ordered.key"),
+    ("{lanes: 2}", "queues.rewards.points.ordered.key"),
+])
+def test_a_bad_ordered_block_names_its_key(ordered: str, message: str) -> None:
+    with pytest.raises(TopologyError) as caught:
+        parse_topology(rewards(ordered), "rewards.yml")
+    [line] = caught.value.lines
+    assert line.startswith(f"rewards.yml:8: {message}:"), line
+
+
+def test_a_queue_named_like_a_lane_collides() -> None:
+    text = rewards("{key: routing_key, lanes: 2}") + "  rewards.points.lane.1.held: {}\n"
+    with pytest.raises(TopologyError) as caught:
+        parse_topology(text, "rewards.yml")
+    assert caught.value.lines == [
+        "rewards.yml:10: queues.rewards.points.lane.1.held: queue "
+        "'rewards.points.lane.1.held' collides with a lane of ordered queue 'rewards.points'"]
+
+
+def test_apply_names_the_plugin_an_ordered_queue_needs_in_one_line() -> None:
+    plan = compile_topology(parse_topology(rewards()))
+    assert missing_plugin(plan, {"direct", "topic", "fanout", "headers"}) == (
+        "queue 'rewards.points' is ordered: enable RabbitMQ's consistent-hash exchange on every "
+        "node first: rabbitmq-plugins enable rabbitmq_consistent_hash_exchange")
+    assert missing_plugin(plan, {"direct", "x-consistent-hash"}) is None
+    plain = compile_topology(parse_topology(rewards().replace(
+        "    ordered: {key: {header: user-id}, lanes: 3}\n", "")))
+    assert missing_plugin(plain, {"direct"}) is None
+
+
+def test_status_counts_an_ordered_queues_lanes_and_held_keys() -> None:
+    from rabbit_retry.broker.inspect import LiveQueue, LiveState
+    from rabbit_retry.status import build_status
+
+    plan = compile_topology(parse_topology(rewards()))
+    counts = {"rewards.points": (1, 0), "rewards.points.lane.0": (4, 2),
+              "rewards.points.lane.2": (0, 3), "rewards.points.retry.5s": (2, 0),
+              "rewards.points.parking": (1, 0), "rewards.points.lane.0.held": (6, 0),
+              "rewards.points.lane.1.held": (3, 0)}
+    queues = {}
+    for q in plan.queues:
+        ready, unacked = counts.get(q.name, (0, 0))
+        queues[q.name] = LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                                   ready + unacked, ready, unacked, 2)
+    live = LiveState(queues, {}, ())
+    [row] = build_status(plan, live, (), vhost="v", source="t.yml").queues
+    document = row.to_json()
+    assert (document["ready"], document["unacked"]) == (5, 5)  # Q and its lanes
+    # two retrying and one on its way back through Q hold their keys; so does the parked one
+    assert (document["held_keys"], document["held_messages"]) == (4, 9)
+    [continued] = build_status(plan, live, (), vhost="v", source="t.yml",
+                               on_park={"rewards.points": "continue"}).queues
+    assert continued.held_keys == 3
+
+
+def test_apply_refuses_to_change_the_lanes_of_a_live_ordered_queue() -> None:
+    from rabbit_retry.broker.diff import diff, refusal
+    from rabbit_retry.broker.inspect import LiveQueue, LiveState
+
+    def live_of(text: str) -> LiveState:
+        plan = compile_topology(parse_topology(text))
+        queues = {q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                                    0, 0, 0, 0) for q in plan.queues}
+        return LiveState(queues, {}, plan.bindings)
+
+    four = rewards("{key: {header: user-id}, lanes: 4}")
+    eight = rewards("{key: {header: user-id}, lanes: 8}")
+    same = diff(compile_topology(parse_topology(four)), live_of(four))
+    assert refusal(same, "v", "r.yml") == []  # positive control: nothing changed, no refusal
+    changed = diff(compile_topology(parse_topology(eight)), live_of(four))
+    [line, _] = refusal(changed, "v", "r.yml")
+    assert line == (
+        "queue rewards.points in vhost 'v' differs from the file: ordered with 4 lanes on the "
+        "broker, 8 in the file: other lanes would take some keys while their earlier messages "
+        "wait in the old ones; keep lanes: 4 (changing the lanes of a live ordered queue is not "
+        "supported yet)")
+    plain = rewards().replace("    ordered: {key: {header: user-id}, lanes: 3}\n", "")
+    [line, _] = refusal(diff(compile_topology(parse_topology(four)), live_of(plain)), "v", "f")
+    assert "a plain queue on the broker that messages reach directly" in line
