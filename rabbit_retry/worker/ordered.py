@@ -31,6 +31,7 @@ from aiormq.abc import AbstractChannel, DeliveredMessage
 
 from rabbit_retry.contract import (
     ORDERED_HOLD,
+    ORDERED_KEY,
     ORDERED_RELEASE,
     as_text,
     new_message_id,
@@ -207,6 +208,44 @@ class OrderedLane:
         await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
 
     # --- holds ---------------------------------------------------------------------------------
+
+    def turn_of(self, task: Task) -> Turn | None:
+        return self.turns.get(task)
+
+    def ours(self, exchange: str | None, routing_key: str | None) -> bool:
+        """Whether a delivery came by this queue's own route: from the lanes exchange, or
+        straight into the lane or its held queue (a released or rewritten message)."""
+        return exchange == self.lanes_exchange or (
+            not exchange and routing_key in (self.held_queue, self.lane_queue))
+
+    def before_copy(
+        self, turn: Turn, action: object, headers: dict[str, Any], holder: str | None
+    ) -> Hold | None:
+        """A copy of the delivery with ``turn`` is about to go out (a retry, a park, a send
+        back): it says its key, and holds it unless it parks on a queue that continues."""
+        from rabbit_retry.worker.decide import Park, Requeue
+
+        headers[ORDERED_KEY] = turn.key
+        why: HoldWhy = ("parked" if isinstance(action, Park)
+                        else "sent-back" if isinstance(action, Requeue) else "retry")
+        if why == "parked" and self.config.on_park != "hold":
+            headers.pop(ORDERED_HOLD, None)
+            return None
+        hold = self.hold(turn.key, why, holder)
+        headers[ORDERED_HOLD] = hold.id
+        return hold
+
+    async def after_copy(self, turn: Turn, hold: Hold | None) -> None:
+        """The copy is confirmed: write its hold, or (parked to continue) let the key go on."""
+        if hold is not None:
+            await self.record(turn.key, hold)
+        elif turn.hold is not None:
+            await self.release(turn.key, turn.hold)
+
+    async def after_ack(self, turn: Turn | None) -> None:
+        """The delivery was handled: if it held its key, the key goes on."""
+        if turn is not None and turn.hold is not None:
+            await self.release(turn.key, turn.hold)
 
     def hold(self, key: str, why: HoldWhy, holder: str | None) -> Hold:
         """A new hold of ``key``, in force at once (its copy may come back before it is

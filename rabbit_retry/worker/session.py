@@ -35,7 +35,6 @@ from aiormq import spec
 from aiormq.abc import AbstractChannel, AbstractConnection, DeliveredMessage
 
 from rabbit_retry.contract import (
-    ORDERED_HOLD,
     ORDERED_KEY,
     ORDERED_RELEASE,
     ORIGINAL_ROUTING_KEY,
@@ -77,7 +76,6 @@ from rabbit_retry.worker.history import FIRST, History, read
 from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.ordered import OrderedLane, Turn
-from rabbit_retry.worker.ordering import HoldWhy
 from rabbit_retry.worker.pause import Breaker, Change
 from rabbit_retry.worker.pausing import Pausing
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
@@ -324,22 +322,14 @@ class Session:
         order = stream.order
         if released is None:  # a held queue's message was opened when its pass took it
             lane.settle.received(tag)
-        history, entered, alone = FIRST, False, probe or released is not None
+        history, entered = FIRST, False
         try:
-            headers = message.header.properties.headers
-            ours = None if order is None else (
-                deliver.exchange == order.lanes_exchange
-                or (not deliver.exchange
-                    and deliver.routing_key in (order.held_queue, order.lane_queue)))
-            if headers or deliver.redelivered:
-                history = read(headers, bool(deliver.redelivered), deliver.exchange or "",
-                               deliver.routing_key or "", sub.queue, ours)
+            history, ours = self._history(stream, message)
             if order is not None:  # its key's turn first: anything it becomes is in order
-                if released is None:
-                    if await order.admit(task, message, history, bool(ours)) is None:
-                        return
-                else:
+                if released is not None:
                     order.turns[task] = Turn(released)
+                elif await order.admit(task, message, history, ours) is None:
+                    return
             if history is not FIRST:
                 # Parked on arrival, counted as a return, taken at its limit: none of it runs
                 # the handler, so none of it waits for a turn.
@@ -347,17 +337,13 @@ class Session:
                 if action is not HANDLE:
                     await self._carry_out(stream, message, history, action, None)
                     return
+            alone = probe or released is not None
             if not alone:
                 alone = history is not FIRST and runs_alone(history, stream.rules.queue_type)
                 entered = True
-                if not lane.enter(task, alone):
-                    turn = await lane.turn(task, alone, message.header.properties.message_id)
-                    if turn == "hold":  # the lane paused before it started: back unchanged
-                        await self._carry_out(stream, message, history,
-                                              decide(history, Outcome.HELD, stream.rules), None)
-                        return
-                    if turn == "stopped":  # it goes back to the broker unstarted
-                        return
+                if not lane.enter(task, alone) and not await self._turn(
+                        stream, task, message, history, alone):
+                    return
             await self._handle(stream, task, message, history, alone)
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
             log.debug("queue=%s: a delivery's channel closed; the broker has it back", sub.queue)
@@ -370,6 +356,33 @@ class Session:
                 await order.leave(task)
             sub.metrics.in_flight -= 1
             self.tasks.discard(task)
+
+    @staticmethod
+    def _history(stream: Stream, message: DeliveredMessage) -> tuple[History, bool]:
+        """The delivery's history, read once; and, on an ordered queue, whether it came by the
+        queue's own route."""
+        deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+        order = stream.order
+        ours = order is not None and order.ours(deliver.exchange, deliver.routing_key)
+        headers = message.header.properties.headers
+        if not headers and not deliver.redelivered:
+            return FIRST, ours
+        return read(headers, bool(deliver.redelivered), deliver.exchange or "",
+                    deliver.routing_key or "", stream.sub.queue,
+                    None if order is None else ours), ours
+
+    async def _turn(
+        self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage,
+        history: History, alone: bool,
+    ) -> bool:
+        """Wait for the delivery's turn on the lane; False when it does not run after all (the
+        lane paused: sent back unchanged; the lane stops: left to the broker)."""
+        turn = await stream.lane.turn(task, alone, message.header.properties.message_id)
+        if turn == "hold":
+            await self._carry_out(stream, message, history,
+                                  decide(history, Outcome.HELD, stream.rules), None)
+            return False
+        return turn != "stopped"
 
     async def _handle(
         self, stream: Stream, task: asyncio.Task[Any], message: DeliveredMessage,
@@ -530,76 +543,92 @@ class Session:
         duplicate: bool = False,
     ) -> None:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
-        sub, settle, order = stream.sub, stream.lane.settle, stream.order
-        metrics = sub.metrics
-        tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
-        turn = None if order is None else order.turns.get(asyncio.current_task())  # type: ignore[arg-type]
         if action is ACK:  # most of the traffic: nothing else to build or say
-            if turn is not None and turn.hold is not None:  # the holder: its key goes on
-                await order.release(turn.key, turn.hold)  # type: ignore[union-attr]
-            backlog = settle.done(tag)
-            if not duplicate:
-                metrics.success += 1
-            if self.trace is not None:
-                self.trace.decided(sub.queue, history, action, None, None, None, duplicate)
-            if log.isEnabledFor(logging.DEBUG):
-                journal.decision(sub.queue, message.header.properties.message_id,
-                                 history.failures + 1, action, None, duplicate=duplicate)
-            if backlog is not None:  # a run of acks not handed to the connection yet: wait
-                await backlog
+            await self._ack(stream, message, history, duplicate)
             return
         failure = self._failure(stream, history, action, error)
         copy = None if isinstance(action, NativeRetry) else self._copy(stream, message, history,
                                                                        action, failure)
         if self.trace is not None:
-            self.trace.decided(sub.queue, history, action, error, failure,
+            self.trace.decided(stream.sub.queue, history, action, error, failure,
                                copy[2] if copy is not None else None)
         if copy is None:
-            await settle.flush()  # the channel's acks go out before its nack
-            await message.channel.basic_nack(tag, requeue=False)
-            settle.elsewhere(tag)
-            metrics.retried += 1
+            await self._nack(stream, message)
         else:
-            exchange, routing_key, headers = copy
-            props = message.header.properties
-            hold = None
-            if turn is not None:  # an ordered queue's: the copy says its key, and may hold it
-                assert order is not None
-                headers[ORDERED_KEY] = turn.key
-                why: HoldWhy = ("parked" if isinstance(action, Park)
-                                else "sent-back" if isinstance(action, Requeue) else "retry")
-                if why != "parked" or order.config.on_park == "hold":
-                    hold = order.hold(turn.key, why, props.message_id)
-                    headers[ORDERED_HOLD] = hold.id
-                else:
-                    headers.pop(ORDERED_HOLD, None)
-            try:
-                await self.publisher.publish_held(
-                    exchange, routing_key, message.body,
-                    republish_properties(props, headers, self.user, expiration=None),
-                    delivery_alive=lambda: not message.channel.is_closed,
-                    context={"queue": sub.queue, "message_id": props.message_id,
-                             "attempt": history.failures + 1},
-                )
-            except BaseException:
-                if hold is not None and turn is not None and order is not None:
-                    order.forget(turn.key, hold)
-                raise
-            if turn is not None and order is not None:
-                if hold is not None:
-                    await order.record(turn.key, hold)
-                elif turn.hold is not None:  # parked to continue: the key goes on
-                    await order.release(turn.key, turn.hold)
-            backlog = settle.done(tag)
-            if backlog is not None:
-                await backlog
-            if isinstance(action, Park):
-                metrics.parked += 1
-                metrics.parked_by_reason[action.reason.value] += 1
-            elif isinstance(action, TierRetry):
-                metrics.retried += 1
-        journal.decision(sub.queue, message.header.properties.message_id, history.failures + 1,
-                         action, failure)
+            await self._publish_then_ack(stream, message, history, action, copy)
+        self._count(stream.sub.metrics, action)
+        journal.decision(stream.sub.queue, message.header.properties.message_id,
+                         history.failures + 1, action, failure)
+
+    async def _ack(
+        self, stream: Stream, message: DeliveredMessage, history: History, duplicate: bool
+    ) -> None:
+        sub = stream.sub
+        if stream.order is not None:  # a holder handled: its key goes on
+            await stream.order.after_ack(stream.order.turn_of(asyncio.current_task()))  # type: ignore[arg-type]
+        backlog = stream.lane.settle.done(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
+        if not duplicate:
+            sub.metrics.success += 1
+        if self.trace is not None:
+            self.trace.decided(sub.queue, history, ACK, None, None, None, duplicate)
+        if log.isEnabledFor(logging.DEBUG):
+            journal.decision(sub.queue, message.header.properties.message_id,
+                             history.failures + 1, ACK, None, duplicate=duplicate)
+        if backlog is not None:  # a run of acks not handed to the connection yet: wait
+            await backlog
+
+    @staticmethod
+    async def _nack(stream: Stream, message: DeliveredMessage) -> None:
+        """The broker retries it itself (the one tier of a quorum queue)."""
+        settle = stream.lane.settle
+        tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        await settle.flush()  # the channel's acks go out before its nack
+        await message.channel.basic_nack(tag, requeue=False)
+        settle.elsewhere(tag)
+
+    async def _publish_then_ack(
+        self,
+        stream: Stream,
+        message: DeliveredMessage,
+        history: History,
+        action: Action,
+        copy: tuple[str, str, dict[str, Any]],
+    ) -> None:
+        """The copy, confirmed (retried with backoff while the delivery lives), then the ack;
+        on an ordered queue the copy holds its key (``OrderedLane.before_copy``)."""
+        exchange, routing_key, headers = copy
+        props = message.header.properties
+        order = stream.order
+        turn = None if order is None else order.turn_of(asyncio.current_task())  # type: ignore[arg-type]
+        hold = None
+        if turn is not None:
+            assert order is not None
+            hold = order.before_copy(turn, action, headers, props.message_id)
+        try:
+            await self.publisher.publish_held(
+                exchange, routing_key, message.body,
+                republish_properties(props, headers, self.user, expiration=None),
+                delivery_alive=lambda: not message.channel.is_closed,
+                context={"queue": stream.sub.queue, "message_id": props.message_id,
+                         "attempt": history.failures + 1},
+            )
+        except BaseException:
+            if hold is not None and turn is not None and order is not None:
+                order.forget(turn.key, hold)
+            raise
+        if turn is not None and order is not None:
+            await order.after_copy(turn, hold)
+        backlog = stream.lane.settle.done(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
+        if backlog is not None:
+            await backlog
+
+    @staticmethod
+    def _count(metrics: QueueMetrics, action: Action) -> None:
+        if isinstance(action, Park):
+            metrics.parked += 1
+            metrics.parked_by_reason[action.reason.value] += 1
+        elif isinstance(action, NativeRetry | TierRetry):
+            metrics.retried += 1
 
     def _copy(
         self,
