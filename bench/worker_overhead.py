@@ -60,10 +60,13 @@ class _Channel:
     @property
     def acked(self) -> int:
         """Deliveries the ack frames settled (a ``multiple`` one: every tag up to its own)."""
-        settled: set[int] = set()
+        top, alone = 0, set()
         for tag, multiple in self.acks:
-            settled.update(range(1, tag + 1) if multiple else (tag,))
-        return len(settled)
+            if multiple:
+                top = max(top, tag)
+            else:
+                alone.add(tag)
+        return top + sum(1 for tag in alone if tag > top)
 
     async def basic_qos(self, **kwargs: Any) -> None:
         return None

@@ -150,6 +150,7 @@ class Session:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.stopping = False  # a graceful stop: handlers cut off by the grace are sent back
+        self._debug = log.isEnabledFor(logging.DEBUG)  # successes logged: read once
         self.amqp.closing.add_done_callback(lambda f: self._set_lost("the connection closed", f))
         self.counting = counting((self.amqp.server_properties or {}).get("version"))
 
@@ -280,9 +281,7 @@ class Session:
                 delivery_alive=lambda: not message.channel.is_closed,
                 context={"queue": stream.sub.queue, "message_id": props.message_id},
             )
-            backlog = settle.done(tag)
-            if backlog is not None:
-                await backlog
+            settle.done(tag)
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
             log.debug("queue=%s: a delivery's channel closed; the broker has it back",
                       stream.sub.queue)
@@ -544,7 +543,9 @@ class Session:
     ) -> None:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
         if action is ACK:  # most of the traffic: nothing else to build or say
-            await self._ack(stream, message, history, duplicate)
+            if stream.order is not None:  # a holder handled: its key goes on
+                await stream.order.after_ack(stream.order.turn_of(asyncio.current_task()))  # type: ignore[arg-type]
+            self._ack(stream, message, history, duplicate)
             return
         failure = self._failure(stream, history, action, error)
         copy = None if isinstance(action, NativeRetry) else self._copy(stream, message, history,
@@ -560,22 +561,19 @@ class Session:
         journal.decision(stream.sub.queue, message.header.properties.message_id,
                          history.failures + 1, action, failure)
 
-    async def _ack(
+    def _ack(
         self, stream: Stream, message: DeliveredMessage, history: History, duplicate: bool
     ) -> None:
+        """Done: acked with the lane's next run (a plain call: no await left on this path)."""
         sub = stream.sub
-        if stream.order is not None:  # a holder handled: its key goes on
-            await stream.order.after_ack(stream.order.turn_of(asyncio.current_task()))  # type: ignore[arg-type]
-        backlog = stream.lane.settle.done(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
+        stream.lane.settle.done(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
         if not duplicate:
             sub.metrics.success += 1
         if self.trace is not None:
             self.trace.decided(sub.queue, history, ACK, None, None, None, duplicate)
-        if log.isEnabledFor(logging.DEBUG):
+        if self._debug:
             journal.decision(sub.queue, message.header.properties.message_id,
                              history.failures + 1, ACK, None, duplicate=duplicate)
-        if backlog is not None:  # a run of acks not handed to the connection yet: wait
-            await backlog
 
     @staticmethod
     async def _nack(stream: Stream, message: DeliveredMessage) -> None:
@@ -618,9 +616,7 @@ class Session:
             raise
         if turn is not None and order is not None:
             await order.after_copy(turn, hold)
-        backlog = stream.lane.settle.done(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
-        if backlog is not None:
-            await backlog
+        stream.lane.settle.done(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
 
     @staticmethod
     def _count(metrics: QueueMetrics, action: Action) -> None:

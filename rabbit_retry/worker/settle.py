@@ -19,11 +19,10 @@ consuming channel's deliveries are settled through a ``Settler``:
   waits ``STRAGGLER_S`` for the run to reach it, then is acked on its own (at once when the run
   is full): it must not hold a prefetch slot for the length of another's handler.
 
-Crash cost: what was done but not yet acked comes back after a ``kill -9``: about one run per
-channel (an ``Idempotency`` consumer, which records a success before the ack, skips them). The
-acks a run's frames carry but the client has not handed to its connection yet count too: once
-they reach a run (a broker slow to read, a loaded machine), ``done`` hands the delivery a wait
-until they are on their way, so acks never pile up behind the deliveries.
+Crash cost: what was done but not yet acked comes back after a ``kill -9`` (an
+``Idempotency`` consumer, which records a success before the ack, skips it): the run not sent
+yet, and frames not yet written to the socket, typically under one run; never more than the
+prefetch, which bounds every unacked delivery.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import asyncio
 import logging
 from bisect import insort
 from collections import deque
-from collections.abc import Awaitable
 
 from aiormq.abc import AbstractChannel
 
@@ -46,7 +44,7 @@ STRAGGLER_S = 0.05
 
 class Settler:
     __slots__ = ("_busy", "_channel", "_done", "_elsewhere", "_frames", "_open", "_run",
-                 "_scheduled", "_timer", "_unsent", "_writer")
+                 "_scheduled", "_timer", "_writer")
 
     def __init__(self, channel: AbstractChannel, run: int) -> None:
         self._channel = channel
@@ -57,8 +55,7 @@ class Settler:
         self._scheduled = False
         self._busy = False  # a delivery finished since the idle check was last scheduled
         self._timer: asyncio.TimerHandle | None = None
-        self._frames: deque[tuple[int, bool, int]] = deque()  # ack frames not yet handed over
-        self._unsent = 0  # the deliveries those frames ack
+        self._frames: deque[tuple[int, bool]] = deque()  # ack frames not yet handed over
         self._writer: asyncio.Future[None] | None = None
 
     def received(self, tag: int) -> None:
@@ -68,9 +65,8 @@ class Settler:
         else:  # a basic.get and a delivery racing; tags are still unique per channel
             insort(self._open, tag)
 
-    def done(self, tag: int) -> Awaitable[None] | None:
-        """The delivery is done: ack it with the next run. A wait, when a run's worth of acks is
-        still waiting to be handed to the connection (await it: backpressure)."""
+    def done(self, tag: int) -> None:
+        """The delivery is done: ack it with the next run."""
         self._done.add(tag)
         if len(self._done) >= self._run:
             self._send(stragglers=True)
@@ -79,9 +75,6 @@ class Settler:
         else:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._idle)
-        if self._unsent >= self._run and self._writer is not None and not self._writer.done():
-            return asyncio.shield(self._writer)
-        return None
 
     def elsewhere(self, tag: int) -> None:
         """The delivery was settled without an ack (``nack``, ``reject``): skip it."""
@@ -120,19 +113,19 @@ class Settler:
         """Ack the run; the done deliveries behind an open one go alone with ``stragglers``,
         else once they have waited ``STRAGGLER_S`` for the run to reach them."""
         open_, done, elsewhere = self._open, self._done, self._elsewhere
-        top, run = None, 0
+        top = None
         while open_:
             tag = open_[0]
             if tag in done:
                 done.discard(tag)
-                top, run = tag, run + 1
+                top = tag
             elif tag in elsewhere:
                 elsewhere.discard(tag)
             else:
                 break
             open_.popleft()
         if top is not None:
-            self._ack(top, multiple=True, count=run)
+            self._ack(top, multiple=True)
         if not done:
             return
         if stragglers:
@@ -143,30 +136,27 @@ class Settler:
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(STRAGGLER_S, self._late)
 
-    def _ack(self, tag: int, *, multiple: bool, count: int = 1) -> None:
+    def _ack(self, tag: int, *, multiple: bool) -> None:
         """Queue an ack frame. One writer sends them in order: frames of separate tasks can
         overtake each other in aiormq's bounded write queue, and a ``multiple`` ack overtaken by
         a later one names a tag the broker no longer holds (it closes the channel)."""
         if self._channel.is_closed:
             return  # the broker has every unacked delivery back already
-        self._frames.append((tag, multiple, count))
-        self._unsent += count
+        self._frames.append((tag, multiple))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.ensure_future(self._write())
 
     async def _write(self) -> None:
         frames = self._frames
         while frames:
-            tag, multiple, count = frames.popleft()
+            tag, multiple = frames.popleft()
             try:
                 # Handed to the connection's write queue in order, each without waiting to reach
                 # the socket (the writer would fall behind), but for the last: once it is
                 # written, every one before it is, and ``flush`` may close the channel.
                 await self._channel.basic_ack(tag, multiple=multiple, wait=not frames)
-                self._unsent -= count
             except Exception as exc:
                 # The channel closed under the ack: its deliveries go back to the broker, and
                 # the session reconnects (it watches the channel).
                 log.debug("an ack could not be sent: %r", exc)
                 frames.clear()
-                self._unsent = 0

@@ -67,9 +67,10 @@ def test_a_kill_loses_nothing_and_handles_again_at_most_one_run(
     again = sorted(m for m, n in ok.items() if n > 1)
     print(f"{sum(done_before_kill.values())} handled before the kill; handled again: {again}")
     assert set(ok) == expected
-    # A run done and not sent yet, and at most one run on its way to the socket (handed to the
-    # connection's buffers when the process died).
-    assert len(again) <= 2 * RUN, f"{len(again)} messages were handled twice: beyond two runs"
+    # What was done and not acked when the process died: the run not sent yet and the frames
+    # not yet on the socket, typically under one run; never more than the prefetch. Seen here:
+    # 6-18 on a quiet machine, up to 34 with runs of 20 while CI ran beside other work.
+    assert len(again) <= PREFETCH // 2, f"{len(again)} handled twice: not a run's worth"
     assert all(done_before_kill[m] == 1 for m in again)  # only what was done before the kill
     # The slow one ran before the kill and was never acked under anyone's multiple ack.
     calls = Counter(m for m, _ in recorded(records, "calls"))

@@ -157,27 +157,3 @@ async def test_ack_frames_reach_the_channel_in_the_order_they_were_decided() -> 
     await settler.flush()
     assert channel.acks == [(5, True), (10, True)]
 
-
-async def test_a_run_of_acks_the_connection_has_not_taken_holds_the_next_delivery() -> None:
-    """Acks never pile up behind the deliveries: once a run's worth waits to be handed to the
-    connection (a broker slow to read), the delivery that finds it so waits for them."""
-    release = asyncio.Event()
-
-    class Stuck(Channel):
-        async def basic_ack(self, tag: int, multiple: bool = False, wait: bool = True) -> None:
-            await release.wait()
-            self.acks.append((tag, multiple))
-
-    channel = Stuck()
-    settler = Settler(channel, 5)  # type: ignore[arg-type]
-    waits = []
-    for tag in range(1, 8):
-        settler.received(tag)
-        waits.append(settler.done(tag))
-    assert waits[:4] == [None] * 4
-    # The fifth fills the run; the run is with the writer, which the connection does not take.
-    assert all(w is not None for w in waits[4:])
-    release.set()
-    await asyncio.gather(*[w for w in waits if w is not None])
-    await settler.flush()
-    assert acked(channel.acks) == set(range(1, 8))
