@@ -323,7 +323,10 @@ class Session:
             lane.settle.received(tag)
         history, entered = FIRST, False
         try:
-            history, ours = self._history(stream, message)
+            if order is not None or message.header.properties.headers or deliver.redelivered:
+                history, ours = self._history(stream, message)
+            else:  # a first delivery without headers (most of the traffic): nothing to read
+                ours = False
             if order is not None:  # its key's turn first: anything it becomes is in order
                 if released is not None:
                     order.turns[task] = Turn(released)
@@ -454,7 +457,11 @@ class Session:
             outcome, change = stream.pausing.heard(outcome, error, message)
         if ticket is not None:  # the success is recorded before the ack: a redelivery is a
             await self._settle_ticket(sub, ticket, outcome, message)  # duplicate then
-        await self._carry_out(stream, message, history, decide(history, outcome, rules), error)
+        action = decide(history, outcome, rules)
+        if action is ACK and stream.order is None:  # most of the traffic: nothing to await
+            self._ack(stream, message, history, False)
+        else:
+            await self._carry_out(stream, message, history, action, error)
         if change is not Change.NONE:
             assert stream.pausing is not None
             await stream.pausing.carry_out(change)
