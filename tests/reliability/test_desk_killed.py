@@ -18,6 +18,7 @@ from support.parked import Parked, park
 from support.poll import wait_for
 from support.process import apply
 
+from rabbit_retry.desk.actions import WINDOW
 from rabbit_retry.desk.schema import messages
 from rabbit_retry.desk.store import Store
 from rabbit_retry.settings import Settings
@@ -153,7 +154,11 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         ids = [c.message_id for c in copies]
         assert set(ids) == {f"r-{i:05d}" for i in range(REPLAYED)}, "a replayed message is lost"
         assert {c.properties.headers["replay-id"] for c in copies} == {audit[0]["replay_id"]}
+        twice = len(ids) - REPLAYED
         print(f"[reliability] {kind}: replay finished {time.monotonic() - started:.0f}s after the"
               f" restart; {len(ids)} copies for {REPLAYED} messages "
-              f"({len(ids) - REPLAYED} duplicates, published before the kill and not yet marked)")
+              f"({twice} went out twice, published before the kill and not yet marked)")
+        # A resumed replay re-sends at most what was in flight when its desk died, and says so.
+        assert twice <= WINDOW, f"{twice} copies went out twice (the window is {WINDOW})"
+        assert twice <= audit[0]["resent"] <= WINDOW, audit[0]
         assert desk.stop() == 0
