@@ -233,6 +233,10 @@ _OLD_COLUMNS = [c for c in schema.messages.columns
                 if c.name not in ("source", "replay_of", "grouping")]
 
 
+_OLD_REPLAYS = sa.table("replays", sa.column("id"), sa.column("owner"),
+                        sa.column("lease_until", schema.UtcDateTime()))
+
+
 def _old_rows(engine: sa.Engine, copies: list[Parked], **values: object) -> None:
     table = sa.table("messages", *(sa.column(c.name, c.type) for c in _OLD_COLUMNS))
     rows = []
@@ -253,8 +257,7 @@ def test_a_replay_running_at_the_upgrade_to_replay_items_keeps_its_rows(
         # What a replay's claim left under 0001.
         _old_rows(engine, [copy(i) for i in range(3)], status="replaying", replay_id="r1")
         with engine.begin() as tx:
-            tx.execute(sa.text("INSERT INTO replays (id, owner, lease_until) "
-                               "VALUES ('r1', 'gone', :t)"), {"t": T0.replace(tzinfo=None)})
+            tx.execute(_OLD_REPLAYS.insert().values(id="r1", owner="gone", lease_until=T0))
         engine.dispose()
         old = Store(url)
         old.migrate()
@@ -280,8 +283,7 @@ def test_a_store_of_the_previous_desk_upgrades_in_place(kind: str, tmp_path: Pat
             tx.execute(sa.text("INSERT INTO audit (at, actor, action, count, selection, "
                                "replay_id, state) VALUES (:t, 'ana', 'replay', 1, '{}', 'r9', "
                                "'pending')"), {"t": T0.replace(tzinfo=None)})
-            tx.execute(sa.text("INSERT INTO replays (id, owner, lease_until) "
-                               "VALUES ('r9', 'gone', :t)"), {"t": T0.replace(tzinfo=None)})
+            tx.execute(_OLD_REPLAYS.insert().values(id="r9", owner="gone", lease_until=T0))
             tx.execute(sa.text("INSERT INTO replay_items (message_id, replay_id) VALUES (4, 'r9')"))
         engine.dispose()
         store = Store(url)

@@ -73,6 +73,12 @@ async def login_page(request: Request) -> Response:
     return _page(request, "login.html")
 
 
+@router.get("/login/mode", include_in_schema=False)
+def login_mode(request: Request) -> dict[str, Any]:
+    """Whether the login form asks for a name (named operators) or the token only."""
+    return {"mode": desk_of(request).access.mode}
+
+
 @router.post("/login", include_in_schema=False)
 async def login(request: Request) -> Response:
     desk = desk_of(request)
@@ -128,6 +134,13 @@ async def me(request: Request, identity: Who) -> dict[str, Any]:
             "may_act": identity.may_act,
             "logout": getattr(request.state, "session_id", None) is not None,
             "loopback": desk.access.mode == LOOPBACK}
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+def favicon() -> Response:
+    from rabbit_retry.desk.app import static_dir
+
+    return FileResponse(static_dir() / "favicon.svg", media_type="image/svg+xml")
 
 
 @router.get("/healthz", include_in_schema=False)

@@ -23,6 +23,7 @@ from rabbit_retry.desk.api.models import (
     message_json,
     time_json,
 )
+from rabbit_retry.desk.edits import editable_headers
 from rabbit_retry.desk.errors import NotFound
 from rabbit_retry.desk.outcomes import outcome
 from rabbit_retry.desk.schema import SOURCES, STATUSES
@@ -131,7 +132,8 @@ def message(request: Request, row_id: RowIdPath, _who: Reader) -> dict[str, Any]
     row = desk_of(request).store.message(int(row_id))
     if row is None:
         raise NotFound(f"no message {row_id}")
-    return message_json(row)
+    # What an edit may change: the headers a replay keeps, as JSON.
+    return {**message_json(row), "editable_headers": editable_headers(row)}
 
 
 @router.get("/api/messages/{row_id}/history")
