@@ -16,10 +16,10 @@ from support.browser import alert_text, screenshot, sent, until, view_loaded
 from support.desk import TOKEN, running_desk
 from support.desk_page import (
     confirm,
-    open_desk,
     dialog,
     follow,
     go,
+    open_desk,
     park_and_wait,
     rows,
     topology_file,
