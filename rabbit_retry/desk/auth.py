@@ -14,8 +14,8 @@ Four ways in, one of them chosen when the desk starts:
   ignored.
 
 The audit records the name a request authenticated as, never one the client chose. Secrets are
-kept as scrypt hashes (``hash_secret``; ``rabbit-retry desk-secret`` prints one) or read from an
-environment variable the file names; they are compared in constant time.
+kept as scrypt hashes (``hash_secret``; ``python -m rabbit_retry.desk.auth`` prints one) or read
+from an environment variable the file names; they are compared in constant time.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def hash_secret(secret: str, *, salt: bytes | None = None) -> str:
 def _parse_hash(stored: str) -> tuple[int, int, int, bytes, bytes]:
     parts = stored.split("$")
     if len(parts) != 6 or parts[0] != _SCRYPT:
-        raise ValueError("not scrypt$N$r$p$SALT$HASH (rabbit-retry desk-secret prints one)")
+        raise ValueError("not scrypt$N$r$p$SALT$HASH (python -m rabbit_retry.desk.auth prints one)")
     n, r, p = (int(x) for x in parts[1:4])
     if not (2 <= n <= 2**20 and n & (n - 1) == 0 and 1 <= r <= 32 and 1 <= p <= 16):
         raise ValueError("scrypt parameters out of range")
@@ -407,36 +407,58 @@ def csrf_for(session_id: str, key: bytes) -> str:
 
 class Throttle:
     """Failed logins per address and per name: after ``allowed`` failures in a row, each key is
-    refused for a while (``Backoff``: 30 s, doubling, at most 15 min), right secret or not."""
+    refused for a while, right secret or not (``Backoff``: about 30 s, doubling with each
+    further failure, at most 15 min). A success ends the key's streak."""
 
     def __init__(self, allowed: int = 5, *, initial: float = 30.0,
                  maximum: float = 900.0) -> None:
         self.allowed = allowed
         self.initial = initial
         self.maximum = maximum
-        self._streaks: dict[tuple[str, str], Backoff] = {}
+        self._failures: dict[tuple[str, str], int] = {}
+        self._lockouts: dict[tuple[str, str], Backoff] = {}
         self._until: dict[tuple[str, str], float] = {}
-        self._now = time.monotonic
 
     def refused_for(self, keys: Iterable[tuple[str, str]]) -> float:
         """Seconds until every one of ``keys`` may try again (0: now)."""
-        now = self._now()
-        return max((self._until.get(k, 0.0) - now for k in keys), default=0.0)
+        now = time.monotonic()
+        return max(0.0, *(self._until.get(k, 0.0) - now for k in keys))
 
     def failed(self, keys: Iterable[tuple[str, str]]) -> None:
-        now = self._now()
+        now = time.monotonic()
         for key in keys:
-            streak = self._streaks.setdefault(key, Backoff(self.initial, self.maximum))
-            streak.failures += 1
-            if streak.failures >= self.allowed:
-                streak.failures -= 1  # failed() counts it again
-                self._until[key] = now + streak.failed()
-        if len(self._streaks) > 100_000:  # a flood of names: forget the oldest half
-            for key in list(self._streaks)[:50_000]:
-                self._streaks.pop(key, None)
-                self._until.pop(key, None)
+            self._failures[key] = self._failures.get(key, 0) + 1
+            if self._failures[key] >= self.allowed:
+                lockout = self._lockouts.setdefault(key, Backoff(self.initial, self.maximum))
+                self._until[key] = now + lockout.failed()
+        if len(self._failures) > 100_000:  # a flood of names: forget the oldest half
+            for key in list(self._failures)[:50_000]:
+                self.succeeded([key])
 
     def succeeded(self, keys: Iterable[tuple[str, str]]) -> None:
         for key in keys:
-            self._streaks.pop(key, None)
+            self._failures.pop(key, None)
+            self._lockouts.pop(key, None)
             self._until.pop(key, None)
+
+
+def main() -> None:
+    """``python -m rabbit_retry.desk.auth``: a secret (typed, or made up with ``--new``) and the
+    ``secret:`` line of an access file that accepts it."""
+    import getpass
+    import sys
+
+    if "--new" in sys.argv[1:]:
+        secret = secrets.token_urlsafe(24)
+        print(f"secret (give it to its operator; it is not kept): {secret}", file=sys.stderr)
+    elif sys.stdin.isatty():
+        secret = getpass.getpass("secret: ")
+    else:
+        secret = sys.stdin.readline().rstrip("\n")
+    if len(secret) < TOKEN_MIN:
+        raise SystemExit(f"error: a secret of at least {TOKEN_MIN} characters")
+    print(f"secret: \"{hash_secret(secret)}\"")
+
+
+if __name__ == "__main__":
+    main()

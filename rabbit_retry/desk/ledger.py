@@ -63,8 +63,9 @@ class Ledger:
     def _audit(self, tx: Connection, action: str, actor: str, selection: Selection | None,
                **values: Any) -> int:
         values.setdefault("state", "done")
+        values.setdefault("count", 0)
         key = tx.execute(audit.insert().values(
-            at=now(), actor=actor, action=action, count=0,
+            at=now(), actor=actor, action=action,
             selection=selection.to_json() if selection is not None else {}, **values,
         )).inserted_primary_key
         assert key is not None
@@ -152,7 +153,7 @@ class Ledger:
             if not count:
                 raise self._nothing(tx, selection, "parked", "replay")
             queues = sorted(str(q) for q in tx.execute(
-                sa.select(sa.distinct(messages.c.queue))
+                sa.select(messages.c.queue).distinct()
                 .join(replay_items, replay_items.c.message_id == messages.c.id)
                 .where(replay_items.c.replay_id == replay_id)).scalars())
             tx.execute(audit.update().where(audit.c.id == entry)
