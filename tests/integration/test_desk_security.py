@@ -212,26 +212,25 @@ async def test_a_trusted_proxy_names_who_is_there_and_only_from_its_address(
     fresh_vhost: Settings, tmp_path: Path
 ) -> None:
     trusted = ACCESS + "proxy: {header: X-Forwarded-User, trusted: [127.0.0.1], role: viewer}\n"
-    async with desk(fresh_vhost, tmp_path, access=trusted) as ana:
-        async with _as(ana, None) as proxy:
-            me = await proxy.get("/api/me", headers={"X-Forwarded-User": "ana"})
-            assert me.json()["name"] == "ana" and me.json()["may_act"] is True
-            zed = await proxy.get("/api/me", headers={"X-Forwarded-User": "zed"})
-            assert (zed.json()["name"], zed.json()["role"]) == ("zed", "viewer")
-            # A browser behind the proxy posts with the page's CSRF cookie, like any browser.
-            page = await proxy.get("/", headers={"X-Forwarded-User": "ana"})
-            csrf = page.cookies["rabbit_retry_csrf"]
-            done = await proxy.post("/api/discard", json={"ids": [1], "reason": "via proxy"},
-                                    headers={"X-Forwarded-User": "ana", "X-CSRF-Token": csrf},
-                                    cookies={"rabbit_retry_csrf": csrf})
-            assert done.json() == {"discarded": 1}
-            assert (await ana.get("/api/audit")).json()[0]["actor"] == "ana"
+    async with desk(fresh_vhost, tmp_path, access=trusted) as ana, _as(ana, None) as proxy:
+        me = await proxy.get("/api/me", headers={"X-Forwarded-User": "ana"})
+        assert me.json()["name"] == "ana" and me.json()["may_act"] is True
+        zed = await proxy.get("/api/me", headers={"X-Forwarded-User": "zed"})
+        assert (zed.json()["name"], zed.json()["role"]) == ("zed", "viewer")
+        # A browser behind the proxy posts with the page's CSRF cookie, like any browser.
+        page = await proxy.get("/", headers={"X-Forwarded-User": "ana"})
+        csrf = page.cookies["rabbit_retry_csrf"]
+        done = await proxy.post("/api/discard", json={"ids": [1], "reason": "via proxy"},
+                                headers={"X-Forwarded-User": "ana", "X-CSRF-Token": csrf},
+                                cookies={"rabbit_retry_csrf": csrf})
+        assert done.json() == {"discarded": 1}
+        assert (await ana.get("/api/audit")).json()[0]["actor"] == "ana"
     untrusted = ACCESS + "proxy: {header: X-Forwarded-User, trusted: [10.9.9.9]}\n"
     (tmp_path / "again").mkdir()
-    async with desk(fresh_vhost, tmp_path / "again", access=untrusted) as ana:
-        async with _as(ana, None) as forger:
-            refused = await forger.get("/api/me", headers={"X-Forwarded-User": "ana"})
-            assert refused.status_code == 401  # not from the proxy: the header means nothing
+    async with (desk(fresh_vhost, tmp_path / "again", access=untrusted) as ana,
+                _as(ana, None) as forger):
+        refused = await forger.get("/api/me", headers={"X-Forwarded-User": "ana"})
+        assert refused.status_code == 401  # not from the proxy: the header means nothing
 
 
 @pytest.mark.parametrize("mode", ["loopback", "token", "operators"])

@@ -43,6 +43,9 @@ RowIdPath = Annotated[str, Path(pattern=ROW_ID)]
 GroupPath = Annotated[str, Path(pattern=GROUP_ID)]
 ReplayPath = Annotated[str, Path(pattern=REPLAY_ID)]
 REPLAYS = ("replay", "edit")
+# The management API's queue figures lag by its statistics interval (5 s by default): until a
+# replay has been done this long, every copy not parked again counts as pending.
+STATS_LAG_S = 10.0
 DONE_TO_ROW = {"discard": "discarded", "restore": "restored"}
 
 assert set(STATUSES) == set(Status.__args__)  # type: ignore[attr-defined]
@@ -195,11 +198,16 @@ async def _results(desk: Any, entries: list[dict[str, Any]]) -> dict[str, dict[s
     again = await asyncio.to_thread(desk.store.parked_again,
                                     [e["replay_id"] for e in entries])
     results = {}
+    moment = datetime.now(UTC)
     for entry in entries:
-        depth = None
-        if desk.depths is not None and entry["state"] != "running":
-            depth = await asyncio.to_thread(_depth, desk.depths, _targets(entry))
         sent = int(entry["done_count"] or 0)
+        depth: int | None = None
+        if entry["state"] == "running" or (
+                entry["done_at"] is not None and (moment - entry["done_at"]).total_seconds()
+                < STATS_LAG_S):
+            depth = sent  # just sent: the broker's figures may not show its copies yet
+        elif desk.depths is not None:
+            depth = await asyncio.to_thread(_depth, desk.depths, _targets(entry))
         results[entry["replay_id"]] = outcome(sent, again.get(entry["replay_id"], 0),
                                               depth).to_json()
     return results

@@ -126,8 +126,9 @@ function progressText(entry) {
 
 const ENDED = { done: "Done", failed: "Stopped", cancelled: "Cancelled", running: "Running" };
 
-// The dialog follows replay `id` until it ends: progress, rate, time left, Cancel replay.
-// Resolves with the replay's end ({replayed, replay_id, state, error}).
+// The dialog follows replay `id` until it ends (progress, rate, time left, Cancel replay), then
+// shows how it ended until the operator closes it; closing resolves the dialog with the last
+// state seen ({replayed, replay_id, state, error}).
 function follow(id, first) {
   fill($("#action-title"), "Replaying…");
   const bar = h("progress", { id: "replay-bar", max: "1", value: "0" });
@@ -141,60 +142,57 @@ function follow(id, first) {
   $("#action-cancel").textContent = "Close";
   $("#action-cancel").disabled = false;
   let timer = null;
-  let last = null;
-  return new Promise((resolve) => {
-    function show(entry) {
-      const p = entry.progress || {};
-      bar.max = String(Math.max(p.total || 0, 1));
-      bar.value = String(p.done || 0);
-      line.textContent = progressText(entry);
-      state.className = `state state-${entry.state}`;
-      state.textContent = ENDED[entry.state] || entry.state;
-      last = { replayed: p.done, replay_id: id, state: entry.state, error: entry.outcome };
-      if (following) following.last = last;
-      if (entry.state !== "running") {
-        cancel.hidden = true;
-        fill($("#action-title"), entry.state === "done" ? "Replayed" : "Replay ended");
-        if (entry.state !== "done" && entry.outcome) showError(entry.outcome);
-        stop();
-        resolve(last);
-      }
+  function show(entry) {
+    const p = entry.progress || {};
+    bar.max = String(Math.max(p.total || 0, 1));
+    bar.value = String(p.done || 0);
+    line.textContent = progressText(entry);
+    state.className = `state state-${entry.state}`;
+    state.textContent = ENDED[entry.state] || entry.state;
+    if (following) {
+      following.last = { replayed: p.done, replay_id: id, state: entry.state, error: entry.outcome };
     }
-    async function poll() {
-      try {
-        show(await call(`/api/replays/${encodeURIComponent(id)}`));
-      } catch (error) {
-        showError(error.message);
-      }
-      if (following && following.id === id && !following.stopped) timer = window.setTimeout(poll, POLL_MS);
+    if (entry.state !== "running") {
+      cancel.hidden = true;
+      fill($("#action-title"), entry.state === "done" ? "Replayed" : "Replay ended");
+      if (entry.state !== "done" && entry.outcome) showError(entry.outcome);
+      stop();
     }
-    function stop() {
-      if (following) following.stopped = true;
-      window.clearTimeout(timer);
+  }
+  async function poll() {
+    try {
+      show(await call(`/api/replays/${encodeURIComponent(id)}`));
+    } catch (error) {
+      showError(error.message);
     }
-    cancel.addEventListener("click", async () => {
-      cancel.disabled = true;
-      try {
-        await call(`/api/replays/${encodeURIComponent(id)}/cancel`, {});
-        state.textContent = "Cancelling…";
-      } catch (error) {
-        showError(error.message);
-        cancel.disabled = false;
-      }
-    });
-    following = { id, stop, stopped: false, last };
-    show({ state: "running", progress: first.progress || {} });
-    timer = window.setTimeout(poll, POLL_MS);
+    if (following && following.id === id && !following.stopped) timer = window.setTimeout(poll, POLL_MS);
+  }
+  function stop() {
+    if (following) following.stopped = true;
+    window.clearTimeout(timer);
+  }
+  cancel.addEventListener("click", async () => {
+    cancel.disabled = true;
+    try {
+      await call(`/api/replays/${encodeURIComponent(id)}/cancel`, {});
+      state.textContent = "Cancelling…";
+    } catch (error) {
+      showError(error.message);
+      cancel.disabled = false;
+    }
   });
+  following = { id, stop, stopped: false, last: null };
+  show({ state: "running", progress: first.progress || {} });
+  timer = window.setTimeout(poll, POLL_MS);
 }
 
 // Starts a replay (or an edit) and answers at once when it ended within a second; else the
-// dialog follows it.
+// dialog follows it (and answers when the operator closes it).
 async function replayed(path, payload) {
   const { data, status } = await start(path, { ...payload, wait: 1 });
   if (status !== 202) return data;
-  running = false;
-  return follow(data.replay_id, data);
+  follow(data.replay_id, data);
+  return undefined;
 }
 
 // Replay a group or messages: back to their own queue, or to another queue of the topology,
