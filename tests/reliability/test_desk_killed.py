@@ -18,8 +18,8 @@ from support.parked import Parked, park
 from support.poll import wait_for
 from support.process import apply
 
-from rabbit_retry.desk.actions import WINDOW
-from rabbit_retry.desk.schema import messages
+from rabbit_retry.desk.replay import WINDOW
+from rabbit_retry.desk.schema import messages, replay_items
 from rabbit_retry.desk.store import Store
 from rabbit_retry.settings import Settings
 
@@ -119,8 +119,7 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         def replay() -> None:  # its answer never comes: the desk is killed under it
             with contextlib.suppress(httpx.HTTPError):
                 httpx.post(f"{desk.url}/api/replay", timeout=120,
-                           json={"group": group["id"], "rate": 2000},
-                           headers={"X-Actor": "ana"})
+                           json={"group": group["id"], "rate": 2000})
 
         caller = threading.Thread(target=replay, daemon=True)
         caller.start()
@@ -131,16 +130,20 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         sent = depth_sync(fresh_vhost, "orders") or 0
         store = Store(url)
         statuses = store.status_counts()  # as the desk shows them
+        with store.engine.connect() as c:
+            held = c.execute(sa.select(sa.func.count()).select_from(replay_items)).scalar_one()
         store.close()
         # Positive control: killed midway, with rows still held by the replay.
-        assert sent < REPLAYED and statuses.get("replaying", 0) > 0, (sent, statuses)
+        assert sent < REPLAYED and held > 0, (sent, statuses, held)
         print(f"[reliability] desk killed after {sent} replayed copies; store: {statuses}")
+        # The kill came with copies out: rows claimed and not settled are at most the window.
+        assert statuses.get("replaying", 0) <= WINDOW, statuses
 
         desk.start()  # finishes the replay once the dead desk's lease has run out
         started = time.monotonic()
         def finished() -> bool:
             entries = httpx.get(f"{desk.url}/api/audit", timeout=30).json()
-            return bool(entries) and entries[0]["state"] != "pending"
+            return bool(entries) and entries[0]["state"] != "running"
 
         wait_for(finished, "the replay finished", within=300, interval=1.0)
         assert _rows(url)[2] == {"replayed": REPLAYED}
@@ -149,7 +152,7 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         checked.close()
         audit = httpx.get(f"{desk.url}/api/audit", timeout=30).json()
         assert [(a["actor"], a["action"], a["count"], a["state"], a["done_count"])
-                for a in audit] == [("ana", "replay", REPLAYED, "done", REPLAYED)]
+                for a in audit] == [("loopback", "replay", REPLAYED, "done", REPLAYED)]
         copies = blocking(drain(fresh_vhost, "orders"), timeout=600)
         ids = [c.message_id for c in copies]
         assert set(ids) == {f"r-{i:05d}" for i in range(REPLAYED)}, "a replayed message is lost"
@@ -161,4 +164,7 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         # A resumed replay re-sends at most what was in flight when its desk died, and says so.
         assert twice <= WINDOW, f"{twice} copies went out twice (the window is {WINDOW})"
         assert twice <= audit[0]["resent"] <= WINDOW, audit[0]
+        # ... and the desk that took the replay over printed how many it re-sent.
+        assert (f"resuming replay {audit[0]['replay_id']}, left unfinished by a desk that "
+                f"stopped: re-sending the {audit[0]['resent']} copies") in desk.log()
         assert desk.stop() == 0
