@@ -6,7 +6,8 @@ A replay takes its rows in the transaction that writes its audit entry (``replay
 other action takes them from then on; ``ON CONFLICT DO NOTHING`` lets two desks on one database
 race safely). It then *claims* them a few at a time (``parked -> replayed``) just before
 publishing their copies, and *settles* each once the broker confirmed it (its ``replay_items``
-entry goes). A row claimed and not settled is one whose copy may be out: when a desk dies, the
+entry goes), the settling of one batch and the claim of the next in one transaction
+(``step``). A row claimed and not settled is one whose copy may be out: when a desk dies, the
 desk that takes its replay over re-sends exactly those, counts them in the audit (``resent``:
 at most the dead desk's window) and goes on.
 
@@ -191,14 +192,40 @@ class Ledger:
         return replay_id
 
     def claim(self, replay_id: str, after: int, limit: int) -> Claim:
-        """Claim the replay's next rows (up to ``limit`` of its rows, by id after ``after``) and
-        return the ones to publish: its parked rows are written ``replayed`` now (their one
-        write; they count as ``replaying`` until ``settle``); rows it claimed before (a replay
-        taken over from a desk that died) come back as they are. No rows: none is left, or an
-        operator asked the replay to stop (``cancel_by``)."""
+        """Claim the replay's next rows (see ``step``)."""
+        return self.step(replay_id, (), (), after, limit)
+
+    def settle(self, replay_id: str, ids: Sequence[int]) -> int:
+        """Rows whose copies the broker confirmed: the replay lets go of them (see ``step``)."""
+        with self.store.tx() as tx:
+            return self._settle(tx, replay_id, ids)
+
+    def unclaim(self, replay_id: str, ids: Sequence[int]) -> int:
+        """Rows whose copies the broker refused: parked again, untouched (see ``step``)."""
+        with self.store.tx() as tx:
+            return self._unclaim(tx, replay_id, ids)
+
+    def step(self, replay_id: str, confirmed: Sequence[int], refused: Sequence[int],
+             after: int, limit: int) -> Claim:
+        """One step of a replay, in one transaction: let go of the rows whose copies the broker
+        ``confirmed`` (the audit entry counts them: the progress the page shows), park again
+        the rows whose copies it ``refused``, and claim the next rows to publish (up to
+        ``limit`` of the replay's rows, by id after ``after``; none when ``limit`` is 0).
+
+        Claimed parked rows are written ``replayed`` now (their one write; they count as
+        ``replaying`` until settled); rows it claimed before (a replay taken over from a desk
+        that died) come back as they are. No rows: none is left, or an operator asked the
+        replay to stop (``cancel_by``)."""
         m, item = messages.c, replay_items.c
+        first = True
         while True:
             with self.store.tx() as tx:
+                if first:
+                    self._settle(tx, replay_id, confirmed)
+                    self._unclaim(tx, replay_id, refused)
+                    first = False
+                if limit <= 0:
+                    return Claim([])
                 replay = tx.execute(sa.select(replays.c.to_queue, replays.c.cancel_by)
                                     .where(replays.c.id == replay_id)).first()
                 if replay is None:
@@ -232,37 +259,32 @@ class Ledger:
                 return Claim(rows)
             # (a page of rows another desk discarded first: go on)
 
-    def settle(self, replay_id: str, ids: Sequence[int]) -> int:
-        """Rows whose copies the broker confirmed: the replay lets go of them; its audit entry
-        counts them (the progress the page shows)."""
+    def _settle(self, tx: Connection, replay_id: str, ids: Sequence[int]) -> int:
         if not ids:
             return 0
-        with self.store.tx() as tx:
-            settled = _let_go(tx, replay_id, ids)
-            if settled:
-                per_queue = Counter({str(q): int(n) for q, n in tx.execute(
-                    sa.select(messages.c.queue, sa.func.count())
-                    .where(messages.c.id.in_(settled)).group_by(messages.c.queue))})
-                self.store.add_totals(tx, "replayed", per_queue)
-                tx.execute(audit.update().where(audit.c.replay_id == replay_id)
-                           .values(done_count=sa.func.coalesce(audit.c.done_count, 0)
-                                   + len(settled)))
-            return len(settled)
+        settled = _let_go(tx, replay_id, ids)
+        if settled:
+            per_queue = Counter({str(q): int(n) for q, n in tx.execute(
+                sa.select(messages.c.queue, sa.func.count())
+                .where(messages.c.id.in_(settled)).group_by(messages.c.queue))})
+            self.store.add_totals(tx, "replayed", per_queue)
+            tx.execute(audit.update().where(audit.c.replay_id == replay_id)
+                       .values(done_count=sa.func.coalesce(audit.c.done_count, 0)
+                               + len(settled)))
+        return len(settled)
 
-    def unclaim(self, replay_id: str, ids: Sequence[int]) -> int:
-        """Rows whose copies the broker refused: parked again, untouched; the audit counts them."""
+    def _unclaim(self, tx: Connection, replay_id: str, ids: Sequence[int]) -> int:
         if not ids:
             return 0
-        with self.store.tx() as tx:
-            refused = _let_go(tx, replay_id, ids)
-            if refused:
-                tx.execute(messages.update()
-                           .where(messages.c.id.in_(refused), messages.c.replay_id == replay_id)
-                           .values(status="parked", replay_id=None, replayed_to=None,
-                                   changed_at=None))
-                tx.execute(audit.update().where(audit.c.replay_id == replay_id)
-                           .values(refused=sa.func.coalesce(audit.c.refused, 0) + len(refused)))
-            return len(refused)
+        refused = _let_go(tx, replay_id, ids)
+        if refused:
+            tx.execute(messages.update()
+                       .where(messages.c.id.in_(refused), messages.c.replay_id == replay_id)
+                       .values(status="parked", replay_id=None, replayed_to=None,
+                               changed_at=None))
+            tx.execute(audit.update().where(audit.c.replay_id == replay_id)
+                       .values(refused=sa.func.coalesce(audit.c.refused, 0) + len(refused)))
+        return len(refused)
 
     def release(self, replay_id: str) -> int:
         """A cancelled replay lets go of the rows it took and never claimed: parked, free."""

@@ -25,8 +25,8 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,16 +34,17 @@ import aiormq
 import aiormq.exceptions
 from pamqp import commands as spec
 
-from rabbit_retry import contract, wire
+from rabbit_retry import contract
 from rabbit_retry.broker.batch import publish_batch
-from rabbit_retry.desk.ledger import Claimed, Ledger
+from rabbit_retry.desk.ledger import Claim, Claimed, Ledger
 from rabbit_retry.desk.records import stored_body, stored_properties
 from rabbit_retry.parking.headers import replay_headers
 
 log = logging.getLogger("rabbit_retry.desk")
 
 WINDOW = 512  # rows claimed and not yet settled (copies out, or about to be), at most
-CHUNK = 128  # rows claimed at a time
+CHUNK = 128  # rows claimed (and answered rows settled) in one transaction
+SETTLE_MIN = 64  # answered rows written without waiting for the next claim
 CONFIRM_TIMEOUT_S = 60.0
 
 
@@ -108,7 +109,7 @@ def copy_of(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
 class _Flight:
     """What is out: copies awaiting their confirm (by message id: aiormq matches a return to its
     publish by it, so one id is never out twice), rows confirmed or refused and not yet written,
-    rows claimed and not yet settled."""
+    rows claimed and not yet settled (the window bounds these)."""
 
     out: dict[str, asyncio.Future[object]] = field(default_factory=dict)
     confirmed: list[int] = field(default_factory=list)
@@ -139,7 +140,10 @@ class Replay:
         self._started = time.monotonic()
         self._sent = 0
         self._reasons: set[str] = set()
-        self.on_end: Callable[[Replay], None] | None = None
+        # The publisher waits (for its rate, for room, for an earlier copy, for the last
+        # answers): what the broker answered meanwhile is written at once, not at the next claim.
+        self._idle = False
+        self._writing = asyncio.Lock()
 
     def cancel(self, actor: str) -> None:
         """Stop claiming; what is out settles, what was not claimed goes back to parked."""
@@ -149,32 +153,73 @@ class Replay:
             self._flight.changed.set()
 
     async def run(self) -> ReplayResult:
-        settler = asyncio.create_task(self._settle_forever())
-        watchdog = asyncio.create_task(self._watch())
+        helpers = [asyncio.create_task(self._watch()),
+                   asyncio.create_task(self._settle_meanwhile())]
         try:
             await self._publish()
-            self.state = State.CANCELLING if self.state is State.CANCELLING else State.DRAINING
-            await self._until(lambda: not self._flight.out and self._flight.unsettled == 0)
+            if self.state is State.PUBLISHING:
+                self.state = State.DRAINING
+            with self._waiting():
+                await self._until(lambda: self._flight.unsettled == 0)
         except BaseException:
             self.state = State.STOPPED
             raise
         finally:
-            watchdog.cancel()
-            settler.cancel()
-            await asyncio.gather(settler, watchdog, return_exceptions=True)
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
         await self._end()
         return self.result
+
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        self._idle = True
+        self._flight.changed.set()
+        try:
+            yield
+        finally:
+            self._idle = False
+
+    def _answered(self) -> int:
+        return len(self._flight.confirmed) + len(self._flight.refused)
+
+    async def _settle_meanwhile(self) -> None:
+        """Write the broker's answers while the publisher waits, or once they are many."""
+        while True:
+            await self._until(lambda: self._answered() > 0 and (
+                self._idle or self._answered() >= SETTLE_MIN))
+            await self._step(0, 0)
+
+    def _room(self) -> int:
+        """Rows the next step may claim: the window less the rows claimed and not settled once
+        this step settled what the broker answered so far."""
+        return self.window - (self._flight.unsettled - self._answered())
+
+    async def _step(self, after: int, limit: int) -> Claim:
+        """Write what the broker answered (confirmed rows settled, refused ones parked again)
+        and claim the next rows, in one transaction."""
+        flight = self._flight
+        async with self._writing:
+            confirmed, flight.confirmed = flight.confirmed, []
+            refused, flight.refused = flight.refused, {}
+            claim = await asyncio.to_thread(self.ledger.step, self.claimed.id, confirmed,
+                                            list(refused), after, limit)
+            flight.unsettled -= len(confirmed) + len(refused)
+        self.result.replayed += len(confirmed)
+        self.result.refused += len(refused)
+        self._reasons.update(refused.values())
+        flight.changed.set()
+        return claim
 
     async def _publish(self) -> None:
         after = 0
         while self.state is State.PUBLISHING:
-            room = self.window - self._flight.unsettled
-            if room < min(self.chunk, self.window):
+            with self._waiting():
                 await self._until(lambda: self.state is not State.PUBLISHING
-                                  or self.window - self._flight.unsettled >= self.chunk)
-                continue
-            claim = await asyncio.to_thread(self.ledger.claim, self.claimed.id, after,
-                                            min(room, self.chunk))
+                                  or self._room() >= self.chunk)
+            if self.state is not State.PUBLISHING:
+                return
+            claim = await self._step(after, self.chunk)
             if claim.cancel_by is not None:
                 self.cancel(claim.cancel_by)
                 return
@@ -182,8 +227,7 @@ class Replay:
                 return
             after = claim.rows[-1]["id"]
             self._flight.unsettled += len(claim.rows)
-            copies = [copy_of(row, self.claimed, self.user) for row in claim.rows]
-            await self._send(copies)
+            await self._send([copy_of(row, self.claimed, self.user) for row in claim.rows])
 
     async def _send(self, copies: list[Copy]) -> None:
         """Publish ``copies`` in batches: one target and no message id twice per batch, none
@@ -193,10 +237,12 @@ class Replay:
             if self.claimed.rate:
                 ahead = self._started + self._sent / self.claimed.rate - time.monotonic()
                 if ahead > 0:
-                    await asyncio.sleep(ahead)
+                    with self._waiting():
+                        await asyncio.sleep(ahead)
             earlier = self._flight.out.get(copies[at].message_id)
             if earlier is not None:
-                await self._until(earlier.done)
+                with self._waiting():
+                    await self._until(earlier.done)
             taken = self._batch(copies, at)
             futures = await publish_batch(self.channel, taken[0].target,
                                           [(c.body, c.properties) for c in taken])
@@ -256,32 +302,6 @@ class Replay:
         if flight.failure is not None:
             raise flight.failure
 
-    async def _settle_forever(self) -> None:
-        """Write what the broker said, as it says it: confirmed rows settled, refused rows
-        parked again. Each write makes room in the window."""
-        flight = self._flight
-        while True:
-            if not flight.confirmed and not flight.refused:
-                flight.changed.clear()
-                await flight.changed.wait()
-                continue
-            confirmed, flight.confirmed = flight.confirmed, []
-            refused, flight.refused = flight.refused, {}
-            try:
-                if confirmed:
-                    self.result.replayed += await asyncio.to_thread(
-                        self.ledger.settle, self.claimed.id, confirmed)
-                if refused:
-                    await asyncio.to_thread(self.ledger.unclaim, self.claimed.id, list(refused))
-                    self.result.refused += len(refused)
-                    self._reasons.update(refused.values())
-            except Exception as exc:  # the store failed: stop; the next run re-sends these
-                flight.failure = flight.failure or exc
-                flight.changed.set()
-                return
-            flight.unsettled -= len(confirmed) + len(refused)
-            flight.changed.set()
-
     async def _watch(self) -> None:
         """One deadline for every copy instead of a timer each: no confirm (or return) for
         ``CONFIRM_TIMEOUT_S`` while copies are out closes the channel, which fails them; the
@@ -297,7 +317,7 @@ class Replay:
                 return
 
     async def _end(self) -> None:
-        outcome = None
+        outcome: str | None = None
         if self.state is State.CANCELLING:
             released = await asyncio.to_thread(self.ledger.release, self.claimed.id)
             state = State.CANCELLED
@@ -314,13 +334,3 @@ class Replay:
         self.result.outcome = outcome
         log.info("desk: replay %s %s: %d replayed%s", self.claimed.id, state.value,
                  self.result.replayed, f"; {outcome}" if outcome else "")
-
-
-async def close_quietly(channel: Any) -> None:
-    with suppress(Exception):
-        await channel.close()
-
-
-def edited_table(headers: dict[str, Any]) -> bytes:
-    """An edit's headers as the AMQP field table the store keeps."""
-    return wire.encode_table(headers)
