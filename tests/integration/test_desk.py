@@ -312,7 +312,12 @@ def test_without_a_token_the_desk_refuses_to_listen_beyond_loopback(
                                "or --access FILE the desk listens on loopback only (127.0.0.1, "
                                "::1); set one to listen elsewhere")
     assert not (tmp_path / "d.db").exists()
+    access = tmp_path / "access.yml"
+    access.write_text("operators: {ana: {role: admin, secret_env: X}}\n")
     for args, says in (
+        (["--access", str(tmp_path / "none.yml")], f"error: {tmp_path / 'none.yml'}: no such file"),
+        (["--access", str(access)], f"error: {access}: operators.ana.role: Input should be "
+                                    "'viewer' or 'operator'"),
         (["--store", "mysql://x/y"], "error: --store: unsupported database 'mysql'"),
         (["--listen", "nowhere"], "error: --listen 'nowhere': expected HOST:PORT"),
         (["--keep", "soon"], "error: --keep: bad duration 'soon'"),
