@@ -18,6 +18,7 @@ from support.amqp import depth_sync, drain_sync
 from support.browser import console, screenshot, sent, until, view_loaded
 from support.desk import ACCESS, SECRETS, running_desk
 from support.desk_page import (
+    ORDERS,
     confirm,
     dialog,
     error_line,
@@ -36,13 +37,7 @@ from support.poll import wait_for
 from rabbit_retry.settings import Settings
 
 DASH = "\N{EN DASH}"  # the page writes a range of rows as 1<EN DASH>50 of 120
-TOPOLOGY = """
-version: 1
-defaults:
-  queue_type: classic
-  retry: {delays: [1h], max_attempts: 3}
-queues:
-  orders: {}
+TOPOLOGY = ORDERS + """\
   email: {}
   orders-manual: {}
 """

@@ -13,14 +13,6 @@ from support.parked import Parked
 
 from rabbit_retry.settings import Settings
 
-TOPOLOGY = """
-version: 1
-defaults:
-  queue_type: classic
-  retry: {delays: [1h], max_attempts: 3}
-queues:
-  orders: {}
-"""
 LONG_URL = "https://example.com/" + "very-long-path-segment/" * 12 + "?" + "a=1&" * 30
 
 
@@ -36,7 +28,7 @@ def test_at_1024_px_with_long_values_every_action_stays_on_screen(
 ) -> None:
     browser.set_window_size(1024, 800)
     width = browser.execute_script("return document.documentElement.clientWidth")
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [
             Parked(b"{}", exception_type="requests.exceptions.ConnectionError" * 2,
@@ -61,7 +53,7 @@ def test_at_1024_px_with_long_values_every_action_stays_on_screen(
 def test_times_say_their_zone(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [
             Parked(b"{}", message_id="m-1", parked_at="2026-11-02T10:00:00+00:00")])

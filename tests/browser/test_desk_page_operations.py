@@ -28,15 +28,6 @@ from support.poll import wait_for
 
 from rabbit_retry.settings import Settings
 
-TOPOLOGY = """
-version: 1
-defaults:
-  queue_type: classic
-  retry: {delays: [1h], max_attempts: 3}
-queues:
-  orders: {}
-"""
-
 
 def _open_message(browser: webdriver.Chrome, message_id: str) -> None:
     go(browser, "messages")
@@ -48,7 +39,7 @@ def _open_message(browser: webdriver.Chrome, message_id: str) -> None:
 def test_edit_and_replay_a_message_follow_its_history_and_restore_another(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path, access=ACCESS) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [
             Parked(b'{"sku": "old-sku", "qty": 2}', message_id="e-1",
@@ -119,7 +110,7 @@ def test_a_long_replay_shows_its_progress_and_is_cancelled_from_the_page(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
     n = 400
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path, access=ACCESS) as desk:
         park_and_wait(fresh_vhost, desk, "orders",
                       [Parked(b"{}", message_id=f"p-{i:03d}") for i in range(n)])
@@ -162,7 +153,7 @@ def test_a_long_replay_shows_its_progress_and_is_cancelled_from_the_page(
 def test_notes_and_a_grouping_rule_from_the_page(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path, access=ACCESS) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [
             Parked(b"{}", message_id=f"q-{i}", exception_type="QuotaError",
@@ -198,7 +189,7 @@ def test_notes_and_a_grouping_rule_from_the_page(
 def test_a_viewer_reads_everything_and_is_offered_no_action(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path, access=ACCESS) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [Parked(b"{}", message_id="v-1")])
         open_desk(browser, desk, name="vic", secret=SECRETS["vic"], signed_in_as="vic")

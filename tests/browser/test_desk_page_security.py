@@ -28,14 +28,6 @@ from support.parked import Parked
 
 from rabbit_retry.settings import Settings
 
-TOPOLOGY = """
-version: 1
-defaults:
-  queue_type: classic
-  retry: {delays: [1h], max_attempts: 3}
-queues:
-  orders: {}
-"""
 CSRF_COOKIE = "rabbit_retry_csrf"
 
 # A POST from inside the page, as a script injected there could send one: with the page's
@@ -62,7 +54,7 @@ def _path(driver: webdriver.Chrome) -> str:
 def test_a_token_keeps_the_page_shut_and_every_action_carries_the_csrf_header(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path, token=TOKEN) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [
             Parked(b'{"n": %d}' % i, message_id=f"t-{i}") for i in range(3)])
@@ -171,7 +163,7 @@ def _inert(driver: webdriver.Chrome, *shown: str) -> None:
 def test_a_message_made_to_attack_the_page_is_shown_as_text_and_runs_nothing(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [Parked(
             ATTACKS["body"].encode(), exception_type=ATTACKS["exception_type"],

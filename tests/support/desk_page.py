@@ -20,8 +20,18 @@ from .parked import Parked, park
 from .poll import wait_for
 from .provision import provision_sync
 
+# One classic queue whose messages stay put (a 1 h retry): the page's tests park into it.
+ORDERS = """
+version: 1
+defaults:
+  queue_type: classic
+  retry: {delays: [1h], max_attempts: 3}
+queues:
+  orders: {}
+"""
 
-def topology_file(settings: Settings, workdir: Path, text: str) -> Path:
+
+def topology_file(settings: Settings, workdir: Path, text: str = ORDERS) -> Path:
     """``text`` declared on ``settings``' vhost and written to a file for the desk."""
     provision_sync(settings, text)
     path = workdir / "desk-test.yml"
