@@ -24,7 +24,7 @@ from aiormq.abc import AbstractConnection
 
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.desk.edits import edit
-from rabbit_retry.desk.errors import DeskError
+from rabbit_retry.desk.errors import DeskError, NotFound
 from rabbit_retry.desk.ledger import Claimed, Ledger
 from rabbit_retry.desk.replay import WINDOW, Replay, ReplayResult
 from rabbit_retry.desk.store import Selection, Store
@@ -88,8 +88,6 @@ class Actions:
         self.check_queue(to)
         row = await asyncio.to_thread(self.store.message, row_id)
         if row is None:
-            from rabbit_retry.desk.errors import NotFound
-
             raise NotFound(f"no message {row_id}")
         edited = edit(row, body=body, headers=headers)
         replay_id = await asyncio.to_thread(

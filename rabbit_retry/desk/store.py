@@ -415,9 +415,9 @@ class Store:
 
     def history(self, row_id: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
                                             list[tuple[int, int]]] | None:
-        """A message's history: (its rows, oldest first: every parked copy of its message id;
-        the audit entries that touched them; (row id, audit id) of each discard and restore).
-        None when there is no such row."""
+        """A message's history: (its rows, oldest first: every parked copy of its message id,
+        and the copies that came back from replays of them; the audit entries that touched
+        them; (row id, audit id) of each discard and restore). None when there is no such row."""
         m = messages.c
         with self.engine.connect() as c:
             row = c.execute(sa.select(messages).where(m.id == row_id)).first()
@@ -431,6 +431,15 @@ class Store:
                     .order_by(m.parked_at, m.id).limit(HISTORY_MAX))]
                 if all(r["id"] != row_id for r in rows):
                     rows.append(dict(row._mapping))
+            # A copy that came back from a replay of these rows belongs here too, whatever its
+            # id (the publisher set none, and the replay made one up).
+            replayed = {r["replay_id"] for r in rows if r["replay_id"]}
+            known = {r["id"] for r in rows}
+            if replayed:
+                rows += [dict(r._mapping) for r in c.execute(
+                    sa.select(messages).where(m.replay_of.in_(replayed))
+                    .order_by(m.parked_at, m.id).limit(HISTORY_MAX)) if r.id not in known]
+                rows.sort(key=lambda r: (r["parked_at"], r["id"]))
             rows = _shown(c, rows)
             ids = [r["id"] for r in rows]
             events = [(int(e.message_id), int(e.audit_id)) for e in c.execute(

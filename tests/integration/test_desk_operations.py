@@ -119,8 +119,20 @@ async def test_a_message_without_an_id_is_replayed_under_one_marked_generated(
             None, False, "task-7")
         assert (await client.post("/api/replay", json={"ids": [row["id"]]})).json()["replayed"] == 1
         [copy] = await drain(fresh_vhost, Q)
-        assert copy.message_id and copy.properties.headers["message-id-generated"] is True
+        headers = copy.properties.headers
+        assert copy.message_id and headers["message-id-generated"] is True
         assert copy.properties.correlation_id == "task-7"
+        # It fails again and parks under its made-up id: still the same message's history.
+        await park(fresh_vhost, Q, [Parked(b"{}", message_id=copy.message_id, headers={
+            "replay-id": headers["replay-id"], "message-id-generated": True})])
+        await eventually(lambda: _stored(client, 1, status="parked"), what="parked again")
+        [again] = (await client.get("/api/messages", params={"status": "parked"})).json()[
+            "items"]
+        assert again["message_id_generated"] is True
+        history = (await client.get(f"/api/messages/{row['id']}/history")).json()
+        assert [(e["event"], e["row"], e.get("then")) for e in history["events"]] == [
+            ("parked", row["id"], None), ("replayed", row["id"], "parked again"),
+            ("parked", again["id"], None)]
 
 
 async def test_what_became_of_a_replay_and_each_message_s_history(
