@@ -2,7 +2,7 @@
 // one message, audit), who is signed in (as the desk authenticated them: the page sends no name
 // of its own), and the lines that report what happened.
 
-import { call } from "./api.js";
+import { call, withQuery } from "./api.js";
 import { setUpDialogs } from "./dialogs.js";
 import { $, fill, h } from "./dom.js";
 import { renderAudit } from "./views/audit.js";
@@ -11,7 +11,6 @@ import { renderGroups } from "./views/groups.js";
 import { renderMessage } from "./views/message.js";
 import { renderMessages } from "./views/messages.js";
 import { renderOverview } from "./views/overview.js";
-import { withQuery } from "./api.js";
 
 const VIEWS = {
   overview: renderOverview,
