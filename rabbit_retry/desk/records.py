@@ -150,6 +150,13 @@ def parked(
     )
 
 
+def generated_message_id(digest: str) -> str:
+    """The message id a replay gives a stored copy that has none: made from the copy (its
+    digest), so every replay of it, and every copy of it that parks again, carries the same
+    one (marked ``message-id-generated``)."""
+    return f"rr-{digest[:32]}"
+
+
 def stored_body(row: Mapping[str, Any]) -> bytes:
     text = row.get("body_text")
     if text is not None:

@@ -37,7 +37,7 @@ from pamqp import commands as spec
 from rabbit_retry import contract
 from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.desk.ledger import Claim, Claimed, Ledger
-from rabbit_retry.desk.records import stored_body, stored_properties
+from rabbit_retry.desk.records import generated_message_id, stored_body, stored_properties
 from rabbit_retry.parking.headers import replay_headers
 
 log = logging.getLogger("rabbit_retry.desk")
@@ -100,7 +100,11 @@ def copy_of(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
         headers = replay_headers(source.headers)
         body = stored_body(row)
     headers[contract.REPLAY_ID] = claimed.id
-    properties = contract.republish_properties(source, headers, user)
+    changes = {}
+    if not row["message_id"]:
+        changes["message_id"] = generated_message_id(row["digest"])
+        headers[contract.MESSAGE_ID_GENERATED] = True
+    properties = contract.republish_properties(source, headers, user, **changes)
     return Copy(row["id"], str(properties.message_id), claimed.to_queue or row["queue"], body,
                 properties)
 

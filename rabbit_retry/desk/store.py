@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 from rabbit_retry.desk import schema
 from rabbit_retry.desk.errors import NotFound
 from rabbit_retry.desk.groups import Grouping, Rule, check_rule
-from rabbit_retry.desk.records import Parked
+from rabbit_retry.desk.records import Parked, generated_message_id
 from rabbit_retry.desk.schema import (
     audit,
     desk_meta,
@@ -415,30 +415,22 @@ class Store:
 
     def history(self, row_id: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
                                             list[tuple[int, int]]] | None:
-        """A message's history: (its rows, oldest first: every parked copy of its message id,
-        and the copies that came back from replays of them; the audit entries that touched
-        them; (row id, audit id) of each discard and restore). None when there is no such row."""
+        """A message's history: (its rows, oldest first: every parked copy of its message id;
+        the audit entries that touched them; (row id, audit id) of each discard and restore).
+        None when there is no such row."""
         m = messages.c
         with self.engine.connect() as c:
             row = c.execute(sa.select(messages).where(m.id == row_id)).first()
             if row is None:
                 return None
-            if row.message_id is None:
-                rows = [dict(row._mapping)]
-            else:
-                rows = [dict(r._mapping) for r in c.execute(
-                    sa.select(messages).where(m.message_id == row.message_id)
-                    .order_by(m.parked_at, m.id).limit(HISTORY_MAX))]
-                if all(r["id"] != row_id for r in rows):
-                    rows.append(dict(row._mapping))
-            # A copy that came back from a replay of these rows belongs here too, whatever its
-            # id (the publisher set none, and the replay made one up).
-            replayed = {r["replay_id"] for r in rows if r["replay_id"]}
-            known = {r["id"] for r in rows}
-            if replayed:
-                rows += [dict(r._mapping) for r in c.execute(
-                    sa.select(messages).where(m.replay_of.in_(replayed))
-                    .order_by(m.parked_at, m.id).limit(HISTORY_MAX)) if r.id not in known]
+            # A row without a message id is replayed under one made from it: its copies that
+            # park again carry that one.
+            key = row.message_id or generated_message_id(row.digest)
+            rows = [dict(r._mapping) for r in c.execute(
+                sa.select(messages).where(m.message_id == key)
+                .order_by(m.parked_at, m.id).limit(HISTORY_MAX))]
+            if all(r["id"] != row_id for r in rows):
+                rows.append(dict(row._mapping))
                 rows.sort(key=lambda r: (r["parked_at"], r["id"]))
             rows = _shown(c, rows)
             ids = [r["id"] for r in rows]

@@ -120,7 +120,7 @@ async def test_a_message_without_an_id_is_replayed_under_one_marked_generated(
         assert (await client.post("/api/replay", json={"ids": [row["id"]]})).json()["replayed"] == 1
         [copy] = await drain(fresh_vhost, Q)
         headers = copy.properties.headers
-        assert copy.message_id and headers["message-id-generated"] is True
+        assert copy.message_id.startswith("rr-") and headers["message-id-generated"] is True
         assert copy.properties.correlation_id == "task-7"
         # It fails again and parks under its made-up id: still the same message's history.
         await park(fresh_vhost, Q, [Parked(b"{}", message_id=copy.message_id, headers={
