@@ -8,7 +8,7 @@ from pathlib import Path
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from support.desk import running_desk
-from support.desk_page import go, open_desk, park_and_wait, rows, topology_file
+from support.desk_page import follow, go, open_desk, park_and_wait, rows, topology_file
 from support.parked import Parked
 
 from rabbit_retry.settings import Settings
@@ -42,6 +42,11 @@ def test_at_1024_px_with_long_values_every_action_stays_on_screen(
         for view in ("groups", "messages", "audit"):
             go(browser, view)
             _fits(browser)
+        # One message with its long id, URL and type, and its history.
+        go(browser, "messages")
+        long_one = next(r for r in rows(browser, "messages") if "m-xxxx" in r.text)
+        follow(browser, long_one.find_element(By.CSS_SELECTOR, "a.open"), "message")
+        _fits(browser)
         go(browser, "groups")
         for row in rows(browser, "groups"):
             for button in row.find_elements(By.CSS_SELECTOR, "button"):
