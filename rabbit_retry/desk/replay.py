@@ -14,9 +14,10 @@ rows; the desk that takes the replay over re-sends those (the audit counts them:
 twice) and nothing else. A copy the broker returns (no such queue) or refuses (a full queue)
 parks its row again and the audit says why; the replay goes on with the rest.
 
-Replayed copies get the CLI's replay headers (``parking.headers.replay_headers``: parking and
-death headers stripped, ``retry-count`` reset, ``replay-count`` + 1) and ``replay-id``; an edited
-copy (edit and replay) is published with the operator's body and headers and ``replay-edited``.
+Replayed copies get the CLI's replay properties (``parking.headers.replay_properties``: parking
+and death headers stripped, ``retry-count`` reset, ``replay-count`` + 1, a per-message TTL back)
+and ``replay-id``; an edited copy (edit and replay) is published with the operator's body and
+headers and ``replay-edited``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from rabbit_retry import contract
 from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.desk.ledger import Claim, Claimed, Ledger
 from rabbit_retry.desk.records import generated_message_id, stored_body, stored_properties
-from rabbit_retry.parking.headers import replay_headers
+from rabbit_retry.parking.headers import replay_properties
 
 log = logging.getLogger("rabbit_retry.desk")
 
@@ -89,22 +90,20 @@ class Copy:
 
 
 def copy_of(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
-    """The copy a replay publishes for a stored row (an edit's body and headers when it is one)."""
+    """The copy a replay publishes for a stored row (an edit's body and headers when it is one):
+    the CLI's replay properties (``parking.headers.replay_properties``) and the replay's id."""
+    extra: dict[str, Any] = {contract.REPLAY_ID: claimed.id}
     if claimed.edit_headers is not None:
         source = stored_properties({**row, "headers_raw": claimed.edit_headers})
-        headers = replay_headers(source.headers)
-        headers[contract.REPLAY_EDITED] = True
+        extra[contract.REPLAY_EDITED] = True
         body = claimed.edit_body if claimed.edit_body is not None else stored_body(row)
     else:
         source = stored_properties(row, contract.kept_on_replay)  # the rest would be stripped
-        headers = replay_headers(source.headers)
         body = stored_body(row)
-    headers[contract.REPLAY_ID] = claimed.id
-    changes = {}
-    if not row["message_id"]:
-        changes["message_id"] = generated_message_id(row["digest"])
-        headers[contract.MESSAGE_ID_GENERATED] = True
-    properties = contract.republish_properties(source, headers, user, **changes)
+    if not source.message_id:
+        source.message_id = generated_message_id(row["digest"])
+        extra[contract.MESSAGE_ID_GENERATED] = True
+    properties = replay_properties(source, user, extra=extra)
     return Copy(row["id"], str(properties.message_id), claimed.to_queue or row["queue"], body,
                 properties)
 

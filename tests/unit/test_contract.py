@@ -17,7 +17,7 @@ from rabbit_retry.contract import (
     republish_properties,
 )
 from rabbit_retry.parking.message import ParkedMessage
-from rabbit_retry.worker.attempts import failures_so_far
+from rabbit_retry.worker.history import read
 
 NOW = dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -65,7 +65,7 @@ def test_the_worker_and_the_parking_views_read_a_garbled_retry_count_alike(
     # They used to disagree: retry-count 2.5 counted 0 failures in the worker and showed as 2
     # attempts in `parking show`.
     headers = {"retry-count": garbled}
-    assert failures_so_far(headers, "q") == 0
+    assert read(headers, False, "", "q", "q").failures == 0
     assert ParkedMessage(position=1, body=b"", headers=headers).attempts is None
 
 
@@ -92,13 +92,14 @@ def test_a_copy_keeps_every_property_and_swaps_the_headers() -> None:
     assert set(PROPERTY_NAMES) == set(original.__slots__) - {"headers", "cluster_id"}
 
 
-def test_a_copy_is_persistent_and_has_a_message_id() -> None:
+def test_a_copy_is_persistent_and_has_a_message_id_marked_as_made_up() -> None:
     copy = republish_properties(spec.Basic.Properties(delivery_mode=1), {}, user="guest")
     assert copy.delivery_mode == 2
     assert copy.message_id
-    assert copy.headers == {"message-id-generated": True}  # the id is ours, and says so
-    kept = republish_properties(spec.Basic.Properties(message_id="m"), {}, user="guest")
-    assert kept.message_id == "m" and kept.headers == {}
+    assert copy.headers == {"message-id-generated": True}
+    # A message with its own id (a copy of a copy among them) is not marked.
+    again = republish_properties(spec.Basic.Properties(message_id="m"), {}, user="guest")
+    assert again.message_id == "m" and again.headers == {}
 
 
 def test_a_user_id_of_another_user_moves_to_a_header() -> None:
