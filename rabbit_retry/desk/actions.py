@@ -22,6 +22,7 @@ from typing import Any
 import aiormq
 from aiormq.abc import AbstractConnection
 
+from rabbit_retry import tracing
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.desk.edits import edit
 from rabbit_retry.desk.errors import DeskError, NotFound
@@ -78,7 +79,7 @@ class Actions:
             self.ledger.start_replay, selection, actor, self.owner, to_queue=to, rate=rate,
             lease=self.lease,
         )
-        return await self._run(Claimed(replay_id, to, rate), taken)
+        return await self._run(Claimed(replay_id, to, rate), taken, actor)
 
     async def edit(self, row_id: int, actor: str, *, body: bytes | None,
                    headers: Mapping[str, Any] | None, to: str | None,
@@ -94,7 +95,8 @@ class Actions:
             self.ledger.start_edit, row_id, actor, self.owner, body=edited.body,
             headers=edited.headers, detail=edited.detail, to_queue=to, reason=reason,
             lease=self.lease)
-        return await self._run(Claimed(replay_id, to, None, edited.body, edited.headers), 1)
+        return await self._run(Claimed(replay_id, to, None, edited.body, edited.headers), 1,
+                               actor)
 
     async def cancel(self, replay_id: str, actor: str) -> None:
         """Stop a replay: this desk's at once; another desk's within a few rows."""
@@ -103,20 +105,35 @@ class Actions:
         if running is not None:
             running[0].cancel(actor)
 
-    async def _run(self, claimed: Claimed,
-                   taken: int) -> tuple[Replay, asyncio.Task[ReplayResult]]:
+    async def _run(self, claimed: Claimed, taken: int,
+                   actor: str | None = None) -> tuple[Replay, asyncio.Task[ReplayResult]]:
         channel = await self._channel()
         replay = Replay(self.ledger, channel, claimed, self.settings.user)
         replay.result.claimed = taken
-        task = asyncio.create_task(self._carry_out(replay, channel))
+        task = asyncio.create_task(self._carry_out(replay, channel, actor))
         self.running[claimed.id] = (replay, task)
         task.add_done_callback(lambda _t: self.running.pop(claimed.id, None))
         return replay, task
 
-    async def _carry_out(self, replay: Replay, channel: aiormq.Channel) -> ReplayResult:
+    async def _carry_out(self, replay: Replay, channel: aiormq.Channel,
+                         actor: str | None) -> ReplayResult:
+        """The replay's span (where the desk traces) is current for all of it; every copy
+        carries it (``rabbit_retry.tracing``). A replay taken over from another desk says so
+        and names no actor: the audit entry has it."""
         lease = asyncio.create_task(self._keep_lease(replay))
+        claimed = replay.claimed
+        name = "desk edit and replay" if claimed.edit_headers is not None else "desk replay"
         try:
-            return await replay.run()
+            with tracing.replay_span(name, {
+                "rabbit_retry.actor": actor, "rabbit_retry.replay.id": claimed.id,
+                "rabbit_retry.replay.resumed": replay.result.claimed < 0,
+                "rabbit_retry.replay.to": claimed.to_queue,
+            }) as trace:
+                replay.trace = trace
+                result = await replay.run()
+                if trace is not None:
+                    trace.replayed(result.replayed)
+                return result
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiormq
 import aiormq.exceptions
@@ -40,6 +40,9 @@ from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.desk.ledger import Claim, Claimed, Ledger
 from rabbit_retry.desk.records import generated_message_id, stored_body, stored_properties
 from rabbit_retry.parking.headers import replay_properties
+
+if TYPE_CHECKING:
+    from rabbit_retry.tracing.replay import ReplayTrace
 
 log = logging.getLogger("rabbit_retry.desk")
 
@@ -89,9 +92,11 @@ class Copy:
     properties: spec.Basic.Properties
 
 
-def copy_of(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
+def copy_of(row: dict[str, Any], claimed: Claimed, user: str,
+            trace: ReplayTrace | None = None) -> Copy:
     """The copy a replay publishes for a stored row (an edit's body and headers when it is one):
-    the CLI's replay properties (``parking.headers.replay_properties``) and the replay's id."""
+    the CLI's replay properties (``parking.headers.replay_properties``), the replay's id, and
+    its span when the desk traces."""
     extra: dict[str, Any] = {contract.REPLAY_ID: claimed.id}
     if claimed.edit_headers is not None:
         source = stored_properties({**row, "headers_raw": claimed.edit_headers})
@@ -103,6 +108,8 @@ def copy_of(row: dict[str, Any], claimed: Claimed, user: str) -> Copy:
     if not source.message_id:
         source.message_id = generated_message_id(row["digest"])
         extra[contract.MESSAGE_ID_GENERATED] = True
+    if trace is not None:
+        extra.update(trace.copied(source.headers))
     properties = replay_properties(source, user, extra=extra)
     return Copy(row["id"], str(properties.message_id), claimed.to_queue or row["queue"], body,
                 properties)
@@ -147,6 +154,7 @@ class Replay:
         # answers): what the broker answered meanwhile is written at once, not at the next claim.
         self._idle = False
         self._writing = asyncio.Lock()
+        self.trace: ReplayTrace | None = None  # the replay's span, where the desk traces
 
     def cancel(self, actor: str) -> None:
         """Stop claiming; what is out settles, what was not claimed goes back to parked."""
@@ -230,7 +238,8 @@ class Replay:
                 return
             after = claim.rows[-1]["id"]
             self._flight.unsettled += len(claim.rows)
-            await self._send([copy_of(row, self.claimed, self.user) for row in claim.rows])
+            await self._send([copy_of(row, self.claimed, self.user, self.trace)
+                              for row in claim.rows])
 
     async def _send(self, copies: list[Copy]) -> None:
         """Publish ``copies`` in batches: one target and no message id twice per batch, none
