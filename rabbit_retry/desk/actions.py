@@ -167,7 +167,12 @@ class Actions:
                        "confirmed (they may arrive twice)")
             log.warning(message)
             print(f"rabbit-retry {message.removeprefix('desk: ')}", flush=True)
-            await self._run(claimed, -1)
+            try:
+                await self._run(claimed, -1)
+            except Exception:
+                # Not started (the broker is away): the next round takes it again at once.
+                await asyncio.to_thread(self.ledger.renew, claimed.id, self.owner, 0)
+                raise
             taken += 1
         return taken
 

@@ -239,6 +239,15 @@ class Ledger:
                 ).scalars())
                 if not ids:
                     return Claim([])
+                # Rows an earlier run claimed and did not settle: their copies may be out; the
+                # audit counts each one re-sent (when it is claimed again, just before it is).
+                again = int(tx.execute(
+                    sa.select(sa.func.count()).select_from(messages)
+                    .where(m.id.in_(ids), m.replay_id == replay_id,
+                           no_index(m.status) == "replayed")).scalar_one())
+                if again:
+                    tx.execute(audit.update().where(audit.c.replay_id == replay_id)
+                               .values(resent=sa.func.coalesce(audit.c.resent, 0) + again))
                 # By the list of ids, never a join: with a new table's missing statistics a
                 # planner may join the two tables row by row over again. ``no_index`` keeps
                 # it from reading every row in a status through a status index instead.
@@ -344,8 +353,9 @@ class Ledger:
             ).rowcount)
 
     def take_abandoned(self, owner: str, lease: float) -> Claimed | None:
-        """A replay whose desk stopped renewing its lease (died), now this desk's to finish; the
-        audit counts the copies it re-sends (claimed, not yet confirmed: they may be out)."""
+        """A replay whose desk stopped renewing its lease (died), now this desk's to finish,
+        with how many of its rows were claimed and not settled (their copies may be out: they
+        are sent again)."""
         m = messages.c
         with self.store.tx() as tx:
             row = tx.execute(
@@ -361,14 +371,12 @@ class Ledger:
             ).rowcount
             if not taken:
                 return None
+            # (The audit counts them as they are claimed again: ``step``.)
             resent = int(tx.execute(
                 sa.select(sa.func.count()).select_from(replay_items)
                 .join(messages, m.id == replay_items.c.message_id)
                 .where(replay_items.c.replay_id == row.id, m.status == "replayed")
             ).scalar_one())
-            if resent:
-                tx.execute(audit.update().where(audit.c.replay_id == row.id)
-                           .values(resent=sa.func.coalesce(audit.c.resent, 0) + resent))
             return Claimed(row.id, row.to_queue, row.rate, row.edit_body, row.edit_headers,
                            resent)
 

@@ -165,12 +165,12 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         # A resumed replay re-sends at most what was in flight when its desk died, and says so.
         assert twice <= WINDOW, f"{twice} copies went out twice (the window is {WINDOW})"
         assert twice <= audit[0]["resent"] <= WINDOW, audit[0]
-        # ... and the desk that took the replay over printed how many it re-sent (each time it
-        # took it over: a run that stops, its lease run out, is taken over again).
+        # ... and the desk that took the replay over printed how many it would re-send (each
+        # time it took it over: a run that stops, its lease run out, is taken over again).
         printed = [int(n) for n in re.findall(
             rf"rabbit-retry resuming replay {audit[0]['replay_id']}, left unfinished by a desk "
             r"that stopped: re-sending the (\d+) copies", desk.log())]
-        assert printed and sum(printed) == audit[0]["resent"], (printed, audit[0]["resent"])
+        assert printed and audit[0]["resent"] <= sum(printed), (printed, audit[0]["resent"])
         if len(printed) > 1:
             print("[reliability] taken over more than once:",
                   [line for line in desk.log().splitlines() if "stopped (" in line])
