@@ -1,5 +1,6 @@
-"""An operator's actions, carried out by this desk: discard, restore, replay, edit and replay,
-cancel; and the replays other desks left unfinished, taken over.
+"""An operator's actions, carried out by this desk: discard (and the release of the ordered key a
+discarded message held), restore, replay, edit and replay, cancel; and the replays other desks
+left unfinished, taken over.
 
 The store side of each is ``ledger.Ledger`` (one transaction with its audit entry); a replay's
 publishing is ``replay.Replay``. This class holds what they share: the broker connection (one,
@@ -21,12 +22,14 @@ from typing import Any
 
 import aiormq
 from aiormq.abc import AbstractConnection
+from pamqp import commands as spec
 
-from rabbit_retry import tracing
+from rabbit_retry import contract, tracing
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.desk.edits import edit
 from rabbit_retry.desk.errors import DeskError, NotFound
 from rabbit_retry.desk.ledger import Claimed, Ledger
+from rabbit_retry.desk.records import stored_headers
 from rabbit_retry.desk.replay import WINDOW, Replay, ReplayResult
 from rabbit_retry.desk.store import Selection, Store
 from rabbit_retry.settings import Settings
@@ -63,7 +66,36 @@ class Actions:
     async def discard(self, selection: Selection, actor: str, reason: str) -> int:
         if not reason.strip():
             raise DeskError('"reason": a discard needs a reason')
-        return await asyncio.to_thread(self.ledger.discard, selection, actor, reason.strip())
+        count = await asyncio.to_thread(self.ledger.discard, selection, actor, reason.strip())
+        try:
+            await self.send_releases()
+        except Exception as exc:  # kept pending: housekeeping sends them once it can
+            log.warning("desk: releasing the ordered keys of discarded messages failed (%s); "
+                        "trying again", _one_line(exc))
+        return count
+
+    async def send_releases(self) -> int:
+        """Let go of the ordered keys that discarded messages held: to each one's queue, as a
+        replay goes, the release (``contract.release_headers``), confirmed before it is marked
+        sent (a release sent twice is harmless: the hold is gone after the first)."""
+        sent = 0
+        while rows := await asyncio.to_thread(self.ledger.pending_releases):
+            channel = await self._channel()
+            try:
+                for row in rows:
+                    headers = contract.release_headers(stored_headers(row))
+                    if headers is not None:
+                        await channel.basic_publish(
+                            b"", exchange="", routing_key=row["queue"], mandatory=True,
+                            properties=spec.Basic.Properties(
+                                headers=headers, delivery_mode=2,
+                                message_id=contract.new_message_id()))
+            finally:
+                with suppress(Exception):
+                    await channel.close()
+            await asyncio.to_thread(self.ledger.released, [row["id"] for row in rows])
+            sent += len(rows)
+        return sent
 
     async def restore(self, selection: Selection, actor: str, reason: str | None) -> int:
         return await asyncio.to_thread(self.ledger.restore, selection, actor,

@@ -27,6 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from rabbit_retry import contract
 from rabbit_retry.desk.errors import NotFound, Nothing
 from rabbit_retry.desk.schema import audit, groups, message_events, messages, replay_items, replays
 from rabbit_retry.desk.store import Selection, Store, no_index, now
@@ -127,6 +128,14 @@ class Ledger:
             if not moved:
                 raise self._nothing(tx, selection, old, action)
             self._events(tx, entry, [row.id for row in moved])
+            if action == "discard":
+                # A parked copy that holds its ordered key: the key's later messages wait for
+                # it; discarded, it lets them go (``Actions.send_releases``).
+                holds = messages.c.headers[contract.ORDERED_HOLD].as_string()
+                tx.execute(messages.update()
+                           .where(messages.c.id.in_([row.id for row in moved]),
+                                  holds.is_not(None))
+                           .values(release_pending=True))
             kind = "discarded" if action == "discard" else "restored"
             self.store.add_totals(tx, kind, Counter(str(row.queue) for row in moved))
             tx.execute(audit.update().where(audit.c.id == entry)
@@ -294,6 +303,20 @@ class Ledger:
             tx.execute(audit.update().where(audit.c.replay_id == replay_id)
                        .values(refused=sa.func.coalesce(audit.c.refused, 0) + len(refused)))
         return len(refused)
+
+    def pending_releases(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Discarded holders of ordered keys whose release is not sent yet."""
+        m = messages.c
+        with self.store.engine.connect() as c:
+            return [dict(r._mapping) for r in c.execute(
+                sa.select(m.id, m.queue, m.headers_raw).where(m.release_pending.is_(True))
+                .order_by(m.id).limit(limit))]
+
+    def released(self, ids: Sequence[int]) -> None:
+        if ids:
+            with self.store.tx() as tx:
+                tx.execute(messages.update().where(messages.c.id.in_(ids))
+                           .values(release_pending=False))
 
     def release(self, replay_id: str) -> int:
         """A cancelled replay lets go of the rows it took and never claimed: parked, free."""

@@ -103,6 +103,8 @@ messages = sa.Table(
     sa.Column("source", sa.String(16), nullable=False, server_default="parking"),
     sa.Column("replay_of", sa.String(32)),
     sa.Column("grouping", sa.Integer, nullable=False, server_default="0"),
+    # A discarded copy that held its ordered key: the key's release is still to be sent.
+    sa.Column("release_pending", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index("ix_messages_status_group", "status", "group_id", "parked_at"),
     sa.Index("ix_messages_status_parked", "status", "parked_at"),
     sa.Index("ix_messages_queue_status_parked", "queue", "status", "parked_at"),
@@ -113,6 +115,7 @@ messages = sa.Table(
     sa.Index("ix_messages_replay_id", "replay_id"),
     sa.Index("ix_messages_replay_of", "replay_of"),
     sa.Index("ix_messages_grouping", "grouping"),
+    sa.Index("ix_messages_release_pending", "release_pending"),
 )
 
 groups = sa.Table(

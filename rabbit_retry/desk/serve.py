@@ -149,14 +149,16 @@ def _stop(server: Any) -> None:
 
 
 async def _housekeeping(store: Store, actions: Actions, keep: timedelta) -> None:
-    """Finish replays whose desk stopped; regroup messages grouped under older rules; delete
-    rows older than ``keep`` once replayed or discarded, and expired sessions."""
+    """Finish replays whose desk stopped; send the releases of ordered keys not sent yet; regroup
+    messages grouped under older rules; delete rows older than ``keep`` once replayed or
+    discarded, and expired sessions."""
     swept_at = -SWEEP_EVERY_S
     loop = asyncio.get_running_loop()
     failing = False
     while True:
         try:
             await actions.adopt_abandoned()
+            await actions.send_releases()
             moved = await asyncio.to_thread(store.regroup)
             if moved:
                 log.info("desk: %d stored messages moved to another group (grouping rules "

@@ -402,3 +402,30 @@ async def test_a_thousand_sku_key_errors_parked_by_the_worker_are_one_group(
         assert groups.headers["x-total-count"] == "1"
         assert [(g["exception_type"], g["exception_message"], g["count"])
                 for g in groups.json()] == [("KeyError", "'sku-<id>'", n)]
+
+
+async def test_discarding_the_parked_holder_of_an_ordered_key_lets_the_key_go_on(
+    fresh_vhost: Settings, tmp_path: Path
+) -> None:
+    """A parked copy that holds its ordered key (``ordered-hold``): discarded at the desk, its
+    key's lane gets the release, through the main queue as a replay would go (README, ordered
+    keys: a discarded holder must not hold its key for ever); a copy that holds nothing sends
+    nothing (the control)."""
+    async with desk(fresh_vhost, tmp_path) as client:
+        await park(fresh_vhost, Q, [
+            Parked(b"{}", message_id="holder", headers={"ordered-key": "user-7",
+                                                        "ordered-hold": "hold-42"}),
+            Parked(b"{}", message_id="plain")])
+        await eventually(lambda: _stored(client, 2, status="parked"), what="2 parked")
+        ids = {m["message_id"]: m["id"] for m in
+               (await client.get("/api/messages")).json()["items"]}
+        done = await client.post("/api/discard", json={"ids": [ids["plain"]], "reason": "x"})
+        assert done.json() == {"discarded": 1}
+        assert await depth(fresh_vhost, Q) == 0  # nothing to release
+        done = await client.post("/api/discard", json={"ids": [ids["holder"]], "reason": "x"})
+        assert done.json() == {"discarded": 1}
+        [release] = await drain(fresh_vhost, Q)
+        headers = release.properties.headers
+        assert release.body == b""
+        assert (headers["ordered-release"], headers["ordered-key"]) == ("hold-42", "user-7")
+        assert "parked-reason" not in headers and "ordered-hold" in headers

@@ -1,8 +1,9 @@
 """A desk a team can share: sessions, notes, grouping rules, message history, replay progress.
 
 - ``messages`` gain ``source`` (``parking``), ``replay_of`` (the desk replay a copy came back
-  from) and ``grouping`` (the generation of grouping rules its group was computed under: 0 for
-  every row stored so far, so the desk regroups them under the new built-in rules once).
+  from), ``grouping`` (the generation of grouping rules its group was computed under: 0 for
+  every row stored so far, so the desk regroups them under the new built-in rules once) and
+  ``release_pending`` (a discarded holder of an ordered key whose release is not sent yet).
 - ``audit`` gains a replay's ``refused`` and ``resent`` counts, who cancelled it, and ``detail``
   (an edit's diff, a rule); a replay in progress is ``running`` (it was ``pending``).
 - ``replays`` gain ``cancel_by`` and an edit's body and headers.
@@ -37,8 +38,11 @@ def upgrade() -> None:
                                    server_default="parking"))
         batch.add_column(sa.Column("replay_of", sa.String(32)))
         batch.add_column(sa.Column("grouping", sa.Integer, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("release_pending", sa.Boolean, nullable=False,
+                                   server_default=sa.false()))
     op.create_index("ix_messages_replay_of", "messages", ["replay_of"])
     op.create_index("ix_messages_grouping", "messages", ["grouping"])
+    op.create_index("ix_messages_release_pending", "messages", ["release_pending"])
     with op.batch_alter_table("audit") as batch:
         batch.add_column(sa.Column("refused", sa.Integer))
         batch.add_column(sa.Column("resent", sa.Integer))
@@ -104,8 +108,9 @@ def downgrade() -> None:
     with op.batch_alter_table("audit") as batch:
         for column in ("detail", "cancelled_by", "resent", "refused"):
             batch.drop_column(column)
+    op.drop_index("ix_messages_release_pending", "messages")
     op.drop_index("ix_messages_grouping", "messages")
     op.drop_index("ix_messages_replay_of", "messages")
     with op.batch_alter_table("messages") as batch:
-        for column in ("grouping", "replay_of", "source"):
+        for column in ("release_pending", "grouping", "replay_of", "source"):
             batch.drop_column(column)
