@@ -160,7 +160,7 @@ async def _ours_replay(settings: Settings, url: str, n: int) -> float:
     try:
         await actions.connect()  # a desk keeps its connection; the baseline's opens off the clock
         start = time.perf_counter()
-        task = await actions.replay(Selection(group=group), "bench")
+        _, task = await actions.replay(Selection(group=group), "bench")
         result = await task
         seconds = time.perf_counter() - start
         assert result.replayed == n, result
@@ -244,7 +244,7 @@ def _page_times(store: Store, rows: int) -> list[list[str]]:
 
     desk = Desk(store, Actions(store, Settings.from_env(None, None), {"q0", "q1"}),
                 ["q0", "q1"], None)
-    client = TestClient(create_app(desk))
+    client = TestClient(create_app(desk), base_url="http://127.0.0.1")  # a Host the desk serves
     group = client.get("/api/groups").json()[0]["id"]
     asks = {
         "overview (counts by queue and reason)": "/api/overview",

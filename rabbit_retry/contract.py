@@ -41,6 +41,10 @@ RETURN_COUNT = "return-count"
 FAILURES_ELSEWHERE = "failures-elsewhere"
 ORIGINAL_EXPIRATION = "original-expiration"  # a per-message TTL, moved off the copy
 ORIGINAL_USER_ID = "original-user-id"  # a user_id the broker would refuse from us
+# On a copy the failure desk replays: its audit entry's replay id, and a mark when an operator
+# edited the copy. A copy that parks again brings them back to the desk (its history).
+REPLAY_ID = "replay-id"
+REPLAY_EDITED = "replay-edited"
 # true: the message had no message_id and the copy's was made by rabbit-retry (a Celery task, for
 # one, carries its id in correlation_id instead). Kept on replay: the id stays made up.
 MESSAGE_ID_GENERATED = "message-id-generated"
@@ -107,6 +111,8 @@ STRIPPED_ON_REPLAY = BROKER_HEADERS | {
     EXCEPTION_STACKTRACE,
     ORIGINAL_QUEUE,
     HANDLE_AGAIN,
+    REPLAY_ID,  # a replay names itself; an earlier one's id would misattribute the copy
+    REPLAY_EDITED,
 }
 
 

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 STORE_ENV = "RABBIT_RETRY_DESK_STORE"
 TOKEN_ENV = "RABBIT_RETRY_DESK_TOKEN"
+ACCESS_ENV = "RABBIT_RETRY_DESK_ACCESS"
+HOSTS_ENV = "RABBIT_RETRY_DESK_HOSTS"
 DEFAULT_STORE = "sqlite:///rabbit-retry-desk.db"
 
 
@@ -39,18 +41,24 @@ def _keep(value: str) -> timedelta:
               help="HOST:PORT of the page and the API.")
 @click.option("--keep", default="30d", show_default=True, metavar="DURATION",
               help="How long replayed and discarded messages are kept (the audit: forever).")
+@click.option("--access", "access_file", envvar=ACCESS_ENV, metavar="FILE",
+              help="Who may use the desk: named operators and roles, a trusted proxy, a "
+                   "/metrics credential.")
 @pass_settings
-def desk(settings: Settings, file: str, store_url: str, listen: str, keep: str) -> None:
+def desk(settings: Settings, file: str, store_url: str, listen: str, keep: str,
+         access_file: str | None) -> None:
     """Consume FILE's parking queues into a store; serve a page and a JSON API over them."""
     import asyncio
 
+    from rabbit_retry.desk.auth import load_access
     from rabbit_retry.desk.serve import check_exposure, parse_listen, serve
     from rabbit_retry.desk.store import engine_url
     from rabbit_retry.topology import load_topology
 
-    token = os.environ.get(TOKEN_ENV) or None
+    access = load_access(access_file or None, os.environ.get(TOKEN_ENV) or None,
+                         hosts=os.environ.get(HOSTS_ENV, "").split(","))
     where = parse_listen(listen)
-    check_exposure(where, token)
+    check_exposure(where, access)
     engine_url(store_url)  # a bad URL is bad input: say so before anything else
     kept = _keep(keep)
     topology = load_topology(file)
@@ -59,7 +67,7 @@ def desk(settings: Settings, file: str, store_url: str, listen: str, keep: str) 
     for name in ("aiormq", "aio_pika", "alembic"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     asyncio.run(serve(topology, settings, store_url=store_url, listen=where, keep=kept,
-                      token=token))
+                      access=access))
 
 
 COMMANDS = {"desk": desk}

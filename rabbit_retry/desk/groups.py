@@ -7,13 +7,15 @@ Two failures are "the same cause" for an operator when one fix (and one replay) 
 
 =============  ==========================================================================
 ``<n>``        a number not glued to a letter (``123``, ``3.5``, ``ord_42``; not ``utf8``)
-``<id>``       a UUID, or a 16+ character token of letters and at least two digits
-``<hex>``      ``0x7f3a``, or a run of 8+ hex digits holding a digit and a letter
+``<id>``       a UUID; or a token of letters and digits that holds 4+ digits (``ORD12345``,
+               ``sku-AB00989``), or is 10+ characters with 2+ digits, or is a run of 8+ hex
+               digits (``507f1f77bcf86cd7``) -- not a word with a digit or three (``sha256``)
+``<hex>``      ``0x7f3a`` (an address, mostly)
 ``<time>``     an ISO date or timestamp, or a clock time ``12:04:59``
 ``<email>``    an e-mail address
 ``<ip>``       an IPv4 or IPv6 address
 ``<query>``    a URL's query string and fragment (the scheme, host and path stay, user and
-               password go)
+               password go; punctuation after the URL, a closing bracket too, stays outside)
 ``<str>``      a quoted value longer than 64 characters, and pydantic's ``input_value=...``
 =============  ==========================================================================
 
@@ -38,6 +40,10 @@ import functools
 import hashlib
 import json
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rabbit_retry.errors import InputError
 
 MAX_LENGTH = 500  # characters of a normalised message that count
 QUOTED_MAX = 64  # a quoted value longer than this, once normalised, becomes <str>
@@ -67,13 +73,17 @@ _PARTS = [
         rf"|(?<![A-Za-z0-9:])(?=[0-9a-fA-F:]*\d)(?:{_HEX}{{0,4}}:){{2,7}}{_HEX}{{1,4}}"
         r"(?![A-Za-z0-9:])",
     ),
+    ("hex", rf"{_NOT_AN}0[xX]{_HEX}+{_NO_AN_AFTER}"),
     (
-        "hex",
-        rf"{_NOT_AN}0[xX]{_HEX}+{_NO_AN_AFTER}"
-        rf"|{_NOT_AN}(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d){_HEX}{{8,}}{_NO_AN_AFTER}",
+        # One placeholder for every id scheme of letters and digits: an id that happens to be
+        # all hex, or to hold many digits, must not land in another group than its siblings.
+        "id",
+        rf"{_NOT_AN}(?=[A-Za-z0-9]*[A-Za-z])(?=[A-Za-z0-9]*\d)"
+        r"(?:(?=(?:[A-Za-z]*\d){4})"  # 4+ digits: ORD12345, AB00989
+        r"|(?=[A-Za-z0-9]{10})(?=(?:[A-Za-z]*\d){2})"  # 10+ characters, 2+ digits
+        rf"|(?={_HEX}{{8,}}{_NO_AN_AFTER}))"  # a run of 8+ hex digits
+        rf"[A-Za-z0-9]+{_NO_AN_AFTER}",
     ),
-    ("id", rf"{_NOT_AN}(?=[A-Za-z0-9]*[A-Za-z])(?=(?:[A-Za-z]*\d){{2}})[A-Za-z0-9]{{16,}}"
-     rf"{_NO_AN_AFTER}"),
     ("n", rf"{_NOT_AN}\d+(?:[.,]\d+)*"),
 ]
 _URL = r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+"
@@ -96,7 +106,10 @@ _TOP_RE = re.compile(
     f"|{_alternation(_PARTS)}"
 )
 _WHITESPACE = re.compile(r"\s+")
-_PLACEHOLDER = re.compile("|".join(re.escape(p) for p in PLACEHOLDERS))
+# The built-in placeholders and an operator rule's (``Rule.name``): never cut in the middle.
+_PLACEHOLDER = re.compile(r"<[a-z][a-z_]{0,23}>")
+_CLOSING = {")": "(", "]": "[", "}": "{"}
+_TRAILING = ".,;:!?" + "".join(_CLOSING)
 
 
 def _part(match: re.Match[str]) -> str:
@@ -118,16 +131,28 @@ def _url(url: str) -> str:
     return f"{scheme}://{_variable_parts(host + slash + path)}{tail}"
 
 
+def _url_in_text(url: str) -> str:
+    """A URL as found in running text: punctuation that ends the sentence after it, or a bracket
+    that closes around it (``(see https://h/p?a=1)``), is not part of it."""
+    end = len(url)
+    while end and url[end - 1] in _TRAILING:
+        char = url[end - 1]
+        if char in _CLOSING and url.count(_CLOSING[char], 0, end) >= url.count(char, 0, end):
+            break  # balanced inside the URL: https://h/orders/(draft)
+        end -= 1
+    return _url(url[:end]) + url[end:]
+
+
 def _top(match: re.Match[str]) -> str:
     if match.group("input") is not None:
         return "input_value=<str>"
     url = match.group("url")
     if url is not None:
-        return _url(url)
+        return _url_in_text(url)
     for group, quote in (("single", "'"), ("double", '"')):
         body = match.group(group)
         if body is not None:
-            inner = _URL_RE.sub(lambda m: _url(m.group()), body)
+            inner = _URL_RE.sub(lambda m: _url_in_text(m.group()), body)
             inner = _variable_parts(inner)
             if len(inner) <= QUOTED_MAX or _WHOLE_URL.fullmatch(inner):
                 return quote + inner + quote
@@ -186,3 +211,61 @@ def group_id(
     # lone surrogates included.
     key = json.dumps(parts, ensure_ascii=True, separators=(",", ":"))
     return hashlib.sha256(key.encode("ascii")).hexdigest()[:16]
+
+
+# --- an operator's own rules -------------------------------------------------------------------
+
+RULE_PATTERN_MAX = 200
+_RULE_NAME = re.compile(r"[a-z][a-z_]{0,23}")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """An operator's grouping rule: whatever ``pattern`` (a Python regular expression) matches
+    in an exception message becomes ``<name>`` before the built-in rules run; for one queue's
+    messages, or (``queue`` None) every queue's."""
+
+    pattern: str
+    name: str
+    queue: str | None = None
+
+
+def check_rule(rule: Rule) -> re.Pattern[str]:
+    """The rule's compiled pattern; ``InputError`` (one line) when it cannot work."""
+    if not _RULE_NAME.fullmatch(rule.name):
+        raise InputError("name: 1 to 24 lowercase letters or _ (it becomes <name>)")
+    if len(rule.pattern) > RULE_PATTERN_MAX:
+        raise InputError(f"pattern: at most {RULE_PATTERN_MAX} characters")
+    try:
+        compiled = re.compile(rule.pattern)
+    except re.error as exc:
+        raise InputError(f"pattern: not a regular expression: {exc.msg}") from None
+    except (RecursionError, OverflowError):
+        raise InputError("pattern: too deeply nested") from None
+    if compiled.search("") is not None:
+        raise InputError("pattern: matches an empty text (every message would change)")
+    return compiled
+
+
+class Grouping:
+    """The built-in rules plus an operator's (``Rule``): each parked message's pattern and group.
+
+    Operator rules go first, in the order given, so they can name what the built-in ones
+    would keep (a tenant, a shard) or take a whole variable phrase at once."""
+
+    def __init__(self, rules: Sequence[Rule] = ()) -> None:
+        self.rules = tuple(rules)
+        self._compiled = [(rule.queue, check_rule(rule), f"<{rule.name}>") for rule in rules]
+
+    def pattern(self, queue: str, message: str | None) -> str:
+        text = (message or "")[:_INPUT_MAX]
+        for only, compiled, placeholder in self._compiled:
+            if only is None or only == queue:
+                text = compiled.sub(placeholder, text)
+        return normalise(text)
+
+    def group(self, queue: str, reason: str | None, exception_type: str | None,
+              message: str | None) -> tuple[str, str]:
+        """(group id, pattern) of a parked message."""
+        pattern = self.pattern(queue, message)
+        return group_id(queue, exception_type, pattern, reason=reason), pattern

@@ -6,7 +6,9 @@ broker get one ``basic.ack(multiple)`` up to the batch's last delivery tag (ever
 channel belongs to this batch or an earlier, committed one). Killed at any point, what was not
 acked goes back to its parking queue and is delivered again; the store's unique ``digest`` keeps
 a copy committed before the kill from being stored twice. A store that fails (database down) is
-retried with backoff while its batch stays unacked; a lost connection reconnects with backoff.
+retried with backoff while its batch stays unacked; a lost connection reconnects with backoff
+(``backoff.Backoff``, both). Each copy is grouped by the store's grouping rules as they are when
+its batch is written (an operator's rule added meanwhile applies from the next batch on).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import aiormq.exceptions
 from aiormq.abc import AbstractChannel, DeliveredMessage
 from pamqp import commands as spec
 
+from rabbit_retry.backoff import Backoff
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
+from rabbit_retry.desk.groups import Grouping
 from rabbit_retry.desk.records import parked
 from rabbit_retry.desk.store import Store
 from rabbit_retry.errors import BrokerError
@@ -40,6 +44,8 @@ PREFETCH = 4 * BATCH  # deliveries keep arriving while a batch is written
 LINGER_S = 0.02  # how long a small batch waits for company
 RECHECK_S = 30.0  # how often a missing parking queue is looked for again
 BACKOFF_MAX_S = 30.0
+RECONNECT_FIRST_S = 1.0
+STORE_RETRY_FIRST_S = 0.2
 
 
 @dataclass
@@ -71,23 +77,23 @@ class Ingest:
         self._pending: list[tuple[str, DeliveredMessage]] = []
         self._arrived = asyncio.Event()
         self.consuming = asyncio.Event()  # set once every parking queue found is consumed
+        self._grouping: tuple[int, Grouping] | None = None
 
     async def run(self) -> None:
         """Until cancelled: connect, consume, store; reconnect after a loss."""
-        failures = 0
+        backoff = Backoff(RECONNECT_FIRST_S, BACKOFF_MAX_S)
         while True:
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except _LOST as exc:
-                failures += 1
-                delay = min(BACKOFF_MAX_S, 0.5 * 2 ** min(failures, 6))
+                delay = backoff.failed()
                 log.warning("desk: ingest lost the broker (%s); again in %.0fs", exc, delay)
                 self.consuming.clear()
                 await asyncio.sleep(delay)
             else:
-                failures = 0
+                backoff.succeeded()
 
     async def _session(self) -> None:
         connection = await connect(self.settings, name="rabbit-retry desk ingest")
@@ -176,34 +182,44 @@ class Ingest:
             last = max(_tag(m) for _, m in taken)
             await channel.basic_ack(last, multiple=True)
 
+    def _current_grouping(self) -> tuple[int, Grouping]:
+        """The store's grouping rules (read again only when their generation changed)."""
+        generation = int(self.store.meta("grouping") or 0)
+        if self._grouping is None or self._grouping[0] != generation:
+            self._grouping = self.store.grouping()
+        return self._grouping
+
+    def _write(self, taken: list[tuple[str, DeliveredMessage]], moment: datetime) -> int:
+        generation, grouping = self._current_grouping()
+        rows = [parked(queue, m.body, m.header.properties, now=moment, grouping=grouping,
+                       generation=generation) for queue, m in taken]
+        return self.store.insert(rows, moment)
+
     async def _store(self, taken: list[tuple[str, DeliveredMessage]]) -> None:
         moment = datetime.now(UTC)
-        # Rows are made in the store's thread: the event loop goes on receiving meanwhile.
-        rows = await asyncio.to_thread(
-            lambda: [parked(queue, m.body, m.header.properties, now=moment) for queue, m in taken]
-        )
-        failures = 0
+        backoff = Backoff(STORE_RETRY_FIRST_S, BACKOFF_MAX_S)
         while True:
             try:
-                new = await asyncio.to_thread(self.store.insert, rows, moment)
+                # Rows are made in the store's thread: the event loop goes on receiving.
+                new = await asyncio.to_thread(self._write, taken, moment)
                 break
             except Exception as exc:  # the database is down or refused: keep the batch unacked
-                failures += 1
-                delay = min(BACKOFF_MAX_S, 0.2 * 2 ** min(failures, 8))
-                if failures == 1:
+                delay = backoff.failed()
+                if backoff.failures == 1:
                     log.error("desk: storing %d parked messages failed (%s); retrying every "
-                              "<= %.0fs, they stay in their parking queues", len(rows),
+                              "<= %.0fs, they stay in their parking queues", len(taken),
                               _one_line(exc), BACKOFF_MAX_S)
                 await asyncio.sleep(delay)
-        if failures:
+        if failures := backoff.succeeded():
             log.info("desk: the store works again after %d failed attempts", failures)
-        if new < len(rows):
+        if new < len(taken):
             log.info("desk: %d of %d parked messages were stored already (delivered again after"
-                     " a desk stopped between its commit and its ack)", len(rows) - new, len(rows))
+                     " a desk stopped between its commit and its ack)", len(taken) - new,
+                     len(taken))
         self.stats.stored += new
-        self.stats.seen += len(rows)
+        self.stats.seen += len(taken)
         if self._on_batch is not None:
-            self._on_batch(len(rows), new)
+            self._on_batch(len(taken), new)
 
 
 def _tag(message: DeliveredMessage) -> int:

@@ -11,7 +11,9 @@ from prometheus_client.registry import Collector
 
 from rabbit_retry import metric_names as names
 from rabbit_retry.desk.store import Store
+from rabbit_retry.worker.decide import ParkReason
 
+REASONS = tuple(reason.value for reason in ParkReason)
 _KINDS = {"ingested": names.DESK_INGESTED, "replayed": names.DESK_REPLAYED,
           "discarded": names.DESK_DISCARDED}
 
@@ -34,11 +36,16 @@ class DeskCollector(Collector):
                                    labels=list(names.DESK_OLDEST_PARKED_SECONDS.labels))
         now = datetime.now(UTC)
         first_by_queue: dict[str, datetime] = {}
+        # Every queue of the topology has every reason's series, at 0 when nothing is parked
+        # for it: a series that vanishes reads as "no data", not as "nothing parked".
+        counts = {(queue, reason): 0 for queue in self.queues for reason in REASONS}
         for queue, reason, count, first in self.store.parked_by():
-            parked.add_metric([queue, reason or "unknown"], count)
+            counts[(queue, reason or "unknown")] = count
             if first is not None and (queue not in first_by_queue
                                       or first < first_by_queue[queue]):
                 first_by_queue[queue] = first
+        for (queue, reason), count in sorted(counts.items()):
+            parked.add_metric([queue, reason], count)
         for queue in sorted(set(self.queues) | set(first_by_queue)):
             first = first_by_queue.get(queue)
             oldest.add_metric([queue], max(0.0, (now - first).total_seconds()) if first else 0.0)

@@ -25,13 +25,14 @@ from typing import Any
 from pamqp import commands as spec
 
 from rabbit_retry import contract, wire
-from rabbit_retry.desk.groups import group_id, normalise
+from rabbit_retry.desk.groups import Grouping
 from rabbit_retry.parking.headers import parked_at
 from rabbit_retry.parking.message import jsonable
 
 # Per-redelivery counters: the same copy delivered twice must have the same digest.
 _UNSTABLE = contract.RETURN_COUNTERS
 EXCEPTION_MESSAGE_MAX = 2000  # characters stored of an exception message (the worker writes less)
+BUILT_IN = Grouping()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,9 @@ class Parked:
     headers_raw: bytes  # the AMQP field table, exact
     properties: dict[str, Any]  # JSON view of every set property but headers
     body: bytes
+    replay_of: str | None = None  # the desk replay this copy came back from
+    grouping: int = 0  # the generation of grouping rules ``group`` was computed under
+    source: str = "parking"
 
     def group_row(self) -> dict[str, Any]:
         return {"id": self.group, "queue": self.queue, "reason": self.reason,
@@ -79,6 +83,9 @@ class Parked:
             # A UTF-8 body is kept once, as text (searchable); any other body as bytes.
             "body_text": text,
             "body": None if text is not None else self.body,
+            "replay_of": self.replay_of,
+            "grouping": self.grouping,
+            "source": self.source,
         }
 
 
@@ -101,9 +108,11 @@ def _set_properties(properties: spec.Basic.Properties) -> dict[str, Any]:
 
 
 def parked(
-    queue: str, body: bytes, properties: spec.Basic.Properties, *, now: datetime
+    queue: str, body: bytes, properties: spec.Basic.Properties, *, now: datetime,
+    grouping: Grouping = BUILT_IN, generation: int = 0,
 ) -> Parked:
-    """The row of a copy delivered from ``queue``'s parking queue at ``now``."""
+    """The row of a copy delivered from ``queue``'s parking queue at ``now``, grouped by
+    ``grouping`` (generation ``generation`` of the store's rules)."""
     headers = dict(properties.headers or {})
     stable = {k: v for k, v in headers.items() if k not in _UNSTABLE}
     raw = wire.encode_table(stable)
@@ -118,7 +127,8 @@ def parked(
     if exc_message is not None:
         exc_message = exc_message[:EXCEPTION_MESSAGE_MAX]
     reason = contract.header_text(headers.get(contract.PARKED_REASON))
-    pattern = normalise(exc_message or "")
+    group, pattern = grouping.group(queue, reason, exc_type, exc_message)
+    replay_of = contract.header_text(headers.get(contract.REPLAY_ID))
     return Parked(
         digest=digest.hexdigest(),
         queue=queue,
@@ -129,13 +139,22 @@ def parked(
         exception_message=exc_message,
         attempts=contract.as_count(headers.get(contract.RETRY_COUNT)),
         parked_at=parked_at(headers) or now.astimezone(UTC),
-        group=group_id(queue, exc_type, pattern, reason=reason),
+        group=group,
         pattern=pattern,
         headers=jsonable(stable),
         headers_raw=raw,
         properties=json_props,
         body=body,
+        replay_of=replay_of[:32] if replay_of else None,
+        grouping=generation,
     )
+
+
+def generated_message_id(digest: str) -> str:
+    """The message id a replay gives a stored copy that has none: made from the copy (its
+    digest), so every replay of it, and every copy of it that parks again, carries the same
+    one (marked ``message-id-generated``)."""
+    return f"rr-{digest[:32]}"
 
 
 def stored_body(row: Mapping[str, Any]) -> bytes:

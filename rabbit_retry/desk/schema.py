@@ -6,7 +6,10 @@ what the code queries, and tests/unit/test_desk_store.py checks that the two agr
 - ``messages``: one row per parked copy (``records.Parked``); ``status`` is ``parked``,
   ``replayed`` (written when a replay claims the row) or ``discarded``. The desk shows a
   ``replayed`` row as ``replaying`` while its replay still holds it (``replay_items``: the
-  broker has not confirmed its copy yet).
+  broker has not confirmed its copy yet). ``source`` says where it came from (``parking``; the
+  outbox's dead events will be another), ``replay_of`` which desk replay it came back from (the
+  ``replay-id`` its copy carried when it parked again), ``grouping`` under which generation of
+  the grouping rules its ``group_id`` was computed.
 - ``groups``: what a group id stands for (queue, reason, exception type, normalised message) and
   a sample message; its counts come from ``messages``.
 - ``audit``: who did what, when, to how many, with which selection and reason. Never deleted.
@@ -17,7 +20,14 @@ what the code queries, and tests/unit/test_desk_store.py checks that the two agr
   desk (or the same one, restarted) finishes a replay whose desk died.
 - ``replay_items``: the rows a replay in progress holds: every row it took when it started
   (a row belongs to one replay at a time; no other action takes it) until the broker confirmed
-  its copy. Rows are written ``replayed`` a page at a time as the replay publishes them.
+  its copy. Rows are written ``replayed`` a few at a time, just before their copies are
+  published: a row ``replayed`` and still held is one whose copy may be on its way.
+- ``message_events``: which audit entries (discard, restore) touched which row, for a message's
+  history (a replay is the row's ``replay_id``).
+- ``group_notes``: what operators wrote about a group.
+- ``grouping_rules``: operators' own grouping rules (``groups.Rule``).
+- ``sessions``: the page's logins (the hash of each session id, whose, until when).
+- ``desk_meta``: the key that signs session cookies, the grouping generation.
 """
 
 from __future__ import annotations
@@ -31,6 +41,10 @@ from sqlalchemy.types import TypeDecorator
 
 # The statuses the desk shows and filters by (``replaying`` is derived, see above).
 STATUSES = ("parked", "replaying", "replayed", "discarded")
+# Where a stored message came from: a parking queue (the outbox's dead events will be another).
+SOURCES = ("parking",)
+# How a replay's audit entry ends (``running`` until then).
+REPLAY_STATES = ("running", "done", "failed", "cancelled")
 
 
 class UtcDateTime(TypeDecorator[datetime]):
@@ -86,6 +100,11 @@ messages = sa.Table(
     sa.Column("replay_id", sa.String(32)),
     sa.Column("replayed_to", sa.Text),
     sa.Column("discard_reason", sa.Text),
+    sa.Column("source", sa.String(16), nullable=False, server_default="parking"),
+    sa.Column("replay_of", sa.String(32)),
+    sa.Column("grouping", sa.Integer, nullable=False, server_default="0"),
+    # A discarded copy that held its ordered key: the key's release is still to be sent.
+    sa.Column("release_pending", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index("ix_messages_status_group", "status", "group_id", "parked_at"),
     sa.Index("ix_messages_status_parked", "status", "parked_at"),
     sa.Index("ix_messages_queue_status_parked", "queue", "status", "parked_at"),
@@ -94,6 +113,9 @@ messages = sa.Table(
     sa.Index("ix_messages_message_id", "message_id"),
     sa.Index("ix_messages_correlation_id", "correlation_id"),
     sa.Index("ix_messages_replay_id", "replay_id"),
+    sa.Index("ix_messages_replay_of", "replay_of"),
+    sa.Index("ix_messages_grouping", "grouping"),
+    sa.Index("ix_messages_release_pending", "release_pending"),
 )
 
 groups = sa.Table(
@@ -119,10 +141,15 @@ audit = sa.Table(
     sa.Column("reason", sa.Text),
     sa.Column("replay_id", sa.String(32), unique=True),
     sa.Column("to_queue", sa.Text),
-    sa.Column("state", sa.String(16), nullable=False),  # pending | done | failed
+    # done, or a replay's state: running | done | failed | cancelled
+    sa.Column("state", sa.String(16), nullable=False),
     sa.Column("done_at", UtcDateTime),
     sa.Column("outcome", sa.Text),
-    sa.Column("done_count", sa.Integer),
+    sa.Column("done_count", sa.Integer),  # a replay's copies confirmed so far
+    sa.Column("refused", sa.Integer),  # a replay's copies the broker returned or refused
+    sa.Column("resent", sa.Integer),  # copies re-sent when a replay was resumed (maybe twice)
+    sa.Column("cancelled_by", sa.Text),
+    sa.Column("detail", sa.JSON),  # an edit's diff, a rule, a restore's reason
     sa.Index("ix_audit_at", "at"),
 )
 
@@ -134,6 +161,10 @@ replays = sa.Table(
     sa.Column("rate", sa.Float),
     sa.Column("owner", sa.Text, nullable=False),
     sa.Column("lease_until", UtcDateTime, nullable=False),
+    sa.Column("cancel_by", sa.Text),  # who asked it to stop (any desk may be running it)
+    # An edit and replay publishes this body and these headers instead of the row's.
+    sa.Column("edit_body", sa.LargeBinary),
+    sa.Column("edit_headers", sa.LargeBinary),
 )
 
 replay_items = sa.Table(
@@ -150,4 +181,55 @@ totals = sa.Table(
     sa.Column("queue", sa.Text, primary_key=True),
     sa.Column("kind", sa.String(16), primary_key=True),  # ingested | replayed | discarded
     sa.Column("count", sa.BigInteger, nullable=False),
+)
+
+message_events = sa.Table(
+    "message_events",
+    metadata,
+    sa.Column("id", Id, primary_key=True, autoincrement=True),
+    sa.Column("message_id", Id, nullable=False),
+    sa.Column("audit_id", Id, nullable=False),
+    sa.Index("ix_message_events_message", "message_id"),
+)
+
+group_notes = sa.Table(
+    "group_notes",
+    metadata,
+    sa.Column("id", Id, primary_key=True, autoincrement=True),
+    sa.Column("group_id", sa.String(16), nullable=False),
+    sa.Column("at", UtcDateTime, nullable=False),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("text", sa.Text, nullable=False),
+    sa.Index("ix_group_notes_group", "group_id", "at"),
+)
+
+grouping_rules = sa.Table(
+    "grouping_rules",
+    metadata,
+    sa.Column("id", Id, primary_key=True, autoincrement=True),
+    sa.Column("queue", sa.Text),
+    sa.Column("pattern", sa.Text, nullable=False),
+    sa.Column("name", sa.String(32), nullable=False),
+    sa.Column("actor", sa.Text, nullable=False),
+    sa.Column("at", UtcDateTime, nullable=False),
+)
+
+sessions = sa.Table(
+    "sessions",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # sha256 of the session id
+    sa.Column("identity", sa.Text, nullable=False),
+    sa.Column("role", sa.String(16), nullable=False),
+    sa.Column("how", sa.String(16), nullable=False),
+    sa.Column("credential", sa.String(64), nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("expires_at", UtcDateTime, nullable=False),
+    sa.Index("ix_sessions_expires", "expires_at"),
+)
+
+desk_meta = sa.Table(
+    "desk_meta",
+    metadata,
+    sa.Column("name", sa.String(32), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
 )

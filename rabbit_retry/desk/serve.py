@@ -1,5 +1,6 @@
 """``rabbit-retry desk``: the store migrated, the parking queues ingested, the page and API
-served, replays left unfinished by a stopped desk finished, old rows swept; until a signal."""
+served, replays left unfinished by a stopped desk finished, stored messages regrouped when the
+grouping rules change, old rows and sessions swept; until a signal."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from datetime import timedelta
 from typing import Any
 
 from rabbit_retry.desk.actions import Actions
+from rabbit_retry.desk.auth import LOOPBACK, Access, load_access
 from rabbit_retry.desk.ingest import Ingest
+from rabbit_retry.desk.outcomes import Depths
 from rabbit_retry.desk.store import Store
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
@@ -55,15 +58,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_exposure(listen: Listen, token: str | None) -> None:
-    """Without a token the desk serves loopback only: anyone who reaches it could replay."""
-    if token is None and not is_loopback(listen.host):
+def check_exposure(listen: Listen, access: Access) -> None:
+    """Without credentials the desk serves loopback only: anyone who reaches it could replay."""
+    if access.mode == LOOPBACK and not is_loopback(listen.host):
         raise InputError(
-            f"--listen {listen.host}:{listen.port}: without RABBIT_RETRY_DESK_TOKEN the desk "
-            "listens on loopback only (127.0.0.1, ::1); set a token to listen elsewhere"
+            f"--listen {listen.host}:{listen.port}: without RABBIT_RETRY_DESK_TOKEN or --access "
+            "FILE the desk listens on loopback only (127.0.0.1, ::1); set one to listen "
+            "elsewhere"
         )
-    if token is not None and len(token) < 16:
-        raise InputError("RABBIT_RETRY_DESK_TOKEN: use at least 16 characters")
 
 
 def open_store(url: str) -> Store:
@@ -80,20 +82,22 @@ def open_store(url: str) -> Store:
 
 
 async def serve(topology: Topology, settings: Settings, *, store_url: str, listen: Listen,
-                keep: timedelta, token: str | None,
+                keep: timedelta, token: str | None = None, access: Access | None = None,
                 on_ready: asyncio.Event | None = None) -> None:
     import uvicorn
 
     from rabbit_retry.desk.app import Desk, create_app
 
-    check_exposure(listen, token)
+    access = access if access is not None else load_access(None, token)
+    check_exposure(listen, access)
     store = await asyncio.to_thread(open_store, store_url)
     queues = list(topology.queue_names)
     ingest = Ingest(store, settings, queues)
     actions = Actions(store, settings, set(queues))
-    desk = Desk(store, actions, queues, token, ingest.stats)
-    config = uvicorn.Config(create_app(desk), host=listen.host, port=listen.port,
-                            log_level="warning", access_log=False, lifespan="off")
+    desk = Desk(store, actions, queues, access, ingest.stats, Depths(settings, topology))
+    config = uvicorn.Config(create_app(desk, listen_host=listen.host), host=listen.host,
+                            port=listen.port, log_level="warning", access_log=False,
+                            lifespan="off")
 
     class Server(uvicorn.Server):
         @contextmanager
@@ -115,7 +119,8 @@ async def serve(topology: Topology, settings: Settings, *, store_url: str, liste
                 serving.result()
                 raise BrokerError(f"cannot listen on {listen.host}:{listen.port}")
             await asyncio.sleep(0.05)
-        auth = "a token is required" if token else "loopback only, no token"
+        auth = {"loopback": "loopback only, no sign-in", "token": "a token is required",
+                "operators": "named operators sign in"}[access.mode]
         log.info("desk: serving %s (%s); store %s; %d queue(s)", listen.url, auth,
                  mask(store_url), len(queues))
         print(f"rabbit-retry desk: open {listen.url} ({auth})", flush=True)
@@ -144,14 +149,20 @@ def _stop(server: Any) -> None:
 
 
 async def _housekeeping(store: Store, actions: Actions, keep: timedelta) -> None:
-    """Finish replays whose desk stopped; delete rows older than ``keep`` once replayed or
-    discarded."""
+    """Finish replays whose desk stopped; send the releases of ordered keys not sent yet; regroup
+    messages grouped under older rules; delete rows older than ``keep`` once replayed or
+    discarded, and expired sessions."""
     swept_at = -SWEEP_EVERY_S
     loop = asyncio.get_running_loop()
     failing = False
     while True:
         try:
             await actions.adopt_abandoned()
+            await actions.send_releases()
+            moved = await asyncio.to_thread(store.regroup)
+            if moved:
+                log.info("desk: %d stored messages moved to another group (grouping rules "
+                         "changed)", moved)
             if loop.time() - swept_at >= SWEEP_EVERY_S:
                 removed = await asyncio.to_thread(store.sweep, keep)
                 swept_at = loop.time()

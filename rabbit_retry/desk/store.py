@@ -1,20 +1,17 @@
-"""The desk's store: parked messages, groups, audit and replays in SQLite or PostgreSQL through
-SQLAlchemy (synchronous; the desk calls it from worker threads).
+"""The desk's store: parked messages, groups, notes, grouping rules, the audit and sessions in
+SQLite or PostgreSQL through SQLAlchemy (synchronous; the desk calls it from worker threads).
+What operators do to rows (discard, restore, replay) is ``ledger.Ledger``'s, on the same store.
 
 Every write that must hold together is one transaction: a batch of parked copies with their
-groups (committed before the broker hears an ack), a replay's claim of its rows with its audit
-entry, a discard with its audit entry. Several desks may share one PostgreSQL database: a replay
-claims its rows by inserting their ids into ``replay_items`` (primary key: the row's id,
-``ON CONFLICT DO NOTHING``), a discard takes only parked rows no replay holds (``UPDATE ...
-WHERE status = 'parked' AND NOT EXISTS``), so two desks never replay or discard the same row;
-copies are inserted with ``ON CONFLICT (digest) DO NOTHING``, so a copy consumed twice (a desk
-killed between commit and ack, or two desks) is stored once.
+groups (committed before the broker hears an ack), a note, a rule with its audit entry. Copies
+are inserted with ``ON CONFLICT (digest) DO NOTHING``, so a copy consumed twice (a desk killed
+between commit and ack, or two desks) is stored once. Several desks may share one PostgreSQL
+database: sessions, rules and the key that signs cookies live here, not in a desk's memory.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -27,13 +24,28 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from rabbit_retry.desk import schema
-from rabbit_retry.desk.records import Parked
-from rabbit_retry.desk.schema import audit, groups, messages, replay_items, replays, totals
+from rabbit_retry.desk.errors import NotFound
+from rabbit_retry.desk.groups import Grouping, Rule, check_rule
+from rabbit_retry.desk.records import Parked, generated_message_id
+from rabbit_retry.desk.schema import (
+    audit,
+    desk_meta,
+    group_notes,
+    grouping_rules,
+    groups,
+    message_events,
+    messages,
+    replay_items,
+    sessions,
+    totals,
+)
 from rabbit_retry.errors import InputError
 from rabbit_retry.settings import mask
 
 DEFAULT_STORE = "sqlite:///rabbit-retry-desk.db"
 _MIGRATION_LOCK = 0x7261626269740001  # PostgreSQL advisory lock: one desk migrates at a time
+HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}")  # NAME=VALUE searches a header
+HISTORY_MAX = 200  # rows of one message id shown in its history
 
 
 def engine_url(url: str) -> sa.URL:
@@ -56,7 +68,8 @@ def engine_url(url: str) -> sa.URL:
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """Which rows an action takes: listed ids, or every parked row of a group."""
+    """Which rows an action takes: listed ids, or every row of a group (in the status the
+    action acts on)."""
 
     ids: tuple[int, ...] = ()
     group: str | None = None
@@ -69,10 +82,9 @@ class Selection:
             return messages.c.group_id == self.group
         return messages.c.id.in_(self.ids)
 
-    def takeable(self) -> sa.ColumnElement[bool]:
-        """The selection's rows an action may take: parked, and held by no replay."""
-        held = sa.exists().where(replay_items.c.message_id == messages.c.id)
-        return sa.and_(self.where(), messages.c.status == "parked", ~held)
+    def takeable(self, status: str = "parked") -> sa.ColumnElement[bool]:
+        """The selection's rows an action may take: in ``status``, and held by no replay."""
+        return sa.and_(self.where(), messages.c.status == status, ~in_flight())
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +97,19 @@ class Query:
     text: str | None = None  # message id, correlation id, header NAME=VALUE, or body text
     since: datetime | None = None
     until: datetime | None = None
+    replay: str | None = None  # the rows a replay took
+    source: str | None = None
     limit: int = 50
     offset: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """A replay this desk carries out: its id, where to, how fast."""
-
-    id: str
-    to_queue: str | None
-    rate: float | None
-
-
 def now() -> datetime:
     return datetime.now(UTC)
+
+
+def like(text: str) -> str:
+    """``%text%`` with LIKE's own wildcards matched literally (escape ``\\``)."""
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
 
 
 class Store:
@@ -140,9 +150,45 @@ class Store:
             command.upgrade(config, "head")
 
     @contextmanager
-    def _tx(self) -> Iterator[Connection]:
+    def tx(self) -> Iterator[Connection]:
         with self.engine.begin() as connection:
             yield connection
+
+    def upsert(self, table: sa.Table) -> Any:
+        if self.dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
+
+    def insert_ignore(self, table: sa.Table, keys: list[str]) -> Any:
+        return self.upsert(table).on_conflict_do_nothing(index_elements=keys)
+
+    def add_totals(self, tx: Connection, kind: str, counts: Counter[str]) -> None:
+        """Add ``counts`` (per queue) to the ``kind`` totals, in the caller's transaction."""
+        if not counts:
+            return
+        rows = [{"queue": q, "kind": kind, "count": n} for q, n in sorted(counts.items())]
+        stmt = self.upsert(totals)
+        tx.execute(stmt.on_conflict_do_update(
+            index_elements=["queue", "kind"],
+            set_={"count": totals.c["count"] + stmt.excluded["count"]},
+        ), rows)
+
+    def meta(self, name: str) -> str | None:
+        with self.engine.connect() as c:
+            value = c.execute(sa.select(desk_meta.c.value).where(desk_meta.c.name == name)
+                              ).scalar_one_or_none()
+            return None if value is None else str(value)
+
+    def session_key(self) -> bytes:
+        """The key that signs session cookies, the same for every desk on this store."""
+        value = self.meta("session_key")
+        if value is None:
+            raise RuntimeError("the store has no session key (not migrated?)")
+        return bytes.fromhex(value)
 
     # --- ingest ----------------------------------------------------------------------------
 
@@ -156,12 +202,12 @@ class Store:
         for p in batch:  # a group's sample is its first message
             first_of_group.setdefault(p.group, p.group_row())
         group_rows = list(first_of_group.values())
-        with self._tx() as tx:
-            tx.execute(self._insert_ignore(groups, ["id"]), group_rows)
+        with self.tx() as tx:
+            tx.execute(self.insert_ignore(groups, ["id"]), group_rows)
             # A plain executemany (RETURNING would make PostgreSQL's driver parse one huge
             # statement per batch); a copy already stored is skipped. The new rows are those
             # of the batch carrying this batch's ingest time.
-            tx.execute(self._insert_ignore(messages, ["digest"]), rows)
+            tx.execute(self.insert_ignore(messages, ["digest"]), rows)
             m = messages.c
             new = Counter({
                 str(queue): int(count) for queue, count in tx.execute(
@@ -170,62 +216,139 @@ class Store:
                     .group_by(m.queue)
                 )
             })
-            self._add(tx, "ingested", new)
+            self.add_totals(tx, "ingested", new)
             return sum(new.values())
 
-    def _add(self, tx: Connection, kind: str, counts: Counter[str]) -> None:
-        """Add ``counts`` (per queue) to the ``kind`` totals, in the caller's transaction."""
-        if not counts:
-            return
-        rows = [{"queue": q, "kind": kind, "count": n} for q, n in sorted(counts.items())]
-        stmt = self._upsert(totals)
-        tx.execute(stmt.on_conflict_do_update(
-            index_elements=["queue", "kind"],
-            set_={"count": totals.c["count"] + stmt.excluded["count"]},
-        ), rows)
+    # --- grouping ----------------------------------------------------------------------------
 
-    def _upsert(self, table: sa.Table) -> Any:
-        if self.dialect == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as pg_insert
+    def grouping(self) -> tuple[int, Grouping]:
+        """(generation, the rules of that generation): what a parked copy is grouped by now."""
+        with self.engine.connect() as c:
+            generation = c.execute(sa.select(desk_meta.c.value)
+                                   .where(desk_meta.c.name == "grouping")).scalar_one()
+            rules = [Rule(r.pattern, r.name, r.queue) for r in
+                     c.execute(sa.select(grouping_rules).order_by(grouping_rules.c.id))]
+        return int(generation), Grouping(rules)
 
-            return pg_insert(table)
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+    def rules(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as c:
+            return [dict(r._mapping) for r in
+                    c.execute(sa.select(grouping_rules).order_by(grouping_rules.c.id))]
 
-        return sqlite_insert(table)
+    def add_rule(self, rule: Rule, actor: str) -> dict[str, Any]:
+        """A new rule (checked: ``InputError``), its audit entry, and the next generation: the
+        stored messages are regrouped by ``regroup``."""
+        check_rule(rule)
+        with self.tx() as tx:
+            created = tx.execute(grouping_rules.insert().values(
+                queue=rule.queue, pattern=rule.pattern, name=rule.name, actor=actor, at=now(),
+            ).returning(grouping_rules)).one()
+            self._rules_changed(tx, actor, "rule", {"added": _rule_json(created._mapping)})
+            return dict(created._mapping)
 
-    def _insert_ignore(self, table: sa.Table, keys: list[str]) -> Any:
-        return self._upsert(table).on_conflict_do_nothing(index_elements=keys)
+    def remove_rule(self, rule_id: int, actor: str) -> None:
+        with self.tx() as tx:
+            gone = tx.execute(grouping_rules.delete().where(grouping_rules.c.id == rule_id)
+                              .returning(grouping_rules)).first()
+            if gone is None:
+                raise NotFound(f"no grouping rule {rule_id}")
+            self._rules_changed(tx, actor, "rule", {"removed": _rule_json(gone._mapping)})
+
+    def _rules_changed(self, tx: Connection, actor: str, action: str,
+                       detail: dict[str, Any]) -> None:
+        tx.execute(desk_meta.update().where(desk_meta.c.name == "grouping").values(
+            value=sa.cast(sa.cast(desk_meta.c.value, sa.Integer) + 1, sa.Text)))
+        tx.execute(audit.insert().values(at=now(), actor=actor, action=action, count=0,
+                                         selection={}, state="done", detail=detail))
+
+    def regroup(self, batch: int = 2000) -> int:
+        """Group again every row grouped under an older generation of the rules; returns how
+        many rows changed group. Rows are read and written a batch at a time; a rule changed
+        meanwhile leaves rows for the next call."""
+        generation, grouping = self.grouping()
+        m = messages.c
+        changed = 0
+        after = 0
+        while True:
+            with self.tx() as tx:
+                rows = tx.execute(
+                    sa.select(m.id, m.queue, m.reason, m.exception_type, m.exception_message,
+                              m.group_id)
+                    .where(m.grouping < generation, m.id > after).order_by(m.id).limit(batch)
+                ).all()
+                if not rows:
+                    return changed
+                after = rows[-1].id
+                moved: dict[str, list[int]] = {}
+                new_groups: dict[str, dict[str, Any]] = {}
+                for row in rows:
+                    group, pattern = grouping.group(row.queue, row.reason, row.exception_type,
+                                                    row.exception_message)
+                    if group != row.group_id:
+                        moved.setdefault(group, []).append(row.id)
+                        new_groups.setdefault(group, {
+                            "id": group, "queue": row.queue, "reason": row.reason,
+                            "exception_type": row.exception_type, "pattern": pattern,
+                            "sample": row.exception_message})
+                if new_groups:
+                    tx.execute(self.insert_ignore(groups, ["id"]), list(new_groups.values()))
+                for group, ids in moved.items():
+                    tx.execute(messages.update().where(m.id.in_(ids)).values(group_id=group))
+                    changed += len(ids)
+                tx.execute(messages.update()
+                           .where(m.id.in_([r.id for r in rows]), m.grouping < generation)
+                           .values(grouping=generation))
 
     # --- reading ---------------------------------------------------------------------------
 
-    def groups(self, queue: str | None = None, status: str = "parked") -> list[dict[str, Any]]:
-        """Each group with messages in ``status``: its cause, count, first and last parked."""
+    def groups(self, queue: str | None = None, status: str = "parked", *, text: str | None = None,
+               limit: int = 100, offset: int = 0) -> tuple[int, list[dict[str, Any]]]:
+        """(how many groups have messages in ``status``, one page of them, largest first): each
+        with its cause, count, first and last parked, and how many notes it has."""
         m = messages.c
         counts = (
             sa.select(m.group_id, sa.func.count().label("count"),
                       sa.func.min(m.parked_at).label("first"),
                       sa.func.max(m.parked_at).label("last"))
-            .where(_status_is(status))
+            .where(status_is(status))
             .group_by(m.group_id)
         )
         if queue is not None:
             counts = counts.where(m.queue == queue)
         sub = counts.subquery()
+        g = groups.c
+        where: list[sa.ColumnElement[bool]] = []
+        if text:
+            pattern = like(text)
+            where.append(sa.or_(g.exception_type.like(pattern, escape="\\"),
+                                g.pattern.like(pattern, escape="\\"),
+                                g.sample.like(pattern, escape="\\"), g.id == text))
+        notes = (sa.select(sa.func.count()).select_from(group_notes)
+                 .where(group_notes.c.group_id == g.id).scalar_subquery())
         query = (
-            sa.select(groups, sub.c["count"], sub.c.first, sub.c.last)
-            .join(sub, sub.c.group_id == groups.c.id)
-            .order_by(sub.c["count"].desc(), groups.c.id)
+            sa.select(groups, sub.c["count"], sub.c.first, sub.c.last, notes.label("notes"))
+            .join(sub, sub.c.group_id == g.id).where(*where)
+            .order_by(sub.c["count"].desc(), g.id).limit(limit).offset(offset)
         )
+        total = (sa.select(sa.func.count()).select_from(groups)
+                 .join(sub, sub.c.group_id == g.id).where(*where))
         with self.engine.connect() as c:
-            return [
-                {
-                    "id": row.id, "queue": row.queue, "reason": row.reason,
-                    "exception_type": row.exception_type, "exception_message": row.pattern,
-                    "sample": row.sample, "count": row.count,
-                    "first_parked_at": _utc(row.first), "last_parked_at": _utc(row.last),
-                }
-                for row in c.execute(query)
-            ]
+            return int(c.execute(total).scalar_one()), [_group_json(row) for row in
+                                                         c.execute(query)]
+
+    def group(self, group_id: str) -> dict[str, Any] | None:
+        """A group's cause and its messages' count per status (whatever their status)."""
+        m = messages.c
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(groups).where(groups.c.id == group_id)).first()
+            if row is None:
+                return None
+            by_status: dict[Any, Any] = dict(c.execute(sa.select(m.status, sa.func.count())
+                                       .where(m.group_id == group_id).group_by(m.status)).all())
+        return {"id": row.id, "queue": row.queue, "reason": row.reason,
+                "exception_type": row.exception_type, "exception_message": row.pattern,
+                "sample": row.sample,
+                "counts": {str(k): int(v) for k, v in by_status.items()}}
 
     def _filters(self, q: Query) -> list[sa.ColumnElement[bool]]:
         m = messages.c
@@ -235,22 +358,24 @@ class Store:
         if q.group:
             where.append(m.group_id == q.group)
         if q.status:
-            where.append(_status_is(q.status))
+            where.append(status_is(q.status))
+        if q.source:
+            where.append(m.source == q.source)
+        if q.replay:
+            where.append(m.replay_id == q.replay)
         if q.since:
             where.append(m.parked_at >= q.since)
         if q.until:
             where.append(m.parked_at < q.until)
-        if q.text:
-            where.append(self._text_filter(q.text.strip()))
         return where
 
     def _text_filter(self, text: str) -> sa.ColumnElement[bool]:
         m = messages.c
         name, eq, value = text.partition("=")
-        if eq and name and " " not in name:
+        if eq and HEADER_NAME.fullmatch(name.strip()):
             header: sa.ColumnElement[bool] = m.headers[name.strip()].as_string() == value.strip()
             return header
-        pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        pattern = like(text)
         return sa.or_(
             m.body_text.like(pattern, escape="\\"),
             m.exception_message.like(pattern, escape="\\"),
@@ -263,11 +388,11 @@ class Store:
         index lookups); only a text that is neither is searched for in bodies and exception
         messages, which reads every row the other filters leave."""
         m = messages.c
-        where = self._filters(dataclasses.replace(q, text=None))
+        where = self._filters(q)
         if q.text and q.text.strip():
             text = q.text.strip()
             name, eq, _ = text.partition("=")
-            if not (eq and name and " " not in name):
+            if not (eq and HEADER_NAME.fullmatch(name.strip())):
                 exact = sa.or_(m.message_id == text, m.correlation_id == text)
                 with self.engine.connect() as c:
                     found = c.execute(sa.select(m.id).where(exact, *where).limit(1)).first()
@@ -283,15 +408,62 @@ class Store:
             total = int(c.execute(count).scalar_one())
             return total, _shown(c, [dict(row._mapping) for row in c.execute(page)])
 
-    def message(self, message_id: int) -> dict[str, Any] | None:
+    def message(self, row_id: int) -> dict[str, Any] | None:
         with self.engine.connect() as c:
-            row = c.execute(sa.select(messages).where(messages.c.id == message_id)).first()
+            row = c.execute(sa.select(messages).where(messages.c.id == row_id)).first()
             return None if row is None else _shown(c, [dict(row._mapping)])[0]
+
+    def history(self, row_id: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]],
+                                            list[tuple[int, int]]] | None:
+        """A message's history: (its rows, oldest first: every parked copy of its message id;
+        the audit entries that touched them; (row id, audit id) of each discard and restore).
+        None when there is no such row."""
+        m = messages.c
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(messages).where(m.id == row_id)).first()
+            if row is None:
+                return None
+            # A row without a message id is replayed under one made from it: its copies that
+            # park again carry that one.
+            key = row.message_id or generated_message_id(row.digest)
+            rows = [dict(r._mapping) for r in c.execute(
+                sa.select(messages).where(m.message_id == key)
+                .order_by(m.parked_at, m.id).limit(HISTORY_MAX))]
+            if all(r["id"] != row_id for r in rows):
+                rows.append(dict(row._mapping))
+                rows.sort(key=lambda r: (r["parked_at"], r["id"]))
+            rows = _shown(c, rows)
+            ids = [r["id"] for r in rows]
+            events = [(int(e.message_id), int(e.audit_id)) for e in c.execute(
+                sa.select(message_events).where(message_events.c.message_id.in_(ids))
+                .order_by(message_events.c.id))]
+            replay_ids = {r["replay_id"] for r in rows if r["replay_id"]}
+            audit_ids = {a for _, a in events}
+            entries = [dict(e._mapping) for e in c.execute(
+                sa.select(audit).where(sa.or_(audit.c.id.in_(audit_ids),
+                                              audit.c.replay_id.in_(replay_ids)))
+                .order_by(audit.c.id))] if (audit_ids or replay_ids) else []
+        return rows, entries, events
 
     def audit(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
         query = sa.select(audit).order_by(audit.c.id.desc()).limit(limit).offset(offset)
         with self.engine.connect() as c:
             return [dict(row._mapping) for row in c.execute(query)]
+
+    def audit_entry(self, replay_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(audit).where(audit.c.replay_id == replay_id)).first()
+            return None if row is None else dict(row._mapping)
+
+    def parked_again(self, replay_ids: Sequence[str]) -> dict[str, int]:
+        """How many copies of each replay parked again since (they came back carrying its id)."""
+        if not replay_ids:
+            return {}
+        m = messages.c
+        with self.engine.connect() as c:
+            return {str(r[0]): int(r[1]) for r in c.execute(
+                sa.select(m.replay_of, sa.func.count()).where(m.replay_of.in_(replay_ids))
+                .group_by(m.replay_of))}
 
     def parked_by(self) -> list[tuple[str, str | None, int, datetime | None]]:
         """(queue, reason, parked count, oldest parked_at) of every queue and reason."""
@@ -325,202 +497,86 @@ class Store:
                 del counts["replayed"]
         return counts
 
-    # --- actions ---------------------------------------------------------------------------
+    # --- notes ---------------------------------------------------------------------------------
 
-    def _count_audit(self, tx: Connection, action: str, actor: str, selection: Selection,
-                     *, reason: str | None = None, replay_id: str | None = None,
-                     to_queue: str | None = None, state: str) -> int:
-        result = tx.execute(
-            audit.insert().values(
-                at=now(), actor=actor, action=action, count=0, selection=selection.to_json(),
-                reason=reason, replay_id=replay_id, to_queue=to_queue, state=state,
-            )
-        )
-        key = result.inserted_primary_key
-        assert key is not None
-        return int(key[0])
+    def notes(self, group_id: str) -> list[dict[str, Any]]:
+        n = group_notes.c
+        with self.engine.connect() as c:
+            return [dict(r._mapping) for r in c.execute(
+                sa.select(group_notes).where(n.group_id == group_id).order_by(n.at, n.id))]
 
-    def discard(self, selection: Selection, actor: str, reason: str) -> int:
-        """Mark the selection's parked rows discarded, with its audit entry, in one step."""
-        with self._tx() as tx:
-            entry = self._count_audit(tx, "discard", actor, selection, reason=reason,
-                                      state="done")
-            per_queue = Counter(tx.execute(
-                messages.update()
-                .where(selection.takeable())
-                .values(status="discarded", changed_at=now(), discard_reason=reason)
-                .returning(messages.c.queue)
-            ).scalars())
-            done = sum(per_queue.values())
-            self._add(tx, "discarded", per_queue)
-            tx.execute(audit.update().where(audit.c.id == entry)
-                       .values(count=done, done_count=done, done_at=now()))
-            return done
+    def add_note(self, group_id: str, actor: str, text: str) -> dict[str, Any]:
+        with self.tx() as tx:
+            if tx.execute(sa.select(groups.c.id).where(groups.c.id == group_id)).first() is None:
+                raise NotFound(f"no group {group_id}")
+            return dict(tx.execute(group_notes.insert().values(
+                group_id=group_id, at=now(), actor=actor, text=text,
+            ).returning(group_notes)).one()._mapping)
 
-    def start_replay(self, selection: Selection, actor: str, owner: str, *,
-                     to_queue: str | None, rate: float | None, lease: float) -> tuple[str, int]:
-        """Take the selection's parked rows for a new replay (``replay_items``: from now on no
-        other action takes them) and write its audit entry and lease, in one transaction.
-        The rows stay ``parked`` until ``replay_rows`` claims their page. Returns (replay id,
-        rows taken)."""
-        replay_id = uuid.uuid4().hex
-        with self._tx() as tx:
-            entry = self._count_audit(tx, "replay", actor, selection, replay_id=replay_id,
-                                      to_queue=to_queue, state="pending")
-            taken = sa.select(messages.c.id, sa.literal(replay_id, sa.String(32))).where(
-                selection.takeable())
-            tx.execute(self._insert_ignore(replay_items, ["message_id"])
-                       .from_select(["message_id", "replay_id"], taken))
-            claimed = tx.execute(  # (an INSERT ... SELECT's rowcount is -1 on psycopg)
-                sa.select(sa.func.count()).where(replay_items.c.replay_id == replay_id)
-            ).scalar_one()
-            tx.execute(audit.update().where(audit.c.id == entry).values(count=claimed))
-            tx.execute(replays.insert().values(id=replay_id, to_queue=to_queue, rate=rate,
-                                               owner=owner,
-                                               lease_until=now() + timedelta(seconds=lease)))
-            return replay_id, int(claimed)
+    # --- sessions ------------------------------------------------------------------------------
 
-    def replay_rows(self, replay_id: str, after: int, limit: int) -> list[dict[str, Any]]:
-        """Claim the replay's next rows (up to ``limit`` of its rows, by id after ``after``)
-        and return the ones to publish: its parked rows are written ``replayed`` now (their
-        one write; they count as ``replaying`` while their ``replay_items`` entry lasts, that
-        is until ``settle_replayed``); rows it claimed before (a replay taken over from a desk
-        that died) come back as they are. Empty when no row of the replay is left."""
-        m, item = messages.c, replay_items.c
-        while True:
-            with self._tx() as tx:
-                ids = list(tx.execute(
-                    sa.select(item.message_id)
-                    .where(item.replay_id == replay_id, item.message_id > after)
-                    .order_by(item.message_id).limit(limit)
-                ).scalars())
-                if not ids:
-                    return []
-                # By the list of ids, never a join: with a new table's missing statistics a
-                # planner may join the two tables row by row over again. ``_no_index`` keeps
-                # it from reading every row in a status through a status index instead.
-                to_queue = tx.execute(
-                    sa.select(replays.c.to_queue).where(replays.c.id == replay_id)
-                ).scalar_one_or_none()
-                tx.execute(messages.update()
-                           .where(m.id.in_(ids), _no_index(m.status) == "parked")
-                           .values(status="replayed", replay_id=replay_id,
-                                   replayed_to=to_queue, changed_at=now()))
-                query = (
-                    sa.select(m.id, m.queue, m.headers_raw, m.properties, m.body_text, m.body)
-                    .where(m.id.in_(ids), m.replay_id == replay_id,
-                           _no_index(m.status) == "replayed")
-                    .order_by(m.id)
-                )
-                rows = [dict(row._mapping) for row in tx.execute(query)]
-            after = ids[-1]
-            if rows:
-                return rows
-            # (a page of rows another desk discarded first: go on)
+    def add_session(self, key: str, identity: str, role: str, how: str, credential: str,
+                    lifetime: timedelta) -> datetime:
+        moment = now()
+        with self.tx() as tx:
+            tx.execute(sessions.insert().values(id=key, identity=identity, role=role, how=how,
+                                                credential=credential, created_at=moment,
+                                                expires_at=moment + lifetime))
+        return moment + lifetime
 
-    def settle_replayed(self, replay_id: str, ids: Sequence[int]) -> None:
-        """Rows whose copies the broker confirmed: the replay lets go of them."""
-        if ids:
-            with self._tx() as tx:
-                settled = _let_go(tx, replay_id, ids)
-                if settled:
-                    per_queue = Counter({str(q): int(n) for q, n in tx.execute(
-                        sa.select(messages.c.queue, sa.func.count())
-                        .where(messages.c.id.in_(settled)).group_by(messages.c.queue))})
-                    self._add(tx, "replayed", per_queue)
+    def session(self, key: str) -> dict[str, Any] | None:
+        """The live session stored under ``key``; None once it expired or ended."""
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(sessions).where(sessions.c.id == key,
+                                                      sessions.c.expires_at > now())).first()
+            return None if row is None else dict(row._mapping)
 
-    def unclaim(self, replay_id: str, ids: Sequence[int]) -> None:
-        """Rows whose copies the broker refused: parked again, untouched."""
-        if ids:
-            with self._tx() as tx:
-                refused = _let_go(tx, replay_id, ids)
-                if refused:
-                    tx.execute(messages.update()
-                               .where(messages.c.id.in_(refused),
-                                      messages.c.replay_id == replay_id)
-                               .values(status="parked", replay_id=None, replayed_to=None,
-                                       changed_at=None))
+    def end_session(self, key: str) -> bool:
+        with self.tx() as tx:
+            return bool(tx.execute(sessions.delete().where(sessions.c.id == key)).rowcount)
 
-    def finish_replay(self, replay_id: str, outcome: str | None) -> int:
-        """Close a replay: its audit entry says how many were replayed; the lease goes."""
-        m = messages.c
-        with self._tx() as tx:
-            left = tx.execute(
-                sa.select(sa.func.count()).select_from(replay_items)
-                .join(messages, m.id == replay_items.c.message_id)
-                .where(replay_items.c.replay_id == replay_id, m.status == "replayed")
-            ).scalar_one()
-            if left:
-                raise RuntimeError(f"replay {replay_id}: {left} rows still unconfirmed")
-            done = int(tx.execute(
-                sa.select(sa.func.count()).where(m.replay_id == replay_id, m.status == "replayed")
-            ).scalar_one())
-            tx.execute(
-                audit.update().where(audit.c.replay_id == replay_id)
-                .values(state="failed" if outcome else "done", done_count=done, done_at=now(),
-                        outcome=outcome)
-            )
-            tx.execute(replays.delete().where(replays.c.id == replay_id))
-            tx.execute(replay_items.delete().where(replay_items.c.replay_id == replay_id))
-            return done
-
-    def renew(self, replay_id: str, owner: str, lease: float) -> bool:
-        """Extend this desk's lease of a replay; False when it lost it (another desk took it)."""
-        with self._tx() as tx:
-            return bool(tx.execute(
-                replays.update().where(replays.c.id == replay_id, replays.c.owner == owner)
-                .values(lease_until=now() + timedelta(seconds=lease))
-            ).rowcount)
-
-    def take_abandoned(self, owner: str, lease: float) -> Claimed | None:
-        """A replay whose desk stopped renewing its lease (died), now this desk's to finish."""
-        with self._tx() as tx:
-            row = tx.execute(
-                sa.select(replays).where(replays.c.lease_until < now())
-                .order_by(replays.c.lease_until).limit(1)
-            ).first()
-            if row is None:
-                return None
-            taken = tx.execute(
-                replays.update()
-                .where(replays.c.id == row.id, replays.c.lease_until == row.lease_until)
-                .values(owner=owner, lease_until=now() + timedelta(seconds=lease))
-            ).rowcount
-            return Claimed(row.id, row.to_queue, row.rate) if taken else None
+    # --- retention -----------------------------------------------------------------------------
 
     def sweep(self, keep: timedelta) -> int:
-        """Delete replayed and discarded rows changed more than ``keep`` ago (audit stays)."""
+        """Delete replayed and discarded rows changed more than ``keep`` ago (audit stays), and
+        expired sessions."""
         m = messages.c
-        with self._tx() as tx:
-            return int(tx.execute(
-                messages.delete().where(m.status.in_(("replayed", "discarded")),
-                                        m.changed_at < now() - keep, ~_in_flight())
-            ).rowcount)
+        with self.tx() as tx:
+            tx.execute(sessions.delete().where(sessions.c.expires_at <= now()))
+            old = sa.select(m.id).where(m.status.in_(("replayed", "discarded")),
+                                        m.changed_at < now() - keep, ~in_flight())
+            tx.execute(message_events.delete().where(message_events.c.message_id.in_(old)))
+            return int(tx.execute(messages.delete().where(m.id.in_(old))).rowcount)
 
 
-def _let_go(tx: Connection, replay_id: str, ids: Sequence[int]) -> list[int]:
-    """The replay's rows among ``ids`` that it held, no longer held (ids it did not hold stay
-    out: another desk that took the replay over let go of them first)."""
-    return list(tx.execute(
-        replay_items.delete()
-        .where(replay_items.c.replay_id == replay_id, replay_items.c.message_id.in_(ids))
-        .returning(replay_items.c.message_id)
-    ).scalars())
+def _rule_json(row: Any) -> dict[str, Any]:
+    return {"id": row["id"], "queue": row["queue"], "pattern": row["pattern"],
+            "name": row["name"]}
 
 
-def _in_flight() -> sa.ColumnElement[bool]:
+def _group_json(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.id, "queue": row.queue, "reason": row.reason,
+        "exception_type": row.exception_type, "exception_message": row.pattern,
+        "sample": row.sample, "count": row.count,
+        "first_parked_at": _utc(row.first), "last_parked_at": _utc(row.last),
+        "notes": int(row.notes),
+    }
+
+
+def in_flight() -> sa.ColumnElement[bool]:
     """A row a replay holds (taken, or published and not yet confirmed)."""
     return sa.exists().where(replay_items.c.message_id == messages.c.id)
 
 
-def _status_is(status: str) -> sa.ColumnElement[bool]:
+def status_is(status: str) -> sa.ColumnElement[bool]:
     """Rows in ``status`` as the desk shows it: ``replaying`` is a row written ``replayed``
     whose copy the broker has not confirmed yet (its replay still holds it)."""
     m = messages.c
     if status == "replaying":
-        return sa.and_(m.status == "replayed", _in_flight())
+        return sa.and_(m.status == "replayed", in_flight())
     if status == "replayed":
-        return sa.and_(m.status == "replayed", ~_in_flight())
+        return sa.and_(m.status == "replayed", ~in_flight())
     return m.status == status
 
 
@@ -536,7 +592,7 @@ def _shown(c: Connection, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _no_index(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+def no_index(column: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
     """``column`` as an expression no index matches (SQLite and PostgreSQL alike)."""
     return sa.func.coalesce(column, "")
 
@@ -553,3 +609,4 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA synchronous=FULL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
+

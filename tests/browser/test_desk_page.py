@@ -16,8 +16,9 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from support.amqp import depth_sync, drain_sync
 from support.browser import console, screenshot, sent, until, view_loaded
-from support.desk import running_desk
+from support.desk import ACCESS, SECRETS, running_desk
 from support.desk_page import (
+    ORDERS,
     confirm,
     dialog,
     error_line,
@@ -36,13 +37,7 @@ from support.poll import wait_for
 from rabbit_retry.settings import Settings
 
 DASH = "\N{EN DASH}"  # the page writes a range of rows as 1<EN DASH>50 of 120
-TOPOLOGY = """
-version: 1
-defaults:
-  queue_type: classic
-  retry: {delays: [1h], max_attempts: 3}
-queues:
-  orders: {}
+TOPOLOGY = ORDERS + """\
   email: {}
   orders-manual: {}
 """
@@ -58,7 +53,7 @@ def test_find_the_cause_replay_one_group_discard_another_and_the_audit_says_who(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
     topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
-    with running_desk(fresh_vhost, topology, tmp_path) as desk:
+    with running_desk(fresh_vhost, topology, tmp_path, access=ACCESS) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [
             *(_failed("TimeoutError", f"payment gateway timed out after {30 + i}s",
                       b'{"order_id": %d, "amount_cents": 1250}' % i, f"pay-{i}")
@@ -71,11 +66,11 @@ def test_find_the_cause_replay_one_group_discard_another_and_the_audit_says_who(
                     b'{"to": "user%d@example.com"}' % i, f"mail-{i}") for i in range(4)
         ])
 
-        # The overview: how much is parked, where and why; no token, and the page says so.
-        open_desk(browser, desk, actor="alice")
-        until(browser, lambda d: d.find_element(By.ID, "auth-banner").is_displayed(),
-              "the banner of a desk without a token")
-        assert not browser.find_element(By.ID, "logout").is_displayed()
+        # The overview: how much is parked, where and why; ana signed in with her own secret.
+        open_desk(browser, desk, name="ana", secret=SECRETS["ana"], signed_in_as="ana")
+        assert browser.find_element(By.ID, "who-role").text == "operator"
+        assert browser.find_element(By.ID, "logout").is_displayed()
+        assert not browser.find_element(By.ID, "auth-banner").is_displayed()
         assert browser.find_element(By.CSS_SELECTOR, "#card-parked .value").text == "12"
         by_queue = {r.get_attribute("data-queue"): r for r in rows(browser, "overview-queues")}
         assert by_queue["orders"].find_element(By.CSS_SELECTOR, "td.num").text == "8"
@@ -155,27 +150,29 @@ def test_find_the_cause_replay_one_group_discard_another_and_the_audit_says_who(
                    for r in rows(browser, "audit")}
         assert sorted(entries) == ["discard", "replay"]
         replay_cells = [c.text for c in entries["replay"].find_elements(By.TAG_NAME, "td")]
-        assert replay_cells[1:4] == ["alice", "replay", "5"]
+        assert replay_cells[1:4] == ["ana", "replay", "5"]
         assert replay_cells[4].endswith("\N{RIGHTWARDS ARROW} orders-manual")
         assert replay_cells[6] == replay_id.group(1)
-        assert replay_cells[7] == "done (5 replayed)"
+        assert replay_cells[7].startswith("done 5 replayed"), replay_cells[7]
+        assert "0 parked again" in replay_cells[7]
         discard_cells = [c.text for c in entries["discard"].find_elements(By.TAG_NAME, "td")]
-        assert discard_cells[1:4] == ["alice", "discard", "4"]
+        assert discard_cells[1:4] == ["ana", "discard", "4"]
         assert discard_cells[5] == "mailboxes full; customers called"
         screenshot(browser, "audit")
         audit = desk.get("/api/audit")
         assert sorted((e["actor"], e["action"], e["count"]) for e in audit) == [
-            ("alice", "discard", 4), ("alice", "replay", 5)]
+            ("ana", "discard", 4), ("ana", "replay", 5)]
 
         # Nothing went wrong in the page along the way.
         assert [e for e in console(browser) if e["level"] == "SEVERE"] == []
 
-        # Every action the page sent named its operator.
-        posts = sent(browser, "POST")
+        # The page named no operator of its own: the desk knew who was signed in.
+        posts = [(p, h) for p, h in sent(browser, "POST") if p.startswith("/api/")]
         assert [path for path, _ in posts] == ["/api/replay", "/api/discard"]
         for _, headers in posts:
-            assert headers["x-actor"] == "alice"
+            assert "x-actor" not in headers
             assert headers["content-type"] == "application/json"
+            assert headers["x-csrf-token"]
 
 
 def test_search_pages_and_a_selection_across_pages(

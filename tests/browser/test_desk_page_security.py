@@ -19,6 +19,7 @@ from support.desk_page import (
     dialog,
     follow,
     go,
+    open_desk,
     park_and_wait,
     rows,
     topology_file,
@@ -27,14 +28,6 @@ from support.parked import Parked
 
 from rabbit_retry.settings import Settings
 
-TOPOLOGY = """
-version: 1
-defaults:
-  queue_type: classic
-  retry: {delays: [1h], max_attempts: 3}
-queues:
-  orders: {}
-"""
 CSRF_COOKIE = "rabbit_retry_csrf"
 
 # A POST from inside the page, as a script injected there could send one: with the page's
@@ -61,7 +54,7 @@ def _path(driver: webdriver.Chrome) -> str:
 def test_a_token_keeps_the_page_shut_and_every_action_carries_the_csrf_header(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path, token=TOKEN) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [
             Parked(b'{"n": %d}' % i, message_id=f"t-{i}") for i in range(3)])
@@ -77,22 +70,26 @@ def test_a_token_keeps_the_page_shut_and_every_action_carries_the_csrf_header(
         assert not browser.find_element(By.ID, "login-failed").is_displayed()
         screenshot(browser, "login")
 
-        # A wrong token is refused, and says so.
-        browser.find_element(By.ID, "token").send_keys("not-the-token")
-        browser.find_element(By.ID, "token").submit()
+        # A wrong token is refused, and says so (the token mode asks for no name).
+        until(browser, lambda d: d.find_element(By.ID, "secret-label").text == "Token",
+              "the token's login form")
+        assert not browser.find_element(By.ID, "name").is_displayed()
+        browser.find_element(By.ID, "secret").send_keys("not-the-token")
+        browser.find_element(By.ID, "secret").submit()
         until(browser, lambda d: _path(d) == "/login?failed=1", "the refusal")
         assert browser.find_element(By.ID, "login-failed").is_displayed()
         assert _post_from_page(browser, "/api/discard",
                                {"ids": [ids["t-2"]], "reason": "x"}, None) == 401
 
-        # The right one opens the desk; the session cookie is out of scripts' reach.
-        browser.find_element(By.ID, "token").send_keys(TOKEN)
-        browser.find_element(By.ID, "token").submit()
-        name = until(browser, lambda d: d.find_element(By.ID, "actor-input").is_displayed()
-                     and d.find_element(By.ID, "actor-input"), "the page to ask who acts")
-        name.send_keys("bob")
-        name.submit()
+        # The right one opens the desk, as "token" (the quick start names nobody); the
+        # session cookie is out of scripts' reach.
+        until(browser, lambda d: d.find_element(By.ID, "secret-label").text == "Token",
+              "the token's login form")
+        browser.find_element(By.ID, "secret").send_keys(TOKEN)
+        browser.find_element(By.ID, "secret").submit()
         view_loaded(browser, "overview")
+        until(browser, lambda d: d.find_element(By.ID, "who-name").text == "token",
+              "the page to say who is signed in")
         until(browser, lambda d: d.find_element(By.ID, "logout").is_displayed(), "Log out")
         assert not browser.find_element(By.ID, "auth-banner").is_displayed()
         cookies = {c["name"]: c for c in browser.get_cookies()}
@@ -113,7 +110,7 @@ def test_a_token_keeps_the_page_shut_and_every_action_carries_the_csrf_header(
         discards = [h for p, h in sent(browser, "POST") if p == "/api/discard"]
         assert len(discards) == 1
         assert discards[0]["x-csrf-token"] == cookies[CSRF_COOKIE]["value"]
-        assert discards[0]["x-actor"] == "bob"
+        assert desk.get("/api/audit")[0]["actor"] == "token"
         assert desk.get(f"/api/messages/{ids['t-0']}")["status"] == "discarded"
 
         # The desk checks it: with the page's cookies but without the header, or with another
@@ -166,7 +163,7 @@ def _inert(driver: webdriver.Chrome, *shown: str) -> None:
 def test_a_message_made_to_attack_the_page_is_shown_as_text_and_runs_nothing(
     fresh_vhost: Settings, browser: webdriver.Chrome, tmp_path: Path
 ) -> None:
-    topology = topology_file(fresh_vhost, tmp_path, TOPOLOGY)
+    topology = topology_file(fresh_vhost, tmp_path)
     with running_desk(fresh_vhost, topology, tmp_path) as desk:
         park_and_wait(fresh_vhost, desk, "orders", [Parked(
             ATTACKS["body"].encode(), exception_type=ATTACKS["exception_type"],
@@ -175,12 +172,7 @@ def test_a_message_made_to_attack_the_page_is_shown_as_text_and_runs_nothing(
             headers={"exception-message": ATTACKS["exception_message"],
                      "x-note": ATTACKS["header"]},
         )])
-        browser.get(desk.url + "/")
-        name = until(browser, lambda d: d.find_element(By.ID, "actor-input").is_displayed()
-                     and d.find_element(By.ID, "actor-input"), "the page to ask who acts")
-        name.send_keys("carol")
-        name.submit()
-        view_loaded(browser, "overview")
+        open_desk(browser, desk)
         _inert(browser)
 
         go(browser, "groups")

@@ -24,7 +24,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from support.amqp import depth, drain
-from support.desk import desk_running
+from support.desk import ACCESS, access_of, desk_running
 from support.parked import Parked, park
 from support.poll import eventually
 from support.process import CLI
@@ -263,14 +263,15 @@ async def test_a_desk_replay_is_one_span_that_every_copy_carries(
                      headers={"traceparent": TRACEPARENT, COPY_SPAN: PARKED_BY.format(n + 1)})
               for n in range(3)]
     await park(fresh_vhost, "orders", [*traced, Parked(b"{}", message_id="untraced")])
-    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}") as client:
+    # ana signs in: the span's actor is who the desk authenticated.
+    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}",
+                            access=access_of(ACCESS, tmp_path), as_user="ana") as client:
         async def stored() -> bool:
             return bool((await client.get("/api/overview")).json()["parked"] == 4)
 
         await eventually(stored, what="4 stored")
         [group] = (await client.get("/api/groups")).json()  # one cause: one group
-        replayed = await client.post("/api/replay", json={"group": group["id"]},
-                                     headers={"X-Actor": "ana"})
+        replayed = await client.post("/api/replay", json={"group": group["id"]})
         assert replayed.status_code == 200, replayed.text
         replay_id = replayed.json()["replay_id"]
         await eventually(lambda: [s for s in spans.get_finished_spans()
@@ -285,3 +286,30 @@ async def test_a_desk_replay_is_one_span_that_every_copy_carries(
     # The traced ones stay in their message's trace; the untraced one joins the replay's.
     assert [copies[f"m-{n}"]["traceparent"] for n in range(3)] == [TRACEPARENT] * 3
     assert copies["untraced"]["traceparent"] == traceparent(replay)
+
+
+async def test_a_desk_edit_and_replay_is_a_span_of_its_own(
+    fresh_vhost: Settings, tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    topo = topology(DESK_TOPOLOGY)
+    await provision(fresh_vhost, topo)
+    await park(fresh_vhost, "orders", [Parked(b'{"v": 1}', message_id="e-1", headers={
+        "traceparent": TRACEPARENT, COPY_SPAN: PARKED_BY.format(7)})])
+    async with desk_running(topo, fresh_vhost, f"sqlite:///{tmp_path / 'd.db'}",
+                            access=access_of(ACCESS, tmp_path), as_user="ana") as client:
+        async def stored() -> bool:
+            return bool((await client.get("/api/overview")).json()["parked"] == 1)
+
+        await eventually(stored, what="1 stored")
+        [row] = (await client.get("/api/messages")).json()["items"]
+        edited = await client.post(f"/api/messages/{row['id']}/edit", json={"body": '{"v": 2}'})
+        assert edited.status_code == 200, edited.text
+        await eventually(lambda: [s for s in spans.get_finished_spans()
+                                  if s.name == "desk edit and replay"], what="the edit's span")
+    [edit] = [s for s in spans.get_finished_spans() if s.name == "desk edit and replay"]
+    found = attributes(edit)
+    assert (found["rabbit_retry.actor"], found["rabbit_retry.replay.id"],
+            found["rabbit_retry.replay.count"]) == ("ana", edited.json()["replay_id"], 1)
+    assert linked(edit) == [7]
+    [copy] = await drain(fresh_vhost, "orders")
+    assert copy.body == b'{"v": 2}' and copy.properties.headers[COPY_SPAN] == traceparent(edit)

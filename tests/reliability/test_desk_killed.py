@@ -5,6 +5,7 @@ next desk (each on SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,8 @@ from support.parked import Parked, park
 from support.poll import wait_for
 from support.process import apply
 
-from rabbit_retry.desk.schema import messages
+from rabbit_retry.desk.replay import WINDOW
+from rabbit_retry.desk.schema import messages, replay_items
 from rabbit_retry.desk.store import Store
 from rabbit_retry.settings import Settings
 
@@ -118,8 +120,7 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         def replay() -> None:  # its answer never comes: the desk is killed under it
             with contextlib.suppress(httpx.HTTPError):
                 httpx.post(f"{desk.url}/api/replay", timeout=120,
-                           json={"group": group["id"], "rate": 2000},
-                           headers={"X-Actor": "ana"})
+                           json={"group": group["id"], "rate": 2000})
 
         caller = threading.Thread(target=replay, daemon=True)
         caller.start()
@@ -130,16 +131,20 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         sent = depth_sync(fresh_vhost, "orders") or 0
         store = Store(url)
         statuses = store.status_counts()  # as the desk shows them
+        with store.engine.connect() as c:
+            held = c.execute(sa.select(sa.func.count()).select_from(replay_items)).scalar_one()
         store.close()
         # Positive control: killed midway, with rows still held by the replay.
-        assert sent < REPLAYED and statuses.get("replaying", 0) > 0, (sent, statuses)
+        assert sent < REPLAYED and held > 0, (sent, statuses, held)
         print(f"[reliability] desk killed after {sent} replayed copies; store: {statuses}")
+        # The kill came with copies out: rows claimed and not settled are at most the window.
+        assert statuses.get("replaying", 0) <= WINDOW, statuses
 
         desk.start()  # finishes the replay once the dead desk's lease has run out
         started = time.monotonic()
         def finished() -> bool:
             entries = httpx.get(f"{desk.url}/api/audit", timeout=30).json()
-            return bool(entries) and entries[0]["state"] != "pending"
+            return bool(entries) and entries[0]["state"] != "running"
 
         wait_for(finished, "the replay finished", within=300, interval=1.0)
         assert _rows(url)[2] == {"replayed": REPLAYED}
@@ -148,12 +153,25 @@ def test_desk_killed_while_replaying_then_the_next_desk_finishes_the_replay(
         checked.close()
         audit = httpx.get(f"{desk.url}/api/audit", timeout=30).json()
         assert [(a["actor"], a["action"], a["count"], a["state"], a["done_count"])
-                for a in audit] == [("ana", "replay", REPLAYED, "done", REPLAYED)]
+                for a in audit] == [("loopback", "replay", REPLAYED, "done", REPLAYED)]
         copies = blocking(drain(fresh_vhost, "orders"), timeout=600)
         ids = [c.message_id for c in copies]
         assert set(ids) == {f"r-{i:05d}" for i in range(REPLAYED)}, "a replayed message is lost"
         assert {c.properties.headers["replay-id"] for c in copies} == {audit[0]["replay_id"]}
+        twice = len(ids) - REPLAYED
         print(f"[reliability] {kind}: replay finished {time.monotonic() - started:.0f}s after the"
               f" restart; {len(ids)} copies for {REPLAYED} messages "
-              f"({len(ids) - REPLAYED} duplicates, published before the kill and not yet marked)")
+              f"({twice} went out twice, published before the kill and not yet marked)")
+        # A resumed replay re-sends at most what was in flight when its desk died, and says so.
+        assert twice <= WINDOW, f"{twice} copies went out twice (the window is {WINDOW})"
+        assert twice <= audit[0]["resent"] <= WINDOW, audit[0]
+        # ... and the desk that took the replay over printed how many it would re-send (each
+        # time it took it over: a run that stops, its lease run out, is taken over again).
+        printed = [int(n) for n in re.findall(
+            rf"rabbit-retry resuming replay {audit[0]['replay_id']}, left unfinished by a desk "
+            r"that stopped: re-sending the (\d+) copies", desk.log())]
+        assert printed and audit[0]["resent"] <= sum(printed), (printed, audit[0]["resent"])
+        if len(printed) > 1:
+            print("[reliability] taken over more than once:",
+                  [line for line in desk.log().splitlines() if "stopped (" in line])
         assert desk.stop() == 0

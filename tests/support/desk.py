@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from rabbit_retry.cli.desk import TOKEN_ENV
+from rabbit_retry.cli.desk import ACCESS_ENV, TOKEN_ENV
+from rabbit_retry.desk.auth import Access, load_access
 from rabbit_retry.desk.serve import Listen, serve
 from rabbit_retry.settings import Settings
 from rabbit_retry.topology import Topology
@@ -27,6 +28,17 @@ from .process import CLI
 from .stores import throwaway_postgres
 
 TOKEN = "t0ken-for-the-desk-tests"
+# Named operators for the tests: ana operates, vic only views, and Prometheus scrapes.
+SECRETS = {"ana": "ana-s3cret-for-the-desk", "vic": "vic-s3cret-for-the-desk",
+           "metrics": "scrape-s3cret-for-the-desk"}
+ACCESS = """\
+operators:
+  ana: {role: operator, secret_env: DESK_TEST_ANA}
+  vic: {role: viewer, secret_env: DESK_TEST_VIC}
+metrics: {secret_env: DESK_TEST_METRICS}
+"""
+ACCESS_ENV_VALUES = {"DESK_TEST_ANA": SECRETS["ana"], "DESK_TEST_VIC": SECRETS["vic"],
+                     "DESK_TEST_METRICS": SECRETS["metrics"]}
 
 
 def free_port() -> int:
@@ -45,22 +57,33 @@ def store_url(kind: str, tmp_path: Path) -> Iterator[str]:
             yield url
 
 
+def access_of(text: str, tmp_path: Path, env: Mapping[str, str] | None = None) -> Access:
+    """The access ``text`` (an access file's YAML) grants, with ``env`` as its environment."""
+    path = tmp_path / "access.yml"
+    path.write_text(text)
+    return load_access(path, None, env={**ACCESS_ENV_VALUES, **(env or {})})
+
+
 @contextlib.asynccontextmanager
 async def desk_running(
     topology: Topology, settings: Settings, store: str, *, token: str | None = None,
+    access: Access | None = None, as_user: str | None = None,
     keep: timedelta = timedelta(days=30),
 ) -> AsyncIterator[httpx.AsyncClient]:
-    """A desk in this event loop; yields a client for it (with the token, when set)."""
+    """A desk in this event loop; yields a client for it (with the token, when set, or as the
+    named operator ``as_user`` of ``SECRETS``)."""
     listen = Listen("127.0.0.1", free_port())
     ready = asyncio.Event()
     task = asyncio.create_task(serve(topology, settings, store_url=store, listen=listen,
-                                     keep=keep, token=token, on_ready=ready))
+                                     keep=keep, token=token, access=access, on_ready=ready))
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    auth = (as_user, SECRETS[as_user]) if as_user else None
     try:
         await eventually(lambda: ready.is_set() or task.done(), within=30, what="desk ready")
         if task.done():
             task.result()
-        async with httpx.AsyncClient(base_url=listen.url, headers=headers, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=listen.url, headers=headers, auth=auth,
+                                     timeout=60) as client:
             yield client
     finally:
         task.cancel()
@@ -122,20 +145,23 @@ class DeskProcess:
 @dataclass
 class Desk:
     """A running desk process seen as an API client: its address, its token (None: loopback
-    only, no token) and its process."""
+    only, no token) or the named operator it calls the API as, and its process."""
 
     process: DeskProcess
     token: str | None
+    user: str | None = None
 
     @property
     def url(self) -> str:
         return self.process.url
 
     def api(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request as an API client (with the bearer token when there is one)."""
+        """One request as an API client (with the bearer token or the operator's secret)."""
         headers = dict(kwargs.pop("headers", {}))
         if self.token is not None:
             headers.setdefault("Authorization", f"Bearer {self.token}")
+        if self.user is not None and "auth" not in kwargs and "Authorization" not in headers:
+            kwargs["auth"] = (self.user, SECRETS[self.user])
         return httpx.request(method, self.url + path, headers=headers, timeout=60.0, **kwargs)
 
     def get(self, path: str, **params: Any) -> Any:
@@ -154,12 +180,20 @@ class Desk:
 
 @contextlib.contextmanager
 def running_desk(settings: Settings, topology: Path, workdir: Path, *,
-                 token: str | None = None) -> Iterator[Desk]:
+                 token: str | None = None, access: str | None = None,
+                 as_user: str = "ana") -> Iterator[Desk]:
     """``rabbit-retry desk TOPOLOGY`` on a free loopback port with a SQLite store in
-    ``workdir``, and a token when given (never one from the environment otherwise)."""
+    ``workdir``, and a token when given, or the access file ``access`` (YAML; its API client
+    is the operator ``as_user``), never one from the environment otherwise."""
+    env = {TOKEN_ENV: token or "", ACCESS_ENV: ""}
+    if access is not None:
+        path = workdir / "access.yml"
+        path.write_text(access)
+        env.update(ACCESS_ENV_VALUES)
+        env[ACCESS_ENV] = str(path)
     process = DeskProcess(settings, topology, f"sqlite:///{workdir / 'desk.db'}",
-                          workdir / "desk.log", env={TOKEN_ENV: token or ""}).start()
+                          workdir / "desk.log", env=env).start()
     try:
-        yield Desk(process, token)
+        yield Desk(process, token, as_user if access is not None else None)
     finally:
         process.stop()

@@ -20,8 +20,18 @@ from .parked import Parked, park
 from .poll import wait_for
 from .provision import provision_sync
 
+# One classic queue whose messages stay put (a 1 h retry): the page's tests park into it.
+ORDERS = """
+version: 1
+defaults:
+  queue_type: classic
+  retry: {delays: [1h], max_attempts: 3}
+queues:
+  orders: {}
+"""
 
-def topology_file(settings: Settings, workdir: Path, text: str) -> Path:
+
+def topology_file(settings: Settings, workdir: Path, text: str = ORDERS) -> Path:
     """``text`` declared on ``settings``' vhost and written to a file for the desk."""
     provision_sync(settings, text)
     path = workdir / "desk-test.yml"
@@ -38,15 +48,25 @@ def park_and_wait(settings: Settings, desk: Desk, queue: str, messages: list[Par
              unless=desk.died)
 
 
-def open_desk(driver: webdriver.Chrome, desk: Desk, actor: str = "alice") -> None:
-    """Opens the page, gives the operator's name when it asks, and waits for the overview."""
+def open_desk(driver: webdriver.Chrome, desk: Desk, *, name: str | None = None,
+              secret: str | None = None, signed_in_as: str = "loopback") -> None:
+    """Opens the page (logging in with ``name`` and ``secret``, or the token alone, when
+    given) and waits for the overview, signed in as ``signed_in_as``."""
     driver.get(desk.url + "/")
-    name = until(driver, lambda d: _shown(d, "actor-input"), "the page to ask who is acting")
-    name.send_keys(actor)
-    name.submit()
-    until(driver, lambda d: d.find_element(By.ID, "actor-name").text == actor,
-          f"the page to act as {actor}")
+    if secret is not None:
+        log_in(driver, name, secret)
+    until(driver, lambda d: d.find_element(By.ID, "who-name").text == signed_in_as,
+          f"the page to say it is {signed_in_as}")
     view_loaded(driver, "overview")
+
+
+def log_in(driver: webdriver.Chrome, name: str | None, secret: str) -> None:
+    """Fills the login form (the name only when it asks for one) and sends it."""
+    field = until(driver, lambda d: _shown(d, "secret"), "the login form")
+    if name is not None:
+        until(driver, lambda d: _shown(d, "name"), "the login form's name field").send_keys(name)
+    field.send_keys(secret)
+    field.submit()
 
 
 def _shown(driver: webdriver.Chrome, element_id: str) -> WebElement | None:

@@ -11,9 +11,9 @@ from support.fieldtables import RawHeaders, headers_bytes, received, split, tabl
 
 from rabbit_retry import contract
 from rabbit_retry.broker.migrate_plan import moved_headers
-from rabbit_retry.desk.actions import _copy
+from rabbit_retry.desk.ledger import Claimed
 from rabbit_retry.desk.records import parked
-from rabbit_retry.desk.store import Claimed
+from rabbit_retry.desk.replay import copy_of
 from rabbit_retry.parking.headers import replay_headers
 from rabbit_retry.worker import copies
 
@@ -42,7 +42,7 @@ def test_every_copy_writes_the_publishers_headers_back_byte_for_byte(raw: bytes)
                                                      original=("ex", "rk")), expiration=None),
         "park": parked_copy,
         "cli replay": copy(parked_delivered, replay_headers(parked_delivered.headers)),
-        "desk replay": _copy(row, Claimed("r-1", None, None), "guest").properties,
+        "desk replay": copy_of(row, Claimed("r-1", None, None), "guest").properties,
         "migrate": copy(delivered, moved_headers(headers)),
     }
     for path, properties in paths.items():

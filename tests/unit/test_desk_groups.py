@@ -94,7 +94,7 @@ REAL_MESSAGES = [
         "2024-05-01T10:00:00.123Z, session from fe80::1ff:fe23:4567:890a",
         "user <id> (<email>) locked at <time>, session from <ip>",
     ),
-    ("object 507f1f77bcf86cd799439011 is gone", "object <hex> is gone"),
+    ("object 507f1f77bcf86cd799439011 is gone", "object <id> is gone"),
     ("job started 12:04:59 did not finish", "job started <time> did not finish"),
     # Not variable: versions glued to letters, words
     (
@@ -252,3 +252,118 @@ def test_a_long_message_normalises_quickly() -> None:
     # Unclosed quotes and long runs are the slow cases for regular expressions.
     for text in ("'" * 100_000, "a'" * 50_000, "1" * 100_000, "input_value=" * 10_000):
         assert len(normalise(text)) <= MAX_LENGTH
+
+
+# --- identifiers of every common shape (issue 22: groups fell apart on letters+digits ids) ---
+
+def test_letters_and_digits_ids_prefixed_and_quoted_are_one_cause() -> None:
+    assert normalise("order ORD12345 not found") == "order <id> not found"
+    assert normalise("'sku-AB00989'") == "'sku-<id>'"
+    assert normalise("invoice INV-2024-00012 rejected") == "invoice INV-<n>-<n> rejected"
+    assert normalise("user:u1234abc locked") == "user:<id> locked"
+    # Words that carry a digit or three are not ids.
+    for word in ("utf8", "sha256", "base64", "x509", "int32", "e2e", "ipv6", "h264"):
+        assert normalise(f"bad {word} input") == f"bad {word} input"
+
+
+def test_a_url_keeps_the_punctuation_around_it() -> None:
+    assert normalise("x (api https://h/p?a=1)") == "x (api https://h/p?<query>)"
+    assert normalise("x (api https://h/p)") == "x (api https://h/p)"
+    assert normalise("see https://h/p/7.") == "see https://h/p/<n>."
+    assert normalise("GET https://h/orders/(draft)/7, then") == (
+        "GET https://h/orders/(draft)/<n>, then")
+    assert normalise("'https://h/p?a=1'") == "'https://h/p?<query>'"
+
+
+def test_a_thousand_sku_key_errors_are_one_group() -> None:
+    import random
+
+    rng = random.Random(22)
+    ids = {
+        group_id("orders", "KeyError",
+                 repr(f"sku-{rng.choice('ABCDEFGHJK')}{rng.choice('XYZQRS')}{n:05d}"),
+                 reason="permanent")
+        for n in rng.sample(range(100_000), 1000)
+    }
+    assert len(ids) == 1
+
+
+# Templates an application raises with, and identifiers of each shape a template takes.
+_TEMPLATES = [
+    "order {} not found",
+    "KeyError: '{}'",
+    "customer \"{}\" has no address",
+    "lock on {} held by another worker",
+    "POST https://api.example.com/v1/orders/{}/charge returned 503",
+    "GET https://api.example.com/v1/orders/{}?expand=items failed",
+    "cannot deliver to {}",
+    "payment {} declined (card expired)",
+]
+_ALNUM = "ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnpqrstuvwxyz"
+
+
+def _digits(low: int, high: int) -> st.SearchStrategy[str]:
+    return st.text(alphabet="0123456789", min_size=low, max_size=high)
+
+
+# Each strategy draws identifiers of one shape: any two of them must make one cause.
+_SHAPES: list[st.SearchStrategy[str]] = [
+    _digits(1, 12),  # numbers
+    st.builds(lambda p, d: p + d, st.text(alphabet=_ALNUM, min_size=1, max_size=4),
+              _digits(4, 10)),  # letters + digits: ORD12345
+    *(st.builds(lambda d, p=prefix: p + d, _digits(1, 9))  # prefixed: sku-42, ord_7, user:9
+      for prefix in ("sku-", "ord_", "cus_", "user:", "order/", "ch#")),
+    st.builds(lambda a, d: f"sku-{a}{d}", st.text(alphabet="ABCDEFGHJK", min_size=1,
+                                                   max_size=3), _digits(4, 8)),  # sku-AB00989
+    st.uuids().map(str),
+    st.uuids().map(lambda u: u.hex).filter(lambda h: not h.isdigit()),  # 32 hex digits
+    st.binary(min_size=4, max_size=12).map(lambda b: "0x" + b.hex()),
+    st.builds(lambda user, host: f"{user}@{host}.example.com",
+              st.from_regex(r"[a-h]{1,4}(\.[a-h]{1,4})?", fullmatch=True),
+              st.text(alphabet="abcdefgh", min_size=1, max_size=8)),
+    *(st.builds(lambda q, p=path: f"https://h.example.com/{p}?id={q}", _digits(0, 6))
+      for path in ("a", "b/c")),  # a URL's query (its path is the cause: it stays)
+]
+
+
+@given(st.sampled_from(_TEMPLATES),
+       st.sampled_from(_SHAPES).flatmap(lambda shape: st.tuples(shape, shape)))
+@settings(max_examples=500, deadline=None)
+def test_one_template_with_any_identifiers_of_one_shape_is_one_cause(
+    template: str, pair: tuple[str, str]
+) -> None:
+    """The same template filled with two identifiers of the same shape is one group."""
+    one, other = pair
+    assert normalise(template.format(one)) == normalise(template.format(other))
+
+
+def test_operator_rules_replace_what_the_built_in_ones_keep() -> None:
+    from rabbit_retry.desk.groups import Grouping, Rule
+
+    grouping = Grouping([Rule(r"tenant [a-z]+", "tenant"), Rule(r"shard-\w+", "shard",
+                                                                  queue="orders")])
+    assert grouping.pattern("orders", "tenant acme over quota on shard-eu") == (
+        "<tenant> over quota on <shard>")
+    assert grouping.pattern("email", "tenant acme over quota on shard-eu") == (
+        "<tenant> over quota on shard-eu")  # the shard rule is the orders queue's
+    a = grouping.group("orders", "permanent", "QuotaError", "tenant acme over quota")
+    b = grouping.group("orders", "permanent", "QuotaError", "tenant zeta over quota")
+    assert a == b and a[1] == "<tenant> over quota"
+    assert Grouping().group("orders", "permanent", "QuotaError", "tenant acme over quota") != a
+
+
+@pytest.mark.parametrize(("pattern", "name", "says"), [
+    ("(", "x", "pattern: not a regular expression: missing ), unterminated subpattern"),
+    ("a*", "x", "pattern: matches an empty text (every message would change)"),
+    ("a" * 201, "x", "pattern: at most 200 characters"),
+    ("abc", "Bad Name", "name: 1 to 24 lowercase letters or _ (it becomes <name>)"),
+    ("abc", "", "name: 1 to 24 lowercase letters or _ (it becomes <name>)"),
+])
+def test_a_rule_that_cannot_work_is_refused_in_one_line(pattern: str, name: str,
+                                                        says: str) -> None:
+    from rabbit_retry.desk.groups import Rule, check_rule
+    from rabbit_retry.errors import InputError
+
+    with pytest.raises(InputError) as caught:
+        check_rule(Rule(pattern, name))
+    assert str(caught.value).startswith(says), str(caught.value)

@@ -1,29 +1,8 @@
-// The desk's JSON API as the page calls it: who acts (X-Actor), the CSRF header on every
-// POST, one error line from the server shown as it is, and the login page when a session ends.
+// The desk's JSON API as the page calls it: the CSRF header on every change, one error line
+// from the server shown as it is, and the login page when a session ends. Who acts is whoever
+// the session (or the proxy) authenticated: the page sends no name of its own.
 
-const ACTOR_KEY = "rabbit-retry-desk.actor";
 const CSRF_COOKIE = "rabbit_retry_csrf";
-
-// Header values must be ISO-8859-1 in fetch; a name is kept to printable ASCII so it reaches
-// the audit exactly as typed.
-export const ACTOR_PATTERN = "[A-Za-z0-9][A-Za-z0-9 ._@+\\-]{0,63}";
-const ACTOR_RE = new RegExp(`^${ACTOR_PATTERN}$`);
-
-export function actor() {
-  try {
-    const name = window.localStorage.getItem(ACTOR_KEY) || "";
-    return ACTOR_RE.test(name) ? name : "";
-  } catch {
-    return "";
-  }
-}
-
-export function setActor(name) {
-  const clean = String(name).trim();
-  if (!ACTOR_RE.test(clean)) throw new Error("a name of letters, digits, spaces and . _ @ + -");
-  window.localStorage.setItem(ACTOR_KEY, clean);
-  return clean;
-}
 
 function cookie(name) {
   for (const part of document.cookie.split(";")) {
@@ -40,19 +19,16 @@ export class ApiError extends Error {
   }
 }
 
-// GET (no body) or POST (JSON body) `path`; the parsed answer, or ApiError with the server's
-// one-line reason.
-export async function call(path, body) {
+async function send(path, method, body) {
   const headers = { Accept: "application/json" };
-  const name = actor();
-  if (name) headers["X-Actor"] = name;
-  const init = { method: "GET", headers, credentials: "same-origin", cache: "no-store" };
-  if (body !== undefined) {
-    init.method = "POST";
-    init.body = JSON.stringify(body);
-    headers["Content-Type"] = "application/json";
+  const init = { method, headers, credentials: "same-origin", cache: "no-store" };
+  if (method !== "GET") {
     const token = cookie(CSRF_COOKIE);
     if (token) headers["X-CSRF-Token"] = token;
+  }
+  if (body !== undefined) {
+    init.body = JSON.stringify(body);
+    headers["Content-Type"] = "application/json";
   }
   let response;
   try {
@@ -62,7 +38,7 @@ export async function call(path, body) {
   }
   // A view that may not be read: the session is over, log in again. A refused action stays on
   // screen with the desk's reason, so the operator knows it did not happen.
-  if (response.status === 401 && init.method === "GET") {
+  if (response.status === 401 && method === "GET") {
     window.location.assign("/login");
     throw new ApiError(401, "not logged in");
   }
@@ -77,7 +53,33 @@ export async function call(path, body) {
     const reason = data && typeof data.error === "string" ? data.error : response.statusText;
     throw new ApiError(response.status, `${response.status}: ${reason || "request failed"}`);
   }
+  return { data, response };
+}
+
+// GET (no body) or POST (JSON body) `path`; the parsed answer, or ApiError with the server's
+// one-line reason.
+export async function call(path, body) {
+  const { data } = await send(path, body === undefined ? "GET" : "POST", body);
   return data;
+}
+
+// DELETE `path`.
+export async function remove(path) {
+  const { data } = await send(path, "DELETE");
+  return data;
+}
+
+// GET a list whose total the desk sends in X-Total-Count: {items, total}.
+export async function page(path) {
+  const { data, response } = await send(path, "GET");
+  const total = Number.parseInt(response.headers.get("X-Total-Count") || "", 10);
+  return { items: data || [], total: Number.isFinite(total) ? total : (data || []).length };
+}
+
+// POST and tell a finished answer (200) from one still running (202): {data, status}.
+export async function start(path, body) {
+  const { data, response } = await send(path, "POST", body);
+  return { data, status: response.status };
 }
 
 // "/api/messages" + {queue: "a", q: ""} -> "/api/messages?queue=a" (empty values left out);

@@ -1,10 +1,12 @@
-// The failure desk's page: a hash router over five views (overview, groups, messages, one
-// message, audit), the operator's name, and the lines that report what happened.
+// The failure desk's page: a hash router over six views (overview, groups, one group, messages,
+// one message, audit), who is signed in (as the desk authenticated them: the page sends no name
+// of its own), and the lines that report what happened.
 
-import { ACTOR_PATTERN, actor, call, setActor, withQuery } from "./api.js";
+import { call, withQuery } from "./api.js";
 import { setUpDialogs } from "./dialogs.js";
 import { $, fill, h } from "./dom.js";
 import { renderAudit } from "./views/audit.js";
+import { renderGroup } from "./views/group.js";
 import { renderGroups } from "./views/groups.js";
 import { renderMessage } from "./views/message.js";
 import { renderMessages } from "./views/messages.js";
@@ -13,14 +15,17 @@ import { renderOverview } from "./views/overview.js";
 const VIEWS = {
   overview: renderOverview,
   groups: renderGroups,
+  group: renderGroup,
   messages: renderMessages,
   message: renderMessage,
   audit: renderAudit,
 };
+const PARENT = { message: "messages", group: "groups" };
 
 let generation = 0; // which render is current: a slow answer for a view left behind is dropped
 let queuesCache = null;
 let lastList = "#/messages"; // the message list last shown, filters and page included
+let me = { name: "?", role: "viewer", may_act: false };
 
 // "#/messages?queue=a&offset=50" -> {name: "messages", arg: "", params: URLSearchParams}
 // "#/message/42" -> {name: "message", arg: "42", ...}
@@ -75,7 +80,7 @@ async function render() {
   const mine = ++generation;
   const { name, arg, params } = parseHash();
   for (const a of document.querySelectorAll("nav a[data-view]")) {
-    const current = a.dataset.view === name || (name === "message" && a.dataset.view === "messages");
+    const current = a.dataset.view === name || a.dataset.view === PARENT[name];
     if (current) a.setAttribute("aria-current", "page");
     else a.removeAttribute("aria-current");
   }
@@ -91,6 +96,7 @@ async function render() {
     go,
     notify,
     fail,
+    me: () => me,
     rerender: render,
     current: () => mine === generation,
     backToList: () => lastList,
@@ -111,49 +117,21 @@ async function render() {
   }
 }
 
-function showActor() {
-  $("#actor-name").textContent = actor() || "?";
-}
-
-function askActor() {
-  const dialog = $("#actor-dialog");
-  const input = $("#actor-input");
-  input.value = actor();
-  $("#actor-error").hidden = true;
-  if (!dialog.open) dialog.showModal();
-  input.focus();
-}
-
-function setUpActor() {
-  $("#actor-input").setAttribute("pattern", ACTOR_PATTERN);
-  $("#actor-form").addEventListener("submit", (event) => {
-    try {
-      setActor($("#actor-input").value);
-    } catch (error) {
-      event.preventDefault();
-      const line = $("#actor-error");
-      line.textContent = error.message;
-      line.hidden = false;
-      return;
-    }
-    showActor();
-  });
-  // The name is asked for until one is given: every action is recorded under it.
-  $("#actor-dialog").addEventListener("cancel", (event) => {
-    if (!actor()) event.preventDefault();
-  });
-  $("#actor-button").addEventListener("click", askActor);
-  showActor();
-  if (!actor()) askActor();
-}
-
-// Whether the desk runs without a token (loopback only), and whether it consumes every parking
-// queue: said on every view. With a token, the way out.
-async function showAuth() {
+// Who the desk says is at the page, what they may do, whether the desk runs without any
+// credentials (loopback only) and whether it consumes every parking queue: said on every view.
+async function showWho() {
+  try {
+    me = await call("/api/me");
+  } catch {
+    return; // the view's own request reports the error
+  }
+  $("#who-name").textContent = me.name;
+  $("#who-role").textContent = me.role;
+  document.body.dataset.role = me.role;
+  $("#logout").hidden = !me.logout;
+  $("#auth-banner").hidden = !me.loopback;
   try {
     const overview = await call("/api/overview");
-    $("#auth-banner").hidden = overview.auth !== "loopback";
-    $("#logout").hidden = overview.auth !== "token";
     $("#consuming-banner").hidden = overview.consuming !== false;
   } catch {
     // the view's own request reports the error
@@ -171,7 +149,6 @@ async function logout() {
 }
 
 setUpDialogs();
-setUpActor();
 // Going somewhere (or loading the view again) starts with no old notice or error on screen; an
 // action's own re-render keeps the lines that report it.
 function navigate() {
@@ -194,5 +171,4 @@ document.addEventListener("click", (event) => {
     navigate();
   }
 });
-showAuth();
-render();
+showWho().then(render);

@@ -1,11 +1,16 @@
-// The one action dialog: asks before a replay or a discard, shows what will happen, and stays
-// open with the server's reason when the action is refused.
+// The one action dialog: asks before a replay, discard, restore or edit, shows what will happen,
+// stays open with the server's reason when the action is refused, and follows a replay that
+// runs longer than a moment: done of total, rate, time left, a way to cancel it, and how it
+// ended (done, failed, cancelled), the same as the audit says.
 
-import { ApiError, call } from "./api.js";
-import { $, fill, h, plural, shorten } from "./dom.js";
+import { ApiError, call, start } from "./api.js";
+import { $, count, duration, fill, h, plural, shorten } from "./dom.js";
+
+const POLL_MS = 1000;
 
 let pending = null; // {validate, run, resolve} of the dialog on screen
 let running = false; // an action was sent and has not answered: the dialog stays until it does
+let following = null; // the replay the dialog follows: {id, stop}
 
 function dialog() {
   return $("#action-dialog");
@@ -20,6 +25,8 @@ function showError(text) {
 function close(result) {
   const current = pending;
   pending = null;
+  if (following) following.stop();
+  following = null;
   if (dialog().open) dialog().close();
   if (current) current.resolve(result);
 }
@@ -27,7 +34,7 @@ function close(result) {
 export function setUpDialogs() {
   $("#action-form").addEventListener("submit", async (event) => {
     event.preventDefault();
-    if (!pending) return;
+    if (!pending || running) return;
     const current = pending;
     let payload;
     try {
@@ -43,7 +50,7 @@ export function setUpDialogs() {
     showError("");
     try {
       const result = await current.run(payload);
-      if (pending === current) close(result);
+      if (pending === current && result !== undefined) close(result);
     } catch (error) {
       showError(error instanceof ApiError ? error.message : String(error));
     } finally {
@@ -51,10 +58,10 @@ export function setUpDialogs() {
       button.textContent = label;
     }
   });
-  $("#action-cancel").addEventListener("click", () => close(null));
+  $("#action-cancel").addEventListener("click", () => close(following ? following.last : null));
   dialog().addEventListener("cancel", (event) => {
     if (running) event.preventDefault();
-    else close(null);
+    else close(following ? following.last : null);
   });
 }
 
@@ -66,6 +73,9 @@ function ask({ title, body, confirm, danger, validate, run }) {
   const button = $("#action-confirm");
   button.textContent = confirm;
   button.className = danger ? "danger" : "primary";
+  button.hidden = button.disabled = running = false;
+  $("#action-cancel").textContent = "Cancel";
+  $("#action-cancel").disabled = false;
   showError("");
   return new Promise((resolve) => {
     pending = { validate, run, resolve };
@@ -76,11 +86,11 @@ function ask({ title, body, confirm, danger, validate, run }) {
 }
 
 // What a selection is, for the dialog's first line.
-function describe(selection) {
+function describe(selection, what = "parked message") {
   if (selection.group) {
     const g = selection.group;
     return [
-      h("p", {}, plural(g.count, "parked message", "parked messages"), " of queue ",
+      h("p", {}, plural(g.count, what, `${what}s`), " of queue ",
         h("code", {}, g.queue), ", failed with:"),
       h("p", { class: "exception" }, h("b", {}, g.exception_type || "(no exception)"), " ",
         shorten(g.exception_message, 300)),
@@ -102,8 +112,91 @@ function size(selection) {
   return selection.group ? selection.group.count : selection.messages.length;
 }
 
+// "1,234 of 10,000 replayed · 312 a second · about 28 s left"
+function progressText(entry) {
+  const p = entry.progress || {};
+  const parts = [`${count(p.done)} of ${count(p.total)} replayed`];
+  if (p.refused) parts.push(`${count(p.refused)} refused`);
+  if (entry.state === "running") {
+    parts.push(`${count(p.rate)} a second`);
+    if (typeof p.eta_s === "number") parts.push(`about ${duration(p.eta_s)} left`);
+  }
+  return parts.join(" · ");
+}
+
+const ENDED = { done: "Done", failed: "Stopped", cancelled: "Cancelled", running: "Running" };
+
+// The dialog follows replay `id` until it ends (progress, rate, time left, Cancel replay), then
+// shows how it ended until the operator closes it; closing resolves the dialog with the last
+// state seen ({replayed, replay_id, state, error}).
+function follow(id, first) {
+  fill($("#action-title"), "Replaying…");
+  const bar = h("progress", { id: "replay-bar", max: "1", value: "0" });
+  const state = h("span", { id: "replay-state", class: "state state-running" }, "Running");
+  const line = h("p", { id: "replay-progress" });
+  const cancel = h("button", { type: "button", id: "replay-cancel", class: "danger" }, "Cancel replay");
+  fill($("#action-body"), h("p", {}, "Replay ", h("code", {}, id), " ", state), bar, line,
+    h("p", { class: "muted" }, "You may close this: the replay goes on, and the audit shows it."),
+    h("div", { class: "buttons" }, cancel));
+  $("#action-confirm").hidden = true;
+  $("#action-cancel").textContent = "Close";
+  $("#action-cancel").disabled = false;
+  let timer = null;
+  function show(entry) {
+    const p = entry.progress || {};
+    bar.max = String(Math.max(p.total || 0, 1));
+    bar.value = String(p.done || 0);
+    line.textContent = progressText(entry);
+    state.className = `state state-${entry.state}`;
+    state.textContent = ENDED[entry.state] || entry.state;
+    if (following) {
+      following.last = { replayed: p.done, replay_id: id, state: entry.state, error: entry.outcome };
+    }
+    if (entry.state !== "running") {
+      cancel.hidden = true;
+      fill($("#action-title"), entry.state === "done" ? "Replayed" : "Replay ended");
+      if (entry.state !== "done" && entry.outcome) showError(entry.outcome);
+      stop();
+    }
+  }
+  async function poll() {
+    try {
+      show(await call(`/api/replays/${encodeURIComponent(id)}`));
+    } catch (error) {
+      showError(error.message);
+    }
+    if (following && following.id === id && !following.stopped) timer = window.setTimeout(poll, POLL_MS);
+  }
+  function stop() {
+    if (following) following.stopped = true;
+    window.clearTimeout(timer);
+  }
+  cancel.addEventListener("click", async () => {
+    cancel.disabled = true;
+    try {
+      await call(`/api/replays/${encodeURIComponent(id)}/cancel`, {});
+      state.textContent = "Cancelling…";
+    } catch (error) {
+      showError(error.message);
+      cancel.disabled = false;
+    }
+  });
+  following = { id, stop, stopped: false, last: null };
+  show({ state: "running", progress: first.progress || {} });
+  timer = window.setTimeout(poll, POLL_MS);
+}
+
+// Starts a replay (or an edit) and answers at once when it ended within a second; else the
+// dialog follows it (and answers when the operator closes it).
+async function replayed(path, payload) {
+  const { data, status } = await start(path, { ...payload, wait: 1 });
+  if (status !== 202) return data;
+  follow(data.replay_id, data);
+  return undefined;
+}
+
 // Replay a group or messages: back to their own queue, or to another queue of the topology,
-// optionally at a rate. Resolves with {replayed, replay_id}, or null.
+// optionally at a rate. Resolves with {replayed, replay_id, state}, or null.
 export function replay(selection, queues) {
   const own = selection.group
     ? selection.group.queue
@@ -112,7 +205,7 @@ export function replay(selection, queues) {
     h("option", { value: "" }, `its own queue (${own})`),
     queues.map((q) => h("option", { value: q.queue }, q.queue)));
   const rate = h("input", { id: "replay-rate", name: "rate", type: "number", min: "1", step: "1",
-    inputmode: "numeric", placeholder: "no limit" });
+    max: "100000", inputmode: "numeric", placeholder: "no limit" });
   const n = size(selection);
   return ask({
     title: selection.group ? "Replay this group?" : "Replay these messages?",
@@ -128,12 +221,14 @@ export function replay(selection, queues) {
       if (to.value) payload.to = to.value;
       if (rate.value !== "") {
         const value = Number(rate.value);
-        if (!Number.isFinite(value) || value <= 0) throw new Error("the rate must be a positive number");
+        if (!Number.isFinite(value) || value <= 0 || value > 100000) {
+          throw new Error("the rate: a number of messages a second, above 0 and at most 100,000");
+        }
         payload.rate = value;
       }
       return payload;
     },
-    run: (payload) => call("/api/replay", payload),
+    run: (payload) => replayed("/api/replay", payload),
   });
 }
 
@@ -147,7 +242,8 @@ export function discard(selection) {
     danger: true,
     body: [
       describe(selection),
-      h("p", {}, "Discarded messages are never replayed. The audit keeps who discarded them and why."),
+      h("p", {}, "Discarded messages are not replayed; they can be restored until the desk's "
+        + "retention (--keep) ends. The audit keeps who discarded them and why."),
       h("label", {}, "Reason (required) ", reason),
     ],
     confirm: `Discard ${plural(n, "message", "messages")}`,
@@ -160,15 +256,89 @@ export function discard(selection) {
   });
 }
 
+// Restore discarded messages: parked again, to be replayed or discarded anew.
+export function restore(selection) {
+  const reason = h("textarea", { id: "restore-reason", name: "reason", rows: "2",
+    maxlength: "1000", placeholder: "why (optional)" });
+  return ask({
+    title: selection.group ? "Restore this group's discarded messages?" : "Restore these messages?",
+    body: [
+      describe(selection, "discarded message"),
+      h("p", {}, "They are parked again, as they were before the discard."),
+      h("label", {}, "Reason ", reason),
+    ],
+    confirm: `Restore ${plural(size(selection), "message", "messages")}`,
+    validate() {
+      const text = reason.value.trim();
+      return text ? { ...target(selection), reason: text } : target(selection);
+    },
+    run: (payload) => call("/api/restore", payload),
+  });
+}
+
+// Edit a parked message's body and headers, then replay the edited copy. The stored message
+// stays as it was; the audit keeps the change.
+export function edit(message, queues) {
+  const textBody = typeof message.body === "string";
+  const body = h("textarea", { id: "edit-body", name: "body", rows: "10", spellcheck: "false",
+    class: "code" });
+  body.value = textBody ? message.body : message.body_base64 || "";
+  const editable = {};
+  for (const [name, value] of Object.entries(message.editable_headers || {})) editable[name] = value;
+  const headers = h("textarea", { id: "edit-headers", name: "headers", rows: "6",
+    spellcheck: "false", class: "code" });
+  headers.value = JSON.stringify(editable, null, 2);
+  const to = h("select", { id: "edit-to", name: "to" },
+    h("option", { value: "" }, `its own queue (${message.queue})`),
+    queues.map((q) => h("option", { value: q.queue }, q.queue)));
+  const reason = h("input", { id: "edit-reason", name: "reason", maxlength: "1000",
+    placeholder: "why (optional)" });
+  return ask({
+    title: "Edit and replay this message?",
+    body: [
+      h("p", {}, "The edited copy is replayed (marked replay-edited); the parked message is kept "
+        + "as it was, and the audit records what changed."),
+      h("label", {}, textBody ? "Body" : "Body (base64)", body),
+      h("label", {}, "Headers (JSON; parking and retry headers are not editable)", headers),
+      h("label", {}, "Replay to ", to),
+      h("label", {}, "Reason ", reason),
+    ],
+    confirm: "Replay the edited copy",
+    validate() {
+      let parsed;
+      try {
+        parsed = JSON.parse(headers.value || "{}");
+      } catch {
+        throw new Error("the headers are not JSON");
+      }
+      if (parsed === null || typeof parsed !== "object" || Array.isArray(parsed)) {
+        throw new Error("the headers: a JSON object of name: value");
+      }
+      const payload = { headers: parsed };
+      if (textBody) payload.body = body.value;
+      else payload.body_base64 = body.value.trim();
+      if (to.value) payload.to = to.value;
+      if (reason.value.trim()) payload.reason = reason.value.trim();
+      return payload;
+    },
+    run: (payload) => replayed(`/api/messages/${encodeURIComponent(message.id)}/edit`, payload),
+  });
+}
+
 // Tells the operator what an action did: the notice line, and the error line when a replay
 // stopped part way (the desk says how many it refused and why).
 export function report(ctx, result) {
   if ("discarded" in result) {
     ctx.notify(`Discarded ${plural(result.discarded, "message")}.`);
-  } else if (result.pending) {
+  } else if ("restored" in result) {
+    ctx.notify(`Restored ${plural(result.restored, "message")}: parked again.`);
+  } else if (result.state === "running") {
     ctx.notify(`Replay ${result.replay_id} is still running; the audit shows when it is done.`);
+  } else if (result.state === "cancelled") {
+    ctx.notify(`Replay ${result.replay_id} cancelled after ${plural(result.replayed, "message")}.`);
   } else {
-    ctx.notify(`Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id}).`);
+    const skipped = result.skipped ? `; ${count(result.skipped)} skipped (not parked)` : "";
+    ctx.notify(`Replayed ${plural(result.replayed, "message")} (replay ${result.replay_id})${skipped}.`);
     if (result.error) {
       ctx.fail(new Error(`Replay ${result.replay_id} stopped: ${result.error}`
         + (result.refused ? ` (${plural(result.refused, "message")} refused)` : "")));

@@ -50,12 +50,36 @@ export function plural(n, one, many = `${one}s`) {
   return `${count(n)} ${n === 1 ? one : many}`;
 }
 
-// A moment from the API (ISO 8601) as local time, its exact value in the tooltip.
+function two(n) {
+  return String(n).padStart(2, "0");
+}
+
+// A Date as "2026-11-02 10:00:00 UTC": every time on the page in one zone, the one the headers
+// (parked-at) and the logs use, and saying so.
+export function utc(date) {
+  return `${date.getUTCFullYear()}-${two(date.getUTCMonth() + 1)}-${two(date.getUTCDate())} `
+    + `${two(date.getUTCHours())}:${two(date.getUTCMinutes())}:${two(date.getUTCSeconds())} UTC`;
+}
+
+// A moment from the API (ISO 8601) in UTC, the browser's local time in the tooltip.
 export function when(iso) {
   if (!iso) return h("span", { class: "muted" }, "—");
   const date = new Date(iso);
   if (Number.isNaN(date.getTime())) return h("span", {}, String(iso));
-  return h("time", { datetime: iso, title: iso }, date.toLocaleString());
+  return h("time", { datetime: iso, title: `${date.toLocaleString()} (this browser's time)` },
+    utc(date));
+}
+
+// "12 s", "3 min 5 s", "2 h 4 min": a duration in seconds, for estimates.
+export function duration(seconds) {
+  if (typeof seconds !== "number" || !Number.isFinite(seconds)) return "—";
+  let s = Math.max(0, Math.round(seconds));
+  if (s < 60) return `${s} s`;
+  const h = Math.floor(s / 3600);
+  s -= h * 3600;
+  const m = Math.floor(s / 60);
+  s -= m * 60;
+  return h ? `${h} h ${m} min` : `${m} min ${s} s`;
 }
 
 // "3 min", "2 h 5 min", "4 d 3 h": how long ago `iso` was.

@@ -1,10 +1,12 @@
-// Audit: who replayed or discarded what, when, how many, why, and how each replay ended; newest
+// Audit: who replayed, edited, discarded or restored what, when, how many, why; how each
+// replay ended and what became of its copies (succeeded, parked again, still pending); newest
 // first, a page at a time.
 
 import { call, withQuery } from "../api.js";
 import { asText, count, h, shorten, when } from "../dom.js";
 
 const PAGE = 100;
+const REPLAYS = new Set(["replay", "edit"]);
 
 // {"group": "ab12…"} -> "group ab12…"; {"ids": [1, 2]} -> "2 messages: 1, 2" (the first few).
 function selectionText(selection) {
@@ -23,38 +25,74 @@ function selectionText(selection) {
   return parts.join(" · ") || "—";
 }
 
-// A group's selection links to that group's messages, whatever became of them.
-function selection(ctx, value) {
+// A group's selection links to the group; one message's to the message.
+function selection(value) {
   const group = value && typeof value === "object" ? value.group : null;
   if (typeof group === "string" && Object.keys(value).length === 1) {
-    return ["group ", h("a", { href: ctx.link("messages", { group, status: "any" }), class: "group" },
+    return ["group ", h("a", { href: `#/group/${encodeURIComponent(group)}`, class: "group" },
       h("code", {}, group))];
+  }
+  const ids = value && typeof value === "object" ? value.ids : null;
+  if (Array.isArray(ids) && ids.length === 1) {
+    return ["message ", h("a", { href: `#/message/${encodeURIComponent(ids[0])}` }, `#${ids[0]}`)];
   }
   return shorten(selectionText(value), 200);
 }
 
-// How a replay ended: "done: 5 replayed", "running", "failed: <why> (3 replayed)".
-function state(e) {
-  if (e.action !== "replay" || !e.state) return "";
-  if (e.state === "pending") return "running";
-  const done = typeof e.done_count === "number" ? ` (${count(e.done_count)} replayed)` : "";
-  return e.state === "failed" ? `failed: ${e.outcome || "?"}${done}` : `${e.state}${done}`;
+// How a replay went: "done: 5 replayed · 2 parked again · 3 succeeded · 0 pending".
+function outcome(e) {
+  if (!REPLAYS.has(e.action)) {
+    if (e.action === "rule" && e.detail) {
+      const rule = e.detail.added || e.detail.removed;
+      return rule ? [e.detail.added ? "added " : "removed ", h("code", {}, rule.pattern), ` → <${rule.name}>`] : "";
+    }
+    return "";
+  }
+  const p = e.progress || {};
+  const parts = [];
+  if (e.state === "running") {
+    parts.push(h("span", { class: "state state-running" }, "running"),
+      ` ${count(p.done)} of ${count(p.total)}`);
+  } else {
+    parts.push(h("span", { class: `state state-${e.state}` }, e.state), ` ${count(p.done)} replayed`);
+  }
+  if (p.refused) parts.push(` · ${count(p.refused)} refused`);
+  if (e.resent) parts.push(h("span", { class: "resent", title: "copies a desk re-sent when it took over this replay from a desk that stopped: they may have arrived twice" }, ` · ${count(e.resent)} re-sent (may have arrived twice)`));
+  const r = e.results;
+  if (r && e.state !== "running") {
+    parts.push(h("div", { class: "results" },
+      h("span", { class: "succeeded", title: "handled and not parked since (at least)" }, `${count(r.succeeded)} succeeded`), " · ",
+      h("span", { class: "parked-again" }, h("a", { href: `#/messages?q=replay-id%3D${encodeURIComponent(e.replay_id)}&status=any` }, `${count(r.parked_again)} parked again`)), " · ",
+      h("span", { class: "pending", title: "may still be in the queue or its retry tiers" }, `${count(r.pending)} pending`)));
+  }
+  if (e.cancelled_by) parts.push(h("div", {}, `cancelled by ${e.cancelled_by}`));
+  if (e.outcome && e.state !== "done" && !e.cancelled_by) parts.push(h("div", { class: "why" }, e.outcome));
+  if (e.detail && e.detail.body) {
+    parts.push(h("details", { class: "edit" }, h("summary", {}, "the edit"),
+      h("pre", { class: "diff" }, e.detail.body)));
+  }
+  if (e.detail && Array.isArray(e.detail.headers) && e.detail.headers.length) {
+    parts.push(h("details", { class: "edit" }, h("summary", {}, `${e.detail.headers.length} header(s) changed`),
+      h("ul", {}, e.detail.headers.map((c) => h("li", {}, h("code", {}, c.name), ": ",
+        asText(c.before ?? "(none)"), " → ", asText(c.after ?? "(removed)"))))));
+  }
+  return parts;
 }
 
 export async function renderAudit(ctx) {
   let offset = Number.parseInt(ctx.params.get("offset") || "", 10);
   if (!Number.isFinite(offset) || offset < 0) offset = 0;
   const entries = await call(withQuery("/api/audit", { limit: PAGE, offset }));
-  const rows = entries.map((e) => h("tr", {},
-    h("td", {}, when(e.at)),
+  const rows = entries.map((e) => h("tr", { dataset: { action: e.action, replay: e.replay_id || "" } },
+    h("td", { class: "time" }, when(e.at)),
     h("td", { class: "actor" }, e.actor || "—"),
     h("td", {}, h("span", { class: `action action-${String(e.action).replace(/[^a-z0-9-]/gi, "")}` }, e.action)),
     h("td", { class: "num" }, count(e.count)),
     h("td", { class: "selection", title: asText(e.selection) },
-      selection(ctx, e.selection), e.to_queue ? [" → ", h("code", {}, e.to_queue)] : null),
+      selection(e.selection), e.to_queue ? [" → ", h("code", {}, e.to_queue)] : null),
     h("td", { class: "reason" }, e.reason || ""),
-    h("td", {}, e.replay_id ? h("code", {}, e.replay_id) : ""),
-    h("td", { class: "state" }, state(e))));
+    h("td", { class: "replay-id" }, e.replay_id ? h("code", {}, e.replay_id) : ""),
+    h("td", { class: "outcome" }, outcome(e))));
   const pager = h("nav", { class: "pager", "aria-label": "pages" },
     offset > 0 ? h("a", { href: ctx.link("audit", { offset: Math.max(0, offset - PAGE) || "" }), id: "audit-newer" }, "‹ newer") : null,
     entries.length === PAGE ? h("a", { href: ctx.link("audit", { offset: offset + PAGE }), id: "audit-older" }, "older ›") : null);
@@ -66,7 +104,7 @@ export async function renderAudit(ctx) {
           h("th", { class: "num" }, "Messages"), h("th", {}, "Selection"), h("th", {}, "Reason"),
           h("th", {}, "Replay id"), h("th", {}, "Outcome"))),
         h("tbody", {}, rows))
-      : h("p", { class: "muted empty" }, offset ? "No older entries." : "Nothing was replayed or discarded yet."),
+      : h("p", { class: "muted empty" }, offset ? "No older entries." : "Nothing was done yet."),
     pager,
   ];
 }

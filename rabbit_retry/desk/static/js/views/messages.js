@@ -1,8 +1,8 @@
 // Messages: search and page through stored messages (one page at a time from the API, never
-// all of them), select some and replay or discard them.
+// all of them), select some and replay or discard them (parked), or restore them (discarded).
 
 import { call, withQuery } from "../api.js";
-import { discard, replay, report } from "../dialogs.js";
+import { discard, replay, report, restore } from "../dialogs.js";
 import { count, h, shorten, when } from "../dom.js";
 import { filterForm, queueOptions, statusOptions, statusParam } from "./filters.js";
 
@@ -72,12 +72,19 @@ export async function renderMessages(ctx) {
       " ", h("a", { href: here({ group: "", offset: "" }) }, "show every group"))
     : null;
 
-  // Selection: only parked messages can be replayed or discarded.
-  const selectable = items.filter((m) => m.status === "parked");
+  // Selection: parked messages can be replayed or discarded, discarded ones restored; a viewer
+  // selects nothing.
+  const mayAct = ctx.me().may_act;
+  const restoring = filters.status === "discarded";
+  const actionable = (m) => mayAct && m.status === (restoring ? "discarded" : "parked");
+  const selectable = items.filter(actionable);
   const selectedCount = h("span", { id: "selected-count" });
-  const replayButton = h("button", { type: "button", id: "replay-selected" }, "Replay selected…");
-  const discardButton = h("button", { type: "button", id: "discard-selected", class: "danger" },
-    "Discard selected…");
+  const replayButton = h("button", { type: "button", id: "replay-selected", hidden: restoring },
+    "Replay selected…");
+  const discardButton = h("button", { type: "button", id: "discard-selected", class: "danger",
+    hidden: restoring }, "Discard selected…");
+  const restoreButton = h("button", { type: "button", id: "restore-selected", hidden: !restoring },
+    "Restore selected…");
   const clearButton = h("button", { type: "button", id: "clear-selection", class: "link" },
     "clear selection");
   const all = h("input", { type: "checkbox", id: "select-page", "aria-label": "select this page",
@@ -87,7 +94,7 @@ export async function renderMessages(ctx) {
   function refreshSelection() {
     const n = selected.size;
     selectedCount.textContent = n ? `${count(n)} selected` : "none selected";
-    replayButton.disabled = discardButton.disabled = n === 0;
+    replayButton.disabled = discardButton.disabled = restoreButton.disabled = n === 0;
     clearButton.hidden = n === 0;
     const onPage = selectable.filter((m) => selected.has(String(m.id))).length;
     all.checked = selectable.length > 0 && onPage === selectable.length;
@@ -109,7 +116,8 @@ export async function renderMessages(ctx) {
 
   async function act(kind) {
     const messages = [...selected.values()];
-    const result = kind === "replay" ? await replay({ messages }, queues) : await discard({ messages });
+    const result = kind === "replay" ? await replay({ messages }, queues)
+      : kind === "restore" ? await restore({ messages }) : await discard({ messages });
     if (!result) return;
     selected.clear();
     report(ctx, result);
@@ -117,11 +125,12 @@ export async function renderMessages(ctx) {
   }
   replayButton.addEventListener("click", () => act("replay").catch(ctx.fail));
   discardButton.addEventListener("click", () => act("discard").catch(ctx.fail));
+  restoreButton.addEventListener("click", () => act("restore").catch(ctx.fail));
 
   const rows = items.map((m) => {
     const id = String(m.id);
     let box = null;
-    if (m.status === "parked") {
+    if (actionable(m)) {
       box = h("input", { type: "checkbox", class: "select", "aria-label": `select ${m.message_id || id}` });
       box.addEventListener("change", () => {
         if (box.checked) selected.set(id, m);
@@ -132,16 +141,20 @@ export async function renderMessages(ctx) {
     }
     return h("tr", { dataset: { id } },
       h("td", { class: "check" }, box),
-      h("td", {}, h("a", { href: `#/message/${encodeURIComponent(id)}`, class: "open" },
-        m.message_id || `#${id}`)),
-      h("td", {}, m.queue),
+      h("td", { class: "ids" }, h("a", { href: `#/message/${encodeURIComponent(id)}`, class: "open" },
+        m.message_id || `#${id}`),
+      m.message_id_generated ? h("span", { class: "chip generated", title: "made up by rabbit-retry: the publisher set no message_id" }, "generated") : null,
+      m.message_id === null ? h("span", { class: "chip generated", title: "the publisher set no message_id" }, "no message id") : null,
+      m.edited ? h("span", { class: "chip edited", title: "an operator edited this copy before replaying it" }, "edited") : null,
+      m.correlation_id ? h("div", { class: "correlation muted", title: "correlation id" }, "corr. ", m.correlation_id) : null),
+      h("td", { class: "queue" }, m.queue),
       h("td", {}, h("span", { class: `status status-${m.status}` }, m.status)),
       h("td", {}, m.reason),
       h("td", { class: "exception" },
         h("div", { class: "type" }, m.exception_type || ""),
         h("div", { class: "message" }, shorten(m.exception_message, 160))),
       h("td", { class: "num" }, m.attempts ?? "—"),
-      h("td", {}, when(m.parked_at)));
+      h("td", { class: "time" }, when(m.parked_at)));
   });
 
   const first = total === 0 ? 0 : offset + 1;
@@ -164,7 +177,8 @@ export async function renderMessages(ctx) {
     h("h2", {}, "Messages"),
     form,
     groupNote,
-    h("div", { class: "toolbar" }, all, selectedCount, clearButton, replayButton, discardButton),
+    mayAct ? h("div", { class: "toolbar" }, all, selectedCount, clearButton, replayButton, discardButton,
+      restoreButton) : null,
     items.length
       ? h("table", { class: "grid", id: "messages" },
         h("thead", {}, h("tr", {}, h("th", { class: "check" }, ""), h("th", {}, "Message id"),
