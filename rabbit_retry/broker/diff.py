@@ -502,12 +502,36 @@ def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:
     return totals
 
 
+def deferred(change: Change) -> bool:
+    """A parking queue that ``migrate`` must rebuild (a classic one the file now wants quorum,
+    as it does by default for a quorum main queue): ``apply`` goes on without it. The live one
+    keeps working as a parking queue meanwhile; only its replication differs from the file."""
+    return change.kind == "migrate" and isinstance(change.item, Queue) and (
+        change.item.role == "parking"
+    )
+
+
+def blocking(change: Change) -> bool:
+    """A change ``apply`` refuses to go on with."""
+    return change.kind == "conflict" or (change.kind == "migrate" and not deferred(change))
+
+
+def deferred_notes(changes: Iterable[Change], file: str) -> list[str]:
+    """What ``apply`` says of the parking queues it leaves for ``migrate``."""
+    return [
+        f"note: {c.name} is left as it is ({c.detail}); `rabbit-retry migrate {file}` "
+        "rebuilds it"
+        for c in changes
+        if deferred(c)
+    ]
+
+
 def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
     """Why ``apply`` will not go on, one line per object; empty when it can."""
+    changes = [c for c in changes if blocking(c)]
     lines = [
         f"{c.object} {c.name} in vhost {vhost!r} differs from the file: {c.detail}"
         for c in changes
-        if c.kind in ("conflict", "migrate")
     ]
     if not lines:
         return []
@@ -533,7 +557,7 @@ def nothing_to_do(changes: Iterable[Change], *, prune: bool = False) -> bool:
     idle: set[ChangeKind] = {"unchanged", "grow"}
     if not prune:
         idle |= {"keep", "prune"}
-    return all(c.kind in idle for c in changes)
+    return all(c.kind in idle or deferred(c) for c in changes)
 
 
 # RabbitMQ 3.x reserves file handles for every quorum queue in its file handle cache, out of
