@@ -95,3 +95,15 @@ def test_classic_queues_mirrored_by_an_ha_policy_are_not_named() -> None:
     live = dataclasses.replace(live, policies=(ha, other))
     (note,) = single_node_notes(plan, live)
     assert "1 queue of a (a) lives on one node" in note
+
+
+def test_a_parking_queue_with_a_limit_set_by_hand_still_blocks_apply() -> None:
+    plan = plan_of(QUORUM_ONLY)
+    parking = next(q for q in plan.queues if q.role == "parking")
+    limited = dataclasses.replace(
+        parking, arguments={"x-queue-type": "classic", "x-max-length": 1,
+                            "x-overflow": "reject-publish"})
+    changes = diff(plan, live_of(plan, queues=[live_queue(limited, messages=1)]))
+    (moving,) = [c for c in changes if c.kind == "migrate"]
+    assert moving.name == "orders.parking" and blocking(moving) and not deferred(moving)
+    assert refusal(changes, "/", "t.yml")
