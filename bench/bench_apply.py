@@ -141,8 +141,9 @@ def describe(plan: Plan) -> str:
 
 
 def quorum_count(queues: int, tiers: int, classic_every: int) -> int:
-    """Quorum queues in ``topology_yaml(queues, tiers, classic_every)``: main and tiers."""
-    return (queues - queues // classic_every) * (tiers + 1)
+    """Quorum queues in ``topology_yaml(queues, tiers, classic_every)``: main, tiers and the
+    parking queue (it follows the main queue's type)."""
+    return (queues - queues // classic_every) * (tiers + 2)
 
 
 def fitting_queues(capacity: NodeCapacity, tiers: int, classic_every: int) -> int:

@@ -21,6 +21,7 @@ from rabbit_retry.broker.counts import ready_and_consumers
 from rabbit_retry.broker.diff import AppliedPolicy, Change, applied_policies, diff, replication_of
 from rabbit_retry.broker.inspect import LiveState, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
+from rabbit_retry.broker.placement import single_node_notes
 from rabbit_retry.broker.replicas import Replication
 from rabbit_retry.settings import Settings
 from rabbit_retry.tables import cell, new_table
@@ -135,6 +136,8 @@ class Status:
     source: str
     queues: tuple[QueueStatus, ...]
     drift: tuple[Drift, ...]
+    # One line per main queue some of whose queues live on one node of a cluster.
+    placement_warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -159,7 +162,7 @@ class Status:
 
     @property
     def warnings(self) -> tuple[str, ...]:
-        return self.replica_warnings + self.policy_warnings
+        return self.replica_warnings + self.policy_warnings + self.placement_warnings
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -286,7 +289,8 @@ def build_status(
             )
         )
         rows[-1] = _with_stranded(rows[-1], plan, changes)
-    return Status(vhost, source, tuple(rows), drift_of(changes, plan))
+    return Status(vhost, source, tuple(rows), drift_of(changes, plan),
+                  tuple(single_node_notes(plan, live)))
 
 
 def read_status(api: Management, settings: Settings, plan: Plan, source: str,
@@ -404,6 +408,7 @@ def status_view(status: Status) -> RenderableType:
     parts.append(Text(SAMPLED_NOTE, style="dim"))
     parts.extend(_replicas_view(status))
     parts.extend(_policies_view(status))
+    parts.extend(Text(f"WARNING: {w}", style="bold yellow") for w in status.placement_warnings)
     for row in status.queues:
         parts.extend(Text(line, style="bold yellow") for line in held_lines(row, status.source))
     if not status.drift:

@@ -23,7 +23,7 @@ from aio_pika.abc import AbstractConnection
 from pamqp import commands
 
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
-from rabbit_retry.broker.diff import Change
+from rabbit_retry.broker.diff import Change, blocking
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology.plan import Binding, Exchange, Policy, Queue
@@ -226,7 +226,7 @@ async def apply_changes(
     ``live_bindings`` are the bindings read with the diff; pruning a quorum tier unbinds them
     first and restores them if the tier turns out not to be empty.
     """
-    if any(c.kind in ("conflict", "migrate") for c in changes):
+    if any(blocking(c) for c in changes):
         raise AssertionError("apply_changes called with conflicts; check the diff first")
     report = ApplyReport()
     if work_count(changes, prune=prune) == 0:

@@ -53,6 +53,9 @@ class Change:
     name: str
     detail: str = ""
     item: Exchange | Queue | Binding | Policy | None = None
+    # A ``migrate`` of a parking queue that differs only in its type (a classic one the file
+    # now wants quorum): apply leaves it for ``migrate`` and goes on (``deferred``).
+    type_only: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "object": self.object, "name": self.name}
@@ -208,8 +211,19 @@ def _queue_change(queue: Queue, live: LiveState) -> Change:
         messages = (live_queue.messages if live_queue else 0) + (held.messages if held else 0)
         what = "; ".join(differences or ["a migration is under way"])
         detail = f"{what}; migrate keeps its {plural(messages, 'message')}"
-        return Change("migrate", "queue", queue.name, detail, queue)
+        type_only = live_queue is not None and held is None and (
+            _untyped(live_queue.arguments) == _untyped(queue.arguments))
+        return Change("migrate", "queue", queue.name, detail, queue, type_only=type_only)
     return _compare("queue", queue.name, queue, differences, _queue_summary(queue))
+
+
+# What a parking queue's type brings with it (compile.py): the rest must match for a change of
+# type alone.
+_TYPE_BOUND = frozenset({"x-queue-type", "x-delivery-limit", "x-quorum-initial-group-size"})
+
+
+def _untyped(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in arguments.items() if k not in _TYPE_BOUND}
 
 
 def _looks_like_tier(live: LiveQueue, owner: str) -> bool:
@@ -502,12 +516,38 @@ def count(changes: Iterable[Change]) -> dict[ChangeKind, int]:
     return totals
 
 
+def deferred(change: Change) -> bool:
+    """A parking queue that ``migrate`` must rebuild only for its type (a classic one the file
+    now wants quorum, as it does by default for a quorum main queue): ``apply`` goes on without
+    it. The live one keeps working as a parking queue meanwhile; only its replication differs
+    from the file. A parking queue whose other arguments differ (a length limit, a TTL) blocks,
+    as every other queue to rebuild does."""
+    return change.kind == "migrate" and change.type_only and isinstance(change.item, Queue) and (
+        change.item.role == "parking"
+    )
+
+
+def blocking(change: Change) -> bool:
+    """A change ``apply`` refuses to go on with."""
+    return change.kind == "conflict" or (change.kind == "migrate" and not deferred(change))
+
+
+def deferred_notes(changes: Iterable[Change], file: str) -> list[str]:
+    """What ``apply`` says of the parking queues it leaves for ``migrate``."""
+    return [
+        f"note: {c.name} is left as it is ({c.detail}); `rabbit-retry migrate {file}` "
+        "rebuilds it"
+        for c in changes
+        if deferred(c)
+    ]
+
+
 def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
     """Why ``apply`` will not go on, one line per object; empty when it can."""
+    changes = [c for c in changes if blocking(c)]
     lines = [
         f"{c.object} {c.name} in vhost {vhost!r} differs from the file: {c.detail}"
         for c in changes
-        if c.kind in ("conflict", "migrate")
     ]
     if not lines:
         return []
@@ -533,7 +573,7 @@ def nothing_to_do(changes: Iterable[Change], *, prune: bool = False) -> bool:
     idle: set[ChangeKind] = {"unchanged", "grow"}
     if not prune:
         idle |= {"keep", "prune"}
-    return all(c.kind in idle for c in changes)
+    return all(c.kind in idle or deferred(c) for c in changes)
 
 
 # RabbitMQ 3.x reserves file handles for every quorum queue in its file handle cache, out of

@@ -24,8 +24,10 @@ from rabbit_retry.broker.declare import ApplyReport, apply_changes, unsendable, 
 from rabbit_retry.broker.declare import Progress as Advance
 from rabbit_retry.broker.diff import (
     Change,
+    blocking,
     capacity_problem,
     count,
+    deferred_notes,
     diff,
     new_quorum_queues,
     nothing_to_do,
@@ -35,6 +37,7 @@ from rabbit_retry.broker.diff import (
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
+from rabbit_retry.broker.placement import single_node_notes
 from rabbit_retry.broker.policies import apply_policies
 from rabbit_retry.cli import confirm, pass_settings, stdin_is_terminal
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
@@ -82,6 +85,8 @@ def _notes(plan: Plan, live: LiveState) -> list[str]:
     notes = policy_notes(plan, live)
     for note in notes:
         click.echo(f"note: {note}", err=True)
+    for line in single_node_notes(plan, live):
+        click.echo(f"warning: {line}", err=True)
     return notes
 
 
@@ -238,9 +243,12 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
         raise ConflictError(
             f"{totals['conflict']} object(s) conflict with {file}; apply would refuse"
         )
-    if totals["migrate"]:
+    for line in deferred_notes(changes, file):
+        click.echo(line, err=True)
+    rebuilt = sum(1 for c in changes if c.kind == "migrate" and blocking(c))
+    if rebuilt:
         raise ConflictError(
-            f"{plural(totals['migrate'], 'queue')} must be rebuilt to match {file} (the broker "
+            f"{plural(rebuilt, 'queue')} must be rebuilt to match {file} (the broker "
             f"cannot change them in place); apply would refuse; `rabbit-retry migrate {file}` "
             "does it and keeps their messages"
         )
@@ -263,6 +271,8 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
         raise InputError("\n".join([*names, "nothing was changed"]))
     problem = _plugin(settings, compiled) or _capacity(settings, changes)
     _notes(compiled, live)
+    for line in deferred_notes(changes, file):
+        click.echo(line, err=True)
     if dry_run:
         _print_changes(changes, settings.vhost)
         if problem:
@@ -272,7 +282,10 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
     if problem:
         raise BrokerError(problem)
     if nothing_to_do(changes, prune=prune):
-        click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
+        if any(c.kind == "migrate" for c in changes):
+            click.echo(f"nothing else to do in vhost {settings.vhost!r}")
+        else:
+            click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
         _report(ApplyReport(), changes, settings.vhost, prune)
         return
     with _progress(work_count(changes, prune=prune)) as advance:

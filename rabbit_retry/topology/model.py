@@ -17,7 +17,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from rabbit_retry.topology.durations import parse_duration
 from rabbit_retry.topology.resolved import (
-    DEFAULT_PARKING_TYPE,
     DEFAULT_POLICY_PRIORITY,
     BindingConfig,
     ExchangeConfig,
@@ -181,19 +180,22 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
         retry = queue.retry or RetrySpec()
         delays = retry.delays or default_retry.delays or DEFAULT_DELAYS_MS
         max_attempts = retry.max_attempts or default_retry.max_attempts or DEFAULT_MAX_ATTEMPTS
+        queue_type = queue.queue_type or spec.defaults.queue_type or DEFAULT_QUEUE_TYPE
         queues.append(
             QueueConfig(
                 name=name,
-                queue_type=queue.queue_type or spec.defaults.queue_type or DEFAULT_QUEUE_TYPE,
+                queue_type=queue_type,
                 bindings=tuple(
                     BindingConfig(b.exchange, b.routing_key, dict(b.arguments))
                     for b in queue.bindings
                 ),
                 retry=RetryPolicy(delays_ms=tuple(delays), max_attempts=max_attempts),
                 arguments=dict(queue.arguments),
+                # Parking follows the main queue (a quorum queue's parked messages are
+                # replicated like its others) unless the file says otherwise.
                 parking_type=(queue.parking or ParkingSpec()).queue_type
                 or default_parking.queue_type
-                or DEFAULT_PARKING_TYPE,
+                or queue_type,
                 replicas=queue.replicas or spec.defaults.replicas,
                 policy=queue.policy.definition() if queue.policy else {},
                 policy_priority=(

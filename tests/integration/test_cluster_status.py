@@ -133,3 +133,28 @@ def test_plan_tells_how_to_add_the_replicas_a_live_queue_lacks(
                                 )["summary"]["grow"] == 0, "plan to see the added replicas")
     wait_for(lambda: status_of(run_cli, fresh_vhost, more)["warnings"] == [],
              "status to see the new replicas online")
+
+
+def test_queues_on_one_node_are_named_by_plan_apply_and_status(
+    fresh_vhost: Settings, run_cli: Run, management: Management, tmp_path: Path
+) -> None:
+    cluster_or_skip(management)
+    # Positive control first: the default topology (quorum queues, their parking queues quorum
+    # too) leaves nothing on one node, and nothing is said.
+    default = tmp_path / "default.yml"
+    default.write_text("version: 1\nqueues:\n  orders: {retry: {delays: [1s]}}\n")
+    applied = run_cli("apply", str(default), settings=fresh_vhost)
+    assert (applied.code, applied.err) == (0, ""), applied.err
+    assert status_of(run_cli, fresh_vhost, default)["warnings"] == []
+    classic = tmp_path / "classic.yml"
+    classic.write_text("version: 1\nqueues:\n  orders: {retry: {delays: [1s]}}\n"
+                       "  mail: {queue_type: classic, retry: {delays: [1s]}}\n")
+    line = ("warning: 3 queues of mail (mail, mail.retry.1s, mail.parking) live on one node of "
+            "this 3-node cluster: messages there are lost with that node's disk; "
+            "queue_type: quorum keeps them on several")
+    planned = run_cli("plan", str(classic), settings=fresh_vhost)
+    assert (planned.code, planned.err.splitlines()) == (0, [line])
+    applied = run_cli("apply", str(classic), settings=fresh_vhost)
+    assert (applied.code, applied.err.splitlines()) == (0, [line])
+    warnings = status_of(run_cli, fresh_vhost, classic)["warnings"]
+    assert warnings == [line.removeprefix("warning: ")]

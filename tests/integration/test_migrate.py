@@ -81,9 +81,10 @@ def test_classic_to_quorum_keeps_every_message_of_the_queue_its_tiers_and_parkin
     main_line = next(line for line in lines if line.startswith(f"migrate   queue    {Q} "))
     assert "type: live classic, file quorum" in main_line
     assert "migrate keeps its" in main_line
-    assert sum(1 for line in lines if line.startswith("migrate ")) == 3  # Q and its two tiers
+    # Q, its two tiers and its parking queue (which follows Q's type)
+    assert sum(1 for line in lines if line.startswith("migrate ")) == 4
     assert "1 to migrate" not in plan.out  # type: ignore[attr-defined]
-    assert "3 to migrate" in plan.out  # type: ignore[attr-defined]
+    assert "4 to migrate" in plan.out  # type: ignore[attr-defined]
     assert "`rabbit-retry migrate" in plan.err  # type: ignore[attr-defined]
 
     refused = run_cli("apply", new, settings=fresh_vhost)
@@ -97,7 +98,7 @@ def test_classic_to_quorum_keeps_every_message_of_the_queue_its_tiers_and_parkin
     # Tiers are held while their main queue is rebuilt: none can expire into a missing queue.
     assert (  # type: ignore[attr-defined]
         f"order: {TIERS[0]} (hold..drain), {TIERS[1]} (hold..drain), {Q} (hold..refill), "
-        f"{TIERS[0]} (release..refill), {TIERS[1]} (release..refill)"
+        f"{TIERS[0]} (release..refill), {TIERS[1]} (release..refill), {Q}.parking (hold..refill)"
     ) in dry.out.splitlines()  # type: ignore[attr-defined]
     no_terminal = run_cli("migrate", new, settings=fresh_vhost)
     assert no_terminal.code == 2  # type: ignore[attr-defined]
@@ -109,8 +110,8 @@ def test_classic_to_quorum_keeps_every_message_of_the_queue_its_tiers_and_parkin
 
     done = run_cli("migrate", new, "--yes", settings=fresh_vhost)
     assert done.code == 0, done.err  # type: ignore[attr-defined]
-    assert f"migrated 3 queues in vhost {fresh_vhost.vhost!r}" in done.out  # type: ignore[attr-defined]
-    for name in (Q, *TIERS):
+    assert f"migrated 4 queues in vhost {fresh_vhost.vhost!r}" in done.out  # type: ignore[attr-defined]
+    for name in (Q, *TIERS, f"{Q}.parking"):
         assert _type(management, fresh_vhost, name) == "quorum"
         assert management.queue(fresh_vhost.vhost, f"{name}.migrating") is None
     again = run_cli("plan", new, settings=fresh_vhost)
@@ -198,7 +199,7 @@ def test_a_policy_that_would_drop_held_messages_stops_migrate_before_anything_ch
     assert refused.err.splitlines() == [  # type: ignore[attr-defined]
         f"error: policy short (message-ttl) would apply to the holding queue {name}.migrating "
         "and could drop messages while they wait there; narrow its pattern first"
-        for name in (Q, *TIERS)
+        for name in (Q, *TIERS, f"{Q}.parking")
     ] + ["error: nothing was changed"]
     assert _type(management, fresh_vhost, Q) == "classic"
     assert management.queue(fresh_vhost.vhost, f"{Q}.migrating") is None

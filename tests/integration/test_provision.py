@@ -54,7 +54,8 @@ EXPECTED_QUEUES: dict[str, tuple[str, dict[str, Any]]] = {
         "x-queue-type": "quorum", **QUORUM_DL, "x-message-ttl": 1000,
         "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "orders.fraud-check",
     }),
-    "orders.fraud-check.parking": ("classic", {"x-queue-type": "classic"}),
+    "orders.fraud-check.parking": ("quorum", {"x-queue-type": "quorum",
+                                              "x-delivery-limit": 2**31 - 1}),
     "orders.email": ("classic", {
         "x-queue-type": "classic", "x-max-length": 100000,
         "x-dead-letter-exchange": "orders.email.retry",
@@ -533,24 +534,25 @@ def test_quorum_queues_beyond_the_brokers_file_handles_are_refused(
     file = write(tmp_path, text)
     # The file is too big for a 3.x node with this open-file limit, whatever the version here.
     as_3x = replace(capacity, version="3.13.7")
-    assert capacity_problem(as_3x, 4 * many) is not None, as_3x
+    # Per main queue: itself, three tiers and its parking queue.
+    assert capacity_problem(as_3x, 5 * many) is not None, as_3x
     dry = run_cli("apply", file, "--dry-run", settings=fresh_vhost)
     assert dry.code == 0, dry.err
     assert dry.out.endswith("dry run: nothing was changed\n")
-    assert dry.out.count("(quorum, ") == 4 * many  # what the check weighs
+    assert dry.out.count("(quorum, ") == 5 * many  # what the check weighs
     if version(management) >= (4, 0):
         # 4.x holds no file handles per quorum queue (no file handle cache): no budget applies,
         # so the same file passes the check `apply` makes before it declares anything.
-        assert capacity_problem(capacity, 4 * many) is None, capacity
+        assert capacity_problem(capacity, 5 * many) is None, capacity
         assert dry.err == "", f"RabbitMQ {capacity.version}: {dry.err}"
         assert is_empty(management, fresh_vhost)
         return
-    assert f"warning: apply would refuse: refusing to declare {4 * many} quorum queues" in dry.err
+    assert f"warning: apply would refuse: refusing to declare {5 * many} quorum queues" in dry.err
     result = run_cli("apply", file, settings=fresh_vhost)
     assert result.code == 1
     assert result.out == ""
     assert result.err.startswith(
-        f"error: refusing to declare {4 * many} quorum queues: the broker would hold "
+        f"error: refusing to declare {5 * many} quorum queues: the broker would hold "
     )
     assert result.err.endswith("or use classic queues for some; nothing was changed\n")
     assert result.err.count("\n") == 1

@@ -128,10 +128,10 @@ def test_status_counts_what_each_queue_holds(
         assert data["queues"] == expected
         assert (code, data["ok"], data["drift"], data["vhost"], data["file"]) == (
             0, True, [], fresh_vhost.vhost, str(topology))
-        # One node: each quorum queue (orders, its tiers; payments is classic) has one replica,
-        # its leader, online; nothing to warn about.
+        # One node: each quorum queue (orders, its tiers and parking queue; payments is classic)
+        # has one replica, its leader, online; nothing to warn about.
         assert [[r["queue"] for r in q] for q in replicas] == [
-            ["orders", "orders.retry.1h", "orders.retry.2h"], []]
+            ["orders", "orders.retry.1h", "orders.retry.2h", "orders.parking"], []]
         for r in replicas[0]:
             assert r["members"] == r["online"] == [r["leader"]] and r["warning"] is None
         assert data["warnings"] == []

@@ -22,12 +22,11 @@ from support.process import apply
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 
-# Parking queues are quorum, replicated on every node: with classic ones the node that held
-# them took every park down with it (each lane filled with held parks and consumption stopped).
+# The default topology: quorum queues, whose parking queues are quorum too, replicated on
+# every node (with classic ones the node that held them took every park down with it: each
+# lane filled with held parks and consumption stopped).
 TOPOLOGY = """\
 version: 1
-defaults:
-  parking: {queue_type: quorum}
 exchanges:
   rel: {type: topic}
 queues:

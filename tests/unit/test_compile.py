@@ -73,7 +73,8 @@ def test_quorum_queue_compiles_to_exactly_these_objects() -> None:
             )
             for text, ms in (("5s", 5_000), ("30s", 30_000), ("5m", 300_000))
         ),
-        Queue(f"{q}.parking", "parking", q, {"x-queue-type": "classic"}),
+        Queue(f"{q}.parking", "parking", q,
+              {"x-queue-type": "quorum", "x-delivery-limit": 2_147_483_647}),
     )
     assert plan.bindings == (
         Binding("orders", q, "order.created"),
@@ -117,13 +118,24 @@ def test_tiers_have_the_queue_type_of_their_main_queue() -> None:
     assert [t.queue_type for t in tiers] == ["quorum"] * 3
 
 
-def test_parking_queue_is_classic_and_never_expires_or_drops() -> None:
+def test_parking_queue_follows_the_main_queue_and_never_expires_or_drops() -> None:
     for text, name in ((QUORUM, "orders.fraud-check"), (CLASSIC, "orders.email")):
         parking = queue(plan_of(text), f"{name}.parking")
-        assert parking.role == "parking" and parking.durable and parking.queue_type == "classic"
+        assert parking.role == "parking" and parking.durable
+        assert parking.queue_type == queue(plan_of(text), name).queue_type
         limits = {"x-message-ttl", "x-expires", "x-max-length", "x-max-length-bytes", "x-overflow"}
         assert not limits & set(parking.arguments)
         assert "x-dead-letter-exchange" not in parking.arguments
+
+
+def test_the_file_can_keep_a_quorum_queues_parking_classic() -> None:
+    for text in (
+        "version: 1\nqueues:\n  q: {parking: {queue_type: classic}}\n",
+        "version: 1\ndefaults: {parking: {queue_type: classic}}\nqueues:\n  q: {}\n",
+    ):
+        plan = plan_of(text)
+        assert queue(plan, "q").queue_type == "quorum"
+        assert queue(plan, "q.parking").arguments == {"x-queue-type": "classic"}
 
 
 def test_main_queue_arguments_do_not_depend_on_the_delays() -> None:

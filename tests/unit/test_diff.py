@@ -362,8 +362,8 @@ def test_capacity_problem_on_rabbitmq_3_with_a_low_file_limit() -> None:
 
 def test_new_quorum_queues_counts_only_quorum_creates() -> None:
     changes = diff(plan_of(), LiveState.empty())
-    # fraud-check: main + two tiers; the email queue and both parking queues are classic
-    assert new_quorum_queues(changes) == 3
+    # fraud-check: main, two tiers and its parking queue; the email queue's are classic
+    assert new_quorum_queues(changes) == 4
     assert new_quorum_queues(diff(plan_of(), live_of(plan_of()))) == 0
 
 

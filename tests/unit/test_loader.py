@@ -395,4 +395,4 @@ def test_defaults_replicas_skip_queues_without_a_quorum_queue() -> None:
             "  b: {queue_type: classic}\n")
     topology = parse_topology(text, "t.yml")
     assert [q.replicas for q in topology.queues] == [2, 2]
-    assert [q.parking_type for q in topology.queues] == ["classic", "classic"]
+    assert [q.parking_type for q in topology.queues] == ["quorum", "classic"]
