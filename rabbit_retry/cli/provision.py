@@ -96,9 +96,12 @@ def _plugin(settings: Settings, plan: Plan) -> str | None:
     return missing_plugin(plan, {str(t.get("name")) for t in offered if isinstance(t, dict)})
 
 
-def _capacity(settings: Settings, changes: Sequence[Change]) -> str | None:
-    """Why the broker cannot take the new quorum queues (RabbitMQ 3.x only), or None."""
-    new_quorum = new_quorum_queues(changes)
+def _capacity(settings: Settings, changes: Sequence[Change], new_quorum: int | None = None
+              ) -> str | None:
+    """Why the broker cannot take the new quorum queues (RabbitMQ 3.x only), or None;
+    ``new_quorum``: how many, when not the queues ``changes`` create."""
+    if new_quorum is None:
+        new_quorum = new_quorum_queues(changes)
     if not new_quorum:
         return None
     with Management.for_settings(settings) as api:
@@ -303,6 +306,9 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
         plan_migrations,
         schedule,
     )
+    from rabbit_retry.broker.migrate_plan import (
+        new_quorum_queues as migrated_quorum_queues,
+    )
 
     compiled = _load(file)
     changes, live = _read(settings, compiled)
@@ -318,9 +324,15 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
     hazards = hold_hazards(migrations, live.policies)
     if hazards:
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))
+    # The same open-file guard as apply's: a classic -> quorum migration adds quorum queues.
+    problem = _capacity(settings, changes, migrated_quorum_queues(migrations, live))
     if dry_run:
+        if problem:
+            click.echo(f"warning: migrate would refuse: {problem}", err=True)
         click.echo("dry run: nothing was changed")
         return
+    if problem:
+        raise BrokerError(problem)
     if not yes:
         if not stdin_is_terminal():
             raise InputError(
