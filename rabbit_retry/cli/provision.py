@@ -32,6 +32,7 @@ from rabbit_retry.broker.diff import (
     policy_notes,
     refusal,
 )
+from rabbit_retry.broker.hazards import hazard_lines, policy_hazards
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
@@ -82,6 +83,8 @@ def _notes(plan: Plan, live: LiveState) -> list[str]:
     notes = policy_notes(plan, live)
     for note in notes:
         click.echo(f"note: {note}", err=True)
+    for line in hazard_lines(policy_hazards(plan, live)):
+        click.echo(f"warning: {line}", err=True)
     return notes
 
 
@@ -229,6 +232,7 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
             "summary": count(changes),
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
+            "policy_hazards": [h.to_json() for h in policy_hazards(compiled, live)],
             "outbox_destinations": {"exchanges": sorted(destinations.exchanges),
                                     "queues": sorted(destinations.queues)},
         }
