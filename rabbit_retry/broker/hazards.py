@@ -150,8 +150,8 @@ def _effect(key: str, value: int, queue: Queue, overflow: str) -> str | None:
         if keeps:
             return f"deletes {held} messages {_ms(value)} after they arrive"
         return (f"expires messages that wait longer than {_ms(value)}: they leave without a "
-                "handler call, into the retry tiers, where the broker drops them (a "
-                "dead-letter cycle)")
+                "handler call, into the retry tiers, and the broker drops those that expire "
+                "again (a dead-letter cycle)")
     if key == "expires":
         unused = ("a tier never has a consumer" if role == "tier"
                   else "no consumer, no get")
@@ -163,10 +163,10 @@ def _effect(key: str, value: int, queue: Queue, overflow: str) -> str | None:
         if keeps:
             return f"deletes the oldest {held} messages beyond {limit}"
         if role == "tier":
-            return (f"beyond {limit}, sends the oldest back before their delay, where the "
-                    "broker drops them (a dead-letter cycle)")
+            return f"beyond {limit}, sends the oldest back before their delay"
         return (f"beyond {limit}, dead-letters the oldest without a handler call, into the "
-                "retry tiers, where the broker drops them (a dead-letter cycle)")
+                "retry tiers, and the broker drops those that overflow again (a dead-letter "
+                "cycle)")
     if key == "delivery-limit":
         if queue.queue_type != "quorum" or role == "tier":
             return None  # classic queues have no delivery limit; nothing consumes a tier

@@ -63,7 +63,8 @@ def test_a_company_wide_ttl_reaches_every_queue_and_says_what_it_does_to_each_ki
             "back after 3s, sooner than the tier's delay") in lines
     assert ("policy company-ttl (pattern '.*', priority 0) sets message-ttl 3000 on main queue "
             "points: expires messages that wait longer than 3s: they leave without a handler "
-            "call, into the retry tiers, where the broker drops them (a dead-letter cycle)"
+            "call, into the retry tiers, and the broker drops those that expire again (a "
+            "dead-letter cycle)"
             ) in lines
     assert len(lines) == 5  # one per kind of queue (lanes too)
 
@@ -99,7 +100,7 @@ def test_the_files_own_policy_is_no_hazard_but_an_operator_policy_below_it_is() 
     assert hazard_lines([hazard]) == [
         "operator policy cap (pattern '^orders$', priority 0) sets max-length 50 on main queue "
         "orders: beyond 50 messages, dead-letters the oldest without a handler call, into the "
-        "retry tiers, where the broker drops them (a dead-letter cycle)"
+        "retry tiers, and the broker drops those that overflow again (a dead-letter cycle)"
     ]
 
 
