@@ -3,7 +3,9 @@ broker still has every object the file derives; ``status_view`` is how it reads 
 
 A missing tier, retry exchange or parking queue is the worst thing this can report: the broker
 then drops messages silently (dead-lettering to nowhere), so drift is listed first and makes the
-command exit 1 for monitoring to alert on.
+command exit 1 for monitoring to alert on. So does another policy that drops, expires or limits
+the messages of any queue of the file (broker/hazards.py): a ``.*`` policy with a TTL empties
+parking queues as surely as a missing tier.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rich.text import Text
 
 from rabbit_retry.broker.counts import ready_and_consumers
 from rabbit_retry.broker.diff import AppliedPolicy, Change, applied_policies, diff, replication_of
+from rabbit_retry.broker.hazards import PolicyHazard, hazard_lines, policy_hazards
 from rabbit_retry.broker.inspect import LiveState, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.placement import single_node_notes
@@ -136,14 +139,22 @@ class Status:
     source: str
     queues: tuple[QueueStatus, ...]
     drift: tuple[Drift, ...]
+    # Other policies that drop, expire or limit the messages of a queue of the file.
+    policy_hazards: tuple[PolicyHazard, ...] = ()
     # One line per main queue some of whose queues live on one node of a cluster.
     placement_warnings: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        """No drift. A replica down is a warning, not drift: the queue works while a majority
-        of its replicas runs, and the file cannot fix it."""
-        return not self.drift
+        """No drift and no policy that drops, expires or limits messages. A replica down is a
+        warning, not drift: the queue works while a majority of its replicas runs, and the file
+        cannot fix it."""
+        return not self.drift and not self.policy_hazards
+
+    @property
+    def hazard_lines(self) -> tuple[str, ...]:
+        """One line per policy, key and kind of queue (broker/hazards.py)."""
+        return tuple(hazard_lines(self.policy_hazards))
 
     @property
     def replica_warnings(self) -> tuple[str, ...]:
@@ -172,6 +183,8 @@ class Status:
             "warnings": list(self.warnings),
             "queues": [q.to_json() for q in self.queues],
             "drift": [d.to_json() for d in self.drift],
+            "policy_hazards": [h.to_json() for h in self.policy_hazards],
+            "policy_hazard_lines": list(self.hazard_lines),
             # Every other count is read from the broker the moment status runs.
             "sampled": ["unacked", "held_for_dead_lettering", "online"],
         }
@@ -290,7 +303,7 @@ def build_status(
         )
         rows[-1] = _with_stranded(rows[-1], plan, changes)
     return Status(vhost, source, tuple(rows), drift_of(changes, plan),
-                  tuple(single_node_notes(plan, live)))
+                  tuple(policy_hazards(plan, live)), tuple(single_node_notes(plan, live)))
 
 
 def read_status(api: Management, settings: Settings, plan: Plan, source: str,
@@ -385,6 +398,17 @@ def status_view(status: Status) -> RenderableType:
             )
             parts.append(Text("  " + drift.line, style=style))
         parts.append(Text(""))
+    if status.policy_hazards:
+        parts.append(
+            Text(
+                f"POLICIES: other policies on the broker drop, expire or limit the messages of "
+                f"{plural(len({h.queue for h in status.policy_hazards}), 'queue')} of "
+                f"{status.source}; change or narrow them (the file cannot)",
+                style="bold red",
+            )
+        )
+        parts.extend(Text("  " + line, style="red") for line in status.hazard_lines)
+        parts.append(Text(""))
     table = new_table(title=f"vhost {status.vhost}")
     table.add_column("queue")
     ordered = any(row.held_keys is not None for row in status.queues)
@@ -411,7 +435,11 @@ def status_view(status: Status) -> RenderableType:
     parts.extend(Text(f"WARNING: {w}", style="bold yellow") for w in status.placement_warnings)
     for row in status.queues:
         parts.extend(Text(line, style="bold yellow") for line in held_lines(row, status.source))
-    if not status.drift:
+    if not status.drift and status.policy_hazards:
+        parts.append(Text(f"not safe: the broker has every object {status.source} derives, but "
+                          "other policies drop, expire or limit their messages (above)",
+                          style="bold red"))
+    elif not status.drift:
         parts.append(Text(f"no drift: the broker has every object {status.source} derives",
                           style="green"))
     return Group(*parts)

@@ -135,6 +135,19 @@ def plan_migrations(
     return out
 
 
+def new_quorum_queues(migrations: Sequence[Migration], live: LiveState) -> int:
+    """How many more quorum queues the broker holds once ``migrations`` are done: each queue
+    redeclared as quorum that is not a quorum queue on the broker now (holding queues are
+    classic). RabbitMQ 3.x reserves open files for each (diff.capacity_problem)."""
+    return sum(
+        1
+        for m in migrations
+        if "redeclare" in m.steps
+        and m.queue.queue_type == "quorum"
+        and getattr(live.queues.get(m.name), "type", None) != "quorum"
+    )
+
+
 # Steps that fill a tier's holding queue, run before its main queue is rebuilt.
 EARLY: tuple[Step, ...] = ("hold", "route-to-hold", "drain")
 

@@ -1,9 +1,10 @@
 """The operators' verbs: ``status`` and the ``parking`` group (show, replay, purge, export).
 
 Exit codes (README, "Commands"): 0 done; 1 the broker is unreachable or failed, and for
-``status``, drift (so monitoring can alert on it); 2 bad input, including a queue that does not
-exist on the broker (the name given is what is wrong) and a replay or purge that has no terminal
-to confirm on and no ``--yes``; 3 the parking queue is one looking could harm (parking/kinds.py).
+``status``, drift or a policy that drops messages (so monitoring can alert on it); 2 bad
+input, including a queue that does not exist on the broker (the name given is what is wrong)
+and a replay or purge that has no terminal to confirm on and no ``--yes``; 3 the parking queue
+is one looking could harm (parking/kinds.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def status(settings: Settings, file: str, as_json: bool) -> None:
     """Per queue of FILE: ready, unacked, consumers, retrying, parked; then drift.
 
     Exits 1 when the broker lacks or differs from any object FILE derives (a missing tier or
-    parking queue makes the broker drop messages silently).
+    parking queue makes the broker drop messages silently), or when another policy drops,
+    expires or limits the messages of any of its queues.
     """
     from rabbit_retry.broker.identity import check_same_broker
     from rabbit_retry.broker.management import Management

@@ -34,6 +34,7 @@ from rabbit_retry.broker.diff import (
     policy_notes,
     refusal,
 )
+from rabbit_retry.broker.hazards import hazard_lines, policy_hazards
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
@@ -85,6 +86,8 @@ def _notes(plan: Plan, live: LiveState) -> list[str]:
     notes = policy_notes(plan, live)
     for note in notes:
         click.echo(f"note: {note}", err=True)
+    for line in hazard_lines(policy_hazards(plan, live)):
+        click.echo(f"warning: {line}", err=True)
     for line in single_node_notes(plan, live):
         click.echo(f"warning: {line}", err=True)
     return notes
@@ -101,9 +104,12 @@ def _plugin(settings: Settings, plan: Plan) -> str | None:
     return missing_plugin(plan, {str(t.get("name")) for t in offered if isinstance(t, dict)})
 
 
-def _capacity(settings: Settings, changes: Sequence[Change]) -> str | None:
-    """Why the broker cannot take the new quorum queues (RabbitMQ 3.x only), or None."""
-    new_quorum = new_quorum_queues(changes)
+def _capacity(settings: Settings, changes: Sequence[Change], new_quorum: int | None = None
+              ) -> str | None:
+    """Why the broker cannot take the new quorum queues (RabbitMQ 3.x only), or None;
+    ``new_quorum``: how many, when not the queues ``changes`` create."""
+    if new_quorum is None:
+        new_quorum = new_quorum_queues(changes)
     if not new_quorum:
         return None
     with Management.for_settings(settings) as api:
@@ -231,6 +237,7 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
             "summary": count(changes),
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
+            "policy_hazards": [h.to_json() for h in policy_hazards(compiled, live)],
             "outbox_destinations": {"exchanges": sorted(destinations.exchanges),
                                     "queues": sorted(destinations.queues)},
         }
@@ -316,6 +323,9 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
         plan_migrations,
         schedule,
     )
+    from rabbit_retry.broker.migrate_plan import (
+        new_quorum_queues as migrated_quorum_queues,
+    )
 
     compiled = _load(file)
     changes, live = _read(settings, compiled)
@@ -331,9 +341,15 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
     hazards = hold_hazards(migrations, live.policies)
     if hazards:
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))
+    # The same open-file guard as apply's: a classic -> quorum migration adds quorum queues.
+    problem = _capacity(settings, changes, migrated_quorum_queues(migrations, live))
     if dry_run:
+        if problem:
+            click.echo(f"warning: migrate would refuse: {problem}", err=True)
         click.echo("dry run: nothing was changed")
         return
+    if problem:
+        raise BrokerError(problem)
     if not yes:
         if not stdin_is_terminal():
             raise InputError(

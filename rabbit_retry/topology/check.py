@@ -14,8 +14,9 @@ from typing import Any
 
 from rabbit_retry.text import clip, shorten
 from rabbit_retry.topology import naming
-from rabbit_retry.topology.model import TopologySpec, resolve
-from rabbit_retry.topology.resolved import QueueConfig
+from rabbit_retry.topology.durations import label
+from rabbit_retry.topology.model import RetrySpec, TopologySpec, resolve
+from rabbit_retry.topology.resolved import BindingConfig, QueueConfig
 
 Path = tuple[str | int, ...]
 
@@ -29,6 +30,7 @@ MAX_QUEUE_NAME = MAX_EXCHANGE_NAME - len(naming.RETRY_SUFFIX)
 BUILTIN_EXCHANGES = frozenset(
     {"amq.direct", "amq.fanout", "amq.headers", "amq.match", "amq.topic", "amq.rabbitmq.trace"}
 )
+_BUILTIN_HEADERS = frozenset({"amq.headers", "amq.match"})
 
 # Arguments the compiler sets itself; a file that sets them would break the retry wiring.
 MANAGED_QUEUE_ARGUMENTS = {
@@ -109,10 +111,30 @@ def check(spec: TopologySpec) -> list[Problem]:
     for queue in queues.values():
         owners[0][naming.parking_queue(queue.name)] = queue.name
         owners[1].update((tier, queue.name) for tier in _tier_names(queue))
+    if spec.defaults.retry is not None:
+        problems += _delay_problems(("defaults", "retry"), spec.defaults.retry)
     for queue in queues.values():
         problems += _queue_problems(queue, queues, spec, owners)
     problems += _lane_problems(queues, spec)
     return problems
+
+
+def _delay_problems(path: Path, retry: RetrySpec) -> list[Problem]:
+    """Delays that get shorter: a list written out of order, or a typo (``[30s, 5s, 1m]``).
+    A delay may repeat (``[5s, 5s, 1m]`` waits 5 s before the second and the third attempt,
+    through one tier queue)."""
+    delays = retry.delays or []
+    for index in range(1, len(delays)):
+        if delays[index] < delays[index - 1]:
+            shorter, longer = label(delays[index]), label(delays[index - 1])
+            return [
+                Problem(
+                    (*path, "delays", index),
+                    f"delays must not decrease: {shorter} comes after {longer}; the n-th "
+                    "failure waits delays[n-1], so list them from the shortest",
+                )
+            ]
+    return []
 
 
 def _lane_problems(queues: Mapping[str, QueueConfig], spec: TopologySpec) -> list[Problem]:
@@ -143,12 +165,16 @@ def _queue_problems(
     problems = _name_problems(path, "queue", queue.name)
     if not problems:
         problems += _derived_name_problems(path, queue, queues, owners)
+    own_retry = spec.queues[queue.name].retry
+    if own_retry is not None:
+        problems += _delay_problems((*path, "retry"), own_retry)
     seen: dict[tuple[str, str, str], int] = {}
     for i, binding in enumerate(queue.bindings):
         bpath: Path = (*path, "bindings", i)
         problems += _exchange_reference_problems(
             (*bpath, "exchange"), binding.exchange, spec, queues
         )
+        problems += _headers_binding_problems(bpath, binding.exchange, binding, spec)
         if len(binding.routing_key.encode()) > MAX_NAME_BYTES:
             problems.append(
                 Problem(
@@ -166,6 +192,28 @@ def _queue_problems(
     problems += _replica_problems(path, queue, spec)
     problems += _policy_problems((*path, "policy"), queue)
     return problems
+
+
+def _headers_binding_problems(
+    path: Path, exchange: str, binding: BindingConfig, spec: TopologySpec
+) -> list[Problem]:
+    """A binding to a headers exchange with a routing key and no header to match: the
+    exchange ignores routing keys, so it takes every message, never what the key suggests."""
+    declared = spec.exchanges.get(exchange)
+    headers = exchange in _BUILTIN_HEADERS or (declared is not None and declared.type == "headers")
+    if not headers or not binding.routing_key:
+        return []
+    if any(not str(key).startswith("x-") for key in binding.arguments):
+        return []
+    return [
+        Problem(
+            (*path, "routing_key"),
+            f"exchange {shorten(exchange)} is a headers exchange: it ignores routing_key, so "
+            "with no header to match this binding takes every message; write the headers to "
+            "match under arguments (with x-match: all or any), or drop routing_key to take "
+            "every message",
+        )
+    ]
 
 
 # Policy key -> the queue argument that sets the same thing.
@@ -229,6 +277,23 @@ def _name_problems(path: Path, kind: str, name: str) -> list[Problem]:
                 path,
                 f"{kind} name {shorten(name)} has characters AMQP clients cannot send ({shown}); "
                 "names may hold letters A-Z a-z, digits, spaces and - _ . : @ # , / +",
+            )
+        ]
+    if kind == "queue" and " " in name:
+        return [
+            Problem(
+                path,
+                f"queue name {shorten(name)} has a space: a queue's name is typed on command "
+                "lines (rabbit-retry parking show QUEUE, rabbitmqctl) and read in logs, where a "
+                "space splits it in two; use - _ or . instead",
+            )
+        ]
+    if kind == "queue" and name.startswith("-"):
+        return [
+            Problem(
+                path,
+                f"queue name {shorten(name)} starts with -: on a command line (rabbit-retry "
+                "parking show QUEUE) it reads as an option; start it with a letter or a digit",
             )
         ]
     if name.startswith("amq."):

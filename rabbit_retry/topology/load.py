@@ -30,7 +30,10 @@ from rabbit_retry.topology.check import check
 from rabbit_retry.topology.model import SUPPORTED_VERSION, TopologySpec, resolve
 from rabbit_retry.topology.resolved import Topology
 
-# A file this large is a mistake (or an alias bomb), never a topology.
+# A file this large is a mistake (or an alias bomb), never a topology. The byte limit is
+# checked before any parsing, so a wrong file is refused at once: a topology of a thousand
+# queues is a few hundred kilobytes.
+MAX_FILE_BYTES = 1024 * 1024
 MAX_VALUES = 100_000
 MAX_DEPTH = 64
 
@@ -52,13 +55,16 @@ def load_topology(path: str | Path) -> Topology:
     """Read, check and resolve a topology file; ``TopologyError`` (exit code 2) if it is wrong."""
     source = str(path)
     try:
-        raw = Path(path).read_bytes()
+        with Path(path).open("rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise TopologyError([f"{source}: no such file"]) from None
     except IsADirectoryError:
         raise TopologyError([f"{source}: is a directory, not a topology file"]) from None
     except OSError as exc:
         raise TopologyError([f"{source}: cannot read ({exc.strerror})"]) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise TopologyError([_too_large(source)])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -72,6 +78,8 @@ def load_topology(path: str | Path) -> Topology:
 
 def parse_topology(text: str, source: str = "<topology>") -> Topology:
     """Like ``load_topology``, for text already in hand; ``source`` names it in messages."""
+    if len(text) > MAX_FILE_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_FILE_BYTES:
+        raise TopologyError([_too_large(source)])
     document, lines = _read_yaml(text, source)
     if document is None:
         raise TopologyError([f"{source}:1: the file is empty; expected a mapping with version: 1"])
@@ -91,6 +99,13 @@ def parse_topology(text: str, source: str = "<topology>") -> Topology:
     if found:
         raise TopologyError(_format_all([(p.path, p.message) for p in found], lines, source))
     return resolve(spec, source)
+
+
+def _too_large(source: str) -> str:
+    return (
+        f"{source}: the file is larger than {MAX_FILE_BYTES // 2**20} MiB ({MAX_FILE_BYTES} "
+        "bytes), the most a topology file may hold; is it the right file?"
+    )
 
 
 # --- YAML ---------------------------------------------------------------------------------------
@@ -147,6 +162,8 @@ class _Builder:
         self.problems: list[tuple[int, str]] = []
         self._constructor = yaml.constructor
         self._open: set[int] = set()  # nodes being built: meeting one again means a cycle
+        self._built: set[int] = set()  # collections built once: meeting one again is an alias
+        self._aliased = False
         self._reported: set[tuple[int, str]] = set()
         self._count = 0
 
@@ -160,8 +177,9 @@ class _Builder:
         self._count += 1
         if self._count > MAX_VALUES or depth > MAX_DEPTH:
             line = node.start_mark.line + 1
+            aliases = " (check its anchors and aliases)" if self._aliased else ""
             why = (
-                f"more than {MAX_VALUES} values (check its anchors and aliases)"
+                f"more than {MAX_VALUES} values{aliases}"
                 if self._count > MAX_VALUES
                 else f"nested more than {MAX_DEPTH} levels deep"
             )
@@ -172,6 +190,8 @@ class _Builder:
             self.problem(node, path, "a YAML alias refers to a value that contains it")
             return None
         self._open.add(id(node))
+        self._aliased = self._aliased or id(node) in self._built
+        self._built.add(id(node))
         try:
             if isinstance(node, SequenceNode) and str(node.tag) == _TAG + "seq":
                 items = []
@@ -281,6 +301,11 @@ def _message(error: ErrorDetails) -> str:
     path = _path_of(error)
     value = error.get("input")
     ctx = error.get("ctx") or {}
+    if path == ("version",) and isinstance(value, str) and value.strip() == str(SUPPORTED_VERSION):
+        return (
+            f"must be the integer {SUPPORTED_VERSION}, not the string {value!r}; "
+            f"write version: {SUPPORTED_VERSION} without quotes"
+        )
     if path == ("version",) and kind != "missing":
         return f"unsupported version {shorten(value)}; this tool reads version: {SUPPORTED_VERSION}"
     if kind == "extra_forbidden":
@@ -295,6 +320,8 @@ def _message(error: ErrorDetails) -> str:
         return "must not be empty"
     if kind == "greater_than_equal":
         return f"must be at least {ctx.get('ge')}, got {shorten(value)}"
+    if kind == "less_than_equal":
+        return f"must be at most {ctx.get('le')}, got {shorten(value)}"
     if kind == "literal_error":
         return f"expected {ctx.get('expected')}, got {shorten(value)}"
     expected = {

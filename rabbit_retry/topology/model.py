@@ -37,6 +37,12 @@ DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_QUEUE_TYPE: QueueType = "quorum"
 SUPPORTED_VERSION = 1
 DEFAULT_LANES = 4
+# A handler called a million times is a loop, not a retry policy; a bound also keeps the
+# retry-count header a small number for every client that reads it.
+MAX_ATTEMPTS = 1_000_000
+# What an AMQP argument can carry (a signed 64-bit integer): RabbitMQ takes larger numbers in
+# a policy, and a limit no queue can reach is a typo.
+MAX_INT64 = 2**63 - 1
 # Each lane is a queue (and a held queue) that one worker consumes at a time: beyond this, the
 # lanes cost the broker more than they spread.
 MAX_LANES = 64
@@ -58,7 +64,7 @@ class _Spec(BaseModel):
 
 class RetrySpec(_Spec):
     delays: list[DurationMs] | None = Field(default=None, min_length=1)
-    max_attempts: int | None = Field(default=None, ge=1)
+    max_attempts: int | None = Field(default=None, ge=1, le=MAX_ATTEMPTS)
 
 
 class BindingSpec(_Spec):
@@ -93,10 +99,10 @@ POLICY_KEYS = {
 class PolicySpec(_Spec):
     """Tunables the broker changes live: applied as one policy for exactly this queue."""
 
-    max_length: int | None = Field(default=None, ge=0)
-    max_length_bytes: int | None = Field(default=None, ge=0)
+    max_length: int | None = Field(default=None, ge=0, le=MAX_INT64)
+    max_length_bytes: int | None = Field(default=None, ge=0, le=MAX_INT64)
     overflow: Overflow | None = None
-    delivery_limit: int | None = Field(default=None, ge=1)
+    delivery_limit: int | None = Field(default=None, ge=1, le=MAX_INT64)
     message_ttl: DurationMs | None = None
     priority: int | None = Field(default=None, ge=0, le=255)
 

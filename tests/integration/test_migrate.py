@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
+import pytest
 from support.amqp import blocking, depth_sync, drain_sync, persistent, publish, publish_stream
 from support.poll import eventually
 from support.provision import topology
@@ -203,3 +204,37 @@ def test_a_policy_that_would_drop_held_messages_stops_migrate_before_anything_ch
     ] + ["error: nothing was changed"]
     assert _type(management, fresh_vhost, Q) == "classic"
     assert management.queue(fresh_vhost.vhost, f"{Q}.migrating") is None
+
+
+def test_migrate_runs_the_open_file_guard_of_apply_before_anything_changes(
+    tmp_path: Path, fresh_vhost: Settings, management: Management,
+    run_cli: Callable[..., object], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    old = _write(tmp_path, _file("classic"), "old.yml")
+    assert run_cli("apply", old, settings=fresh_vhost).code == 0  # type: ignore[attr-defined]
+    new = _write(tmp_path, _file("quorum"), "new.yml")
+    # A 3.x node whose open-file limit has room for two quorum queues, not the three this
+    # migration adds (the main queue and its two tiers; the parking queue stays classic).
+    from rabbit_retry.broker.inspect import NodeCapacity
+    from rabbit_retry.cli import provision
+
+    small = NodeCapacity(version="3.10.8", fd_total=70, quorum_queues=0)
+    monkeypatch.setattr(provision, "read_capacity", lambda api: small)
+    dry = run_cli("migrate", new, "--dry-run", settings=fresh_vhost)
+    assert dry.code == 0  # type: ignore[attr-defined]
+    assert dry.err.startswith(  # type: ignore[attr-defined]
+        "warning: migrate would refuse: refusing to declare 3 quorum queues")
+    refused = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert refused.code == 1  # type: ignore[attr-defined]
+    assert refused.err.startswith(  # type: ignore[attr-defined]
+        "error: refusing to declare 3 quorum queues: the broker would hold 3, and RabbitMQ "
+        "3.10.8 with an open-file limit of 70 holds about 2")
+    assert _type(management, fresh_vhost, Q) == "classic"
+    assert management.queue(fresh_vhost.vhost, f"{Q}.migrating") is None
+    # Positive control: with room for them, the same migration goes through.
+    monkeypatch.setattr(provision, "read_capacity",
+                        lambda api: NodeCapacity(version="3.10.8", fd_total=1024,
+                                                 quorum_queues=0))
+    done = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert done.code == 0, done.err  # type: ignore[attr-defined]
+    assert _type(management, fresh_vhost, Q) == "quorum"

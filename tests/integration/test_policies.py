@@ -86,12 +86,23 @@ def test_tunables_are_applied_live_as_one_policy_and_other_policies_are_named_fi
         f"update    policy   rabbit-retry:{Q}  (live {{max-length: 1000, message-ttl: 3600000}} "
         "priority 10, file {max-length: 2000} priority 10)" in plan.out.splitlines()
     )
-    assert plan.err.splitlines() == [
+    assert [line for line in plan.err.splitlines() if line.startswith("note: ")] == [
         f"note: policy greedy (priority 50, max-length) wins over rabbit-retry:{Q} (priority 10) "
         f"on queue {Q}: the file's tunables do not apply; raise policy.priority or change that "
         "policy",
         f"note: operator policy cap (max-length) also applies to queue {Q}: where both set a "
         "limit, the lower one wins",
+    ]
+    # ... and what they do to every queue of the file: the greedy one's limit of 1 on the main
+    # queue, the operator policy's 50 on the tier and the parking queue (the main queue's 50
+    # is merged with the greedy 1, which is lower).
+    warnings = [line for line in plan.err.splitlines() if line.startswith("warning: ")]
+    assert [w.split(": ", 2)[1] for w in warnings] == [
+        f"policy greedy (pattern 'orders$', priority 50) sets max-length 1 on main queue {Q}",
+        f"operator policy cap (pattern '^pol\\.', priority 0) sets max-length 50 on retry "
+        f"tier {Q}.retry.1h",
+        f"operator policy cap (pattern '^pol\\.', priority 0) sets max-length 50 on parking "
+        f"queue {Q}.parking",
     ]
     assert _policies(management, fresh_vhost)[f"rabbit-retry:{Q}"]["definition"] == {
         "max-length": 1000, "message-ttl": 3_600_000
@@ -130,8 +141,10 @@ def test_status_shows_the_policy_that_applies_as_the_broker_does(
 
     def policy_of_status() -> tuple[dict[str, Any], list[str]]:
         result = run_cli("status", file, "--json", settings=fresh_vhost)
-        assert result.code == 0, result.err
         data = json.loads(result.out)
+        # The operator policy's limit of 50 on the tier and the parking queue: a problem.
+        assert (result.code, data["ok"]) == (1, False), result.err
+        assert {h["queue"] for h in data["policy_hazards"]} >= {f"{Q}.retry.1h", f"{Q}.parking"}
         return data["queues"][0]["policy"], data["warnings"]
 
     policy, warnings = policy_of_status()
@@ -156,8 +169,9 @@ def test_status_shows_the_policy_that_applies_as_the_broker_does(
     wait_for(lambda: _effective(management, fresh_vhost)[0] == "greedy",
              "the broker applying the greedy policy")
     shown = run_cli("status", file, settings=fresh_vhost)
-    assert shown.code == 0, shown.err  # a warning, not drift
+    assert shown.code == 1, shown.err  # the policies' limits, not drift
     assert f"WARNING: {warning}" in " ".join(shown.out.split())  # however rich wraps it
+    assert "no drift" not in shown.out and "POLICIES:" in shown.out
 
 
 def test_exported_definitions_carry_the_policy(

@@ -340,7 +340,7 @@ def test_changing_delays_is_additive_and_moves_the_first_tier_key(
 ) -> None:
     # Long delays: nothing expires while the test counts.
     v1 = write(tmp_path, DELAYS.format(queue_type="quorum", delays="1m, 2m"), "v1.yml")
-    v2 = write(tmp_path, DELAYS.format(queue_type="quorum", delays="5m, 2m"), "v2.yml")
+    v2 = write(tmp_path, DELAYS.format(queue_type="quorum", delays="90s, 2m"), "v2.yml")
     assert run_cli("apply", v1, settings=fresh_vhost).code == 0
     before = queues(management, fresh_vhost)
 
@@ -353,19 +353,19 @@ def test_changing_delays_is_additive_and_moves_the_first_tier_key(
         "left jobs.retry.1m (obsolete, empty); apply --prune deletes it once empty",
     ]
     after = queues(management, fresh_vhost)
-    assert set(after) == set(before) | {"jobs.retry.5m"}
+    assert set(after) == set(before) | {"jobs.retry.90s"}
     assert {name: after[name] for name in before} == before  # nothing redeclared differently
     assert bindings(management, fresh_vhost) == {
         ("jobs.retry", "jobs.retry.1m", "1m"),  # old tier stays reachable by its label
         ("jobs.retry", "jobs.retry.2m", "2m"),
-        ("jobs.retry", "jobs.retry.5m", "5m"),
-        ("jobs.retry", "jobs.retry.5m", "jobs"),
+        ("jobs.retry", "jobs.retry.90s", "90s"),
+        ("jobs.retry", "jobs.retry.90s", "jobs"),
     }
 
     # What the broker dead-letters from `jobs` goes to the new first tier, and only there.
     publish(fresh_vhost, "jobs.retry", "jobs", 3)
-    assert counts(fresh_vhost, "jobs", "jobs.retry.1m", "jobs.retry.2m", "jobs.retry.5m") == {
-        "jobs": 0, "jobs.retry.1m": 0, "jobs.retry.2m": 0, "jobs.retry.5m": 3,
+    assert counts(fresh_vhost, "jobs", "jobs.retry.1m", "jobs.retry.2m", "jobs.retry.90s") == {
+        "jobs": 0, "jobs.retry.1m": 0, "jobs.retry.2m": 0, "jobs.retry.90s": 3,
     }
 
 

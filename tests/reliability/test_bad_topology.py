@@ -5,7 +5,7 @@ tests/unit/test_corpus.py checks the loader's message for every file and
 tests/integration/test_provision_corpus.py runs ``apply`` in-process against an empty vhost;
 this adds what only a real process shows (exit status, the whole of stderr, no traceback), the
 ``validate`` verb, and a vhost that already holds a topology: its complete definitions are the
-same before and after all 78 refusals.
+same before and after all 84 refusals.
 """
 
 from __future__ import annotations

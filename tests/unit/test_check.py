@@ -143,8 +143,10 @@ def test_names_amqp_clients_cannot_send(name: str, shown: str) -> None:
 
 
 def test_every_character_amqp_allows_is_allowed() -> None:
-    name = "AZaz09 -_.:@#,/+"
-    assert found(queues({name: {}}, exchanges=f"{{{json.dumps(name)}: {{type: topic}}}}")) == []
+    # A space only in an exchange's name: a queue's is typed on command lines.
+    name = "AZaz09-_.:@#,/+"
+    exchange = f"{{{json.dumps(name + ' x')}: {{type: topic}}}}"
+    assert found(queues({name: {}}, exchanges=exchange)) == []
 
 
 def test_routing_key_length() -> None:
@@ -236,3 +238,47 @@ def test_check_runs_inside_the_loader_with_lines() -> None:
     assert str(excinfo.value) == (
         "f.yml:4: queues.a.parking: queue 'a.parking' collides with the parking queue of queue 'a'"
     )
+
+
+def test_delays_that_decrease_are_refused_and_repeats_are_kept() -> None:
+    problem = one(queues({"a": {"retry": {"delays": ["5s", "1m", "5s"]}}}))
+    assert (problem.path, problem.message) == (
+        ("queues", "a", "retry", "delays", 2),
+        "delays must not decrease: 5s comes after 1m; the n-th failure waits delays[n-1], so "
+        "list them from the shortest",
+    )
+    text = "version: 1\ndefaults: {retry: {delays: [1m, 30s]}}\nqueues: {a: {}}\n"
+    assert [p.path for p in found(text)] == [("defaults", "retry", "delays", 1)]
+    # A repeat is a schedule: 5 s before the second and the third attempt, through one tier.
+    assert found(queues({"a": {"retry": {"delays": ["5s", 5000, "1m", "1m"]}}})) == []
+
+
+def test_queue_names_with_a_space_or_a_leading_dash_are_refused() -> None:
+    assert one(queues({"my queue": {}})).message.startswith(
+        "queue name 'my queue' has a space: a queue's name is typed on command lines"
+    )
+    assert one(queues({"-q": {}})).message.startswith(
+        "queue name '-q' starts with -: on a command line (rabbit-retry parking show QUEUE) it "
+        "reads as an option"
+    )
+    assert found(queues({"q-": {}, "q.-x": {}})) == []
+
+
+def test_a_headers_binding_with_only_a_routing_key_is_refused() -> None:
+    exchanges = "{h: {type: headers}, t: {type: topic}}"
+    bad = [{"exchange": "h", "routing_key": "order.created"},
+           {"exchange": "amq.match", "routing_key": "k", "arguments": {"x-match": "all"}}]
+    problems = found(queues({"a": {"bindings": bad}}, exchanges=exchanges))
+    assert [p.path for p in problems] == [
+        ("queues", "a", "bindings", 0, "routing_key"),
+        ("queues", "a", "bindings", 1, "routing_key"),
+    ]
+    assert problems[0].message == (
+        "exchange 'h' is a headers exchange: it ignores routing_key, so with no header to match "
+        "this binding takes every message; write the headers to match under arguments (with "
+        "x-match: all or any), or drop routing_key to take every message"
+    )
+    good = [{"exchange": "h", "routing_key": "k", "arguments": {"kind": "order"}},
+            {"exchange": "h"},  # no routing key: every message, as written
+            {"exchange": "t", "routing_key": "order.created"}]
+    assert found(queues({"a": {"bindings": good}}, exchanges=exchanges)) == []

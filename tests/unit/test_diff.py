@@ -266,9 +266,9 @@ def test_changed_delays_create_new_tiers_and_unbind_the_old_first_tier() -> None
     assert nothing_to_do(kept) and not nothing_to_do(kept, prune=True)
 
 
-def test_reordered_delays_move_only_the_first_tier_key() -> None:
+def test_a_new_first_tier_takes_the_first_tier_key() -> None:
     old = plan_of()
-    new = plan_of(TOPOLOGY.replace("delays: [5s, 30s]", "delays: [30s, 5s]"))
+    new = plan_of(TOPOLOGY.replace("delays: [5s, 30s]", "delays: [30s]"))
     changes = diff(new, live_of(old))
     assert not_unchanged(changes) == [
         (
@@ -281,6 +281,7 @@ def test_reordered_delays_move_only_the_first_tier_key() -> None:
             "binding",
             "orders.fraud-check.retry -> orders.fraud-check.retry.5s [orders.fraud-check]",
         ),
+        ("prune", "queue", "orders.fraud-check.retry.5s"),
     ]
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rabbit_retry.errors import EXIT_INPUT, InputError
-from rabbit_retry.topology import RetryPolicy, load_topology, parse_topology
-from rabbit_retry.topology.load import TopologyError
+from rabbit_retry.topology import RetryPolicy, load, load_topology, parse_topology
+from rabbit_retry.topology.load import MAX_FILE_BYTES, TopologyError
 from rabbit_retry.topology.model import DEFAULT_DELAYS_MS, DEFAULT_MAX_ATTEMPTS
 
 
@@ -195,9 +195,14 @@ def test_keys_that_are_not_names() -> None:
 
 
 def test_version_is_exactly_the_integer_one() -> None:
-    for written, shown in [("2", "2"), ("true", "true"), ("1.0", "1.0"), ("'1'", "'1'")]:
+    for written, shown in [("2", "2"), ("true", "true"), ("1.0", "1.0"), ("'2'", "'2'")]:
         assert problems(f"version: {written}\nqueues: {{q: {{}}}}\n") == [
             f"t.yml:1: version: unsupported version {shown}; this tool reads version: 1"
+        ]
+    for written in ("'1'", '"1"'):
+        assert problems(f"version: {written}\nqueues: {{q: {{}}}}\n") == [
+            "t.yml:1: version: must be the integer 1, not the string '1'; write version: 1 "
+            "without quotes"
         ]
 
 
@@ -276,7 +281,8 @@ def test_alias_bomb_is_refused_not_expanded() -> None:
         lines.append(f"x{i}: &x{i} [" + ", ".join([f"*x{i - 1}"] * 10) + "]")
     lines.append("queues: {q: {}}")
     [line] = problems("\n".join(lines) + "\n")
-    assert line.startswith("t.yml:2: the file is too large: more than 100000 values")
+    assert line.startswith("t.yml:2: the file is too large: more than 100000 values (check its "
+                           "anchors and aliases)")
 
 
 def test_deep_nesting_is_refused() -> None:
@@ -396,3 +402,40 @@ def test_defaults_replicas_skip_queues_without_a_quorum_queue() -> None:
     topology = parse_topology(text, "t.yml")
     assert [q.replicas for q in topology.queues] == [2, 2]
     assert [q.parking_type for q in topology.queues] == ["quorum", "classic"]
+
+
+def test_a_file_over_the_size_limit_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    # 5 MB of what would be valid queues: refused on its size alone, with that reason.
+    path = tmp_path / "huge.yml"
+    body = "".join(f"  q{i}: {{retry: {{delays: [5s, 30s]}}}}\n" for i in range(160_000))
+    path.write_text("version: 1\nqueues:\n" + body)
+    assert path.stat().st_size > 5_000_000
+    with pytest.raises(TopologyError) as excinfo:
+        load_topology(path)
+    assert excinfo.value.lines == [
+        f"{path}: the file is larger than 1 MiB (1048576 bytes), the most a topology file may "
+        "hold; is it the right file?"
+    ]
+    assert problems("version: 1\nqueues:\n" + body) == [
+        "t.yml: the file is larger than 1 MiB (1048576 bytes), the most a topology file may "
+        "hold; is it the right file?"
+    ]
+    # A file just under the limit is read (positive control; mostly a comment, cheap to parse).
+    head = "version: 1\nqueues: {q: {}}\n# "
+    fits = tmp_path / "fits.yml"
+    fits.write_text(head + "x" * (MAX_FILE_BYTES - len(head)))
+    assert fits.stat().st_size == MAX_FILE_BYTES
+    assert load_topology(fits).queue_names == ("q",)
+
+
+def test_too_many_values_mention_anchors_only_when_the_file_has_aliases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(load, "MAX_VALUES", 40)
+    plain = "version: 1\nqueues:\n  q:\n    arguments:\n      x: [" + "1, " * 40 + "1]\n"
+    assert problems(plain) == ["t.yml:5: the file is too large: more than 40 values"]
+    aliased = "version: 1\nqueues:\n  q:\n    arguments:\n      x: &a [1, 2]\n      y: *a\n"
+    aliased += "      z: [" + "1, " * 40 + "1]\n"
+    assert problems(aliased) == [
+        "t.yml:7: the file is too large: more than 40 values (check its anchors and aliases)"
+    ]

@@ -6,8 +6,14 @@ import dataclasses
 
 import pytest
 
-from rabbit_retry.broker.diff import diff
-from rabbit_retry.broker.inspect import LiveExchange, LivePolicy, LiveQueue, LiveState
+from rabbit_retry.broker.diff import capacity_problem, diff
+from rabbit_retry.broker.inspect import (
+    LiveExchange,
+    LivePolicy,
+    LiveQueue,
+    LiveState,
+    NodeCapacity,
+)
 from rabbit_retry.broker.migrate_plan import (
     STEPS,
     Copies,
@@ -18,6 +24,7 @@ from rabbit_retry.broker.migrate_plan import (
     identity,
     is_marker,
     moved_headers,
+    new_quorum_queues,
     plan_migrations,
     schedule,
     stage,
@@ -227,3 +234,28 @@ def test_the_window_of_a_move_shrinks_for_large_messages() -> None:
     assert window_for(1024 * 1024) == BYTES_IN_FLIGHT // (1024 * 1024) == 64
     assert window_for(16 * 1024 * 1024) == 4
     assert window_for(10 * BYTES_IN_FLIGHT) == 1
+
+
+def test_the_quorum_queues_a_migration_adds_are_counted_for_the_open_file_guard() -> None:
+    plan = _plan()
+    live = _live(plan, main={"type": "classic", "arguments": {"x-queue-type": "classic"}})
+    migrations = plan_migrations(diff(plan, live), live, plan.bindings)
+    assert [m.name for m in migrations] == ["orders"]
+    assert new_quorum_queues(migrations, live) == 1  # classic -> quorum: one more
+    # Resumed after the classic queue was deleted: still one more than the broker holds.
+    (migration,) = migrations
+    resumed = dataclasses.replace(migration, steps=("redeclare", "route-back", "refill"))
+    gone = dataclasses.replace(live, queues={k: v for k, v in live.queues.items()
+                                             if k != "orders"})
+    assert new_quorum_queues([resumed], gone) == 1
+    # A quorum queue rebuilt as quorum (another argument changed) adds none; nor does a
+    # migration past its redeclare step.
+    quorum = _live(plan, main={"arguments": {"x-queue-type": "quorum", "x-max-length": 5}})
+    rebuilt = plan_migrations(diff(plan, quorum), quorum, plan.bindings)
+    assert [m.name for m in rebuilt] == ["orders"] and new_quorum_queues(rebuilt, quorum) == 0
+    refilling = dataclasses.replace(migration, steps=("refill",))
+    assert new_quorum_queues([refilling], live) == 0
+    # What migrate then asks: the same guard as apply's, with this count.
+    capacity = NodeCapacity(version="3.10.8", fd_total=1024, quorum_queues=260)
+    assert capacity_problem(capacity, new_quorum_queues(migrations, live)) is not None
+    assert capacity_problem(capacity, 0) is None
