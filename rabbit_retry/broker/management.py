@@ -7,12 +7,12 @@ import ssl
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, urlunsplit
 
 import httpx
 
 from rabbit_retry.errors import BrokerError, InputError
-from rabbit_retry.settings import Settings, mask
+from rabbit_retry.settings import Settings, mask, parse_url
 from rabbit_retry.tls import describe_tls_error, tls_cause
 
 
@@ -44,18 +44,15 @@ class Management:
         self, management_url: str, timeout: float, tls: ssl.SSLContext | None
     ) -> tuple[str, str, httpx.Client]:
         """(printable base URL, user, client) of one node's API."""
-        parts = urlsplit(management_url)
-        try:
-            port = parts.port
-        except ValueError:  # a port that is not a number, or out of range
-            port = -1
-        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        parts = parse_url(management_url, "--management-url", ("http", "https"))
+        if not parts.host:
             raise InputError(
-                "--management-url: expected http(s)://user:pass@host:port, got "
-                f"{mask(management_url)!r}"
+                f"--management-url: expected http(s)://user:pass@host:port, got {parts.shown!r}"
             )
-        auth = (parts.username or "guest", parts.password or "guest")
-        netloc = parts.hostname + (f":{port}" if port else "")
+        # Basic auth takes the user and password as the broker knows them: decoded.
+        auth = (parts.user or "guest", parts.password or "guest")
+        host = f"[{parts.host}]" if ":" in parts.host else parts.host
+        netloc = host + (f":{parts.port}" if parts.port else "")
         base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
         client = httpx.Client(
             base_url=base + "/api",
@@ -63,7 +60,7 @@ class Management:
             timeout=timeout,
             verify=tls if tls is not None else True,
         )
-        return base, unquote(auth[0]), client
+        return base, auth[0], client
 
     @property
     def safe_url(self) -> str:
