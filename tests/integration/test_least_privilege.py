@@ -207,3 +207,41 @@ def test_a_vhost_the_user_has_no_permissions_on(
         f"error: vhost {elsewhere.vhost!r} does not exist on the broker, or user {name!r} has "
         "no permissions on it\n"
     )
+
+
+def test_migrate_names_a_consumer_of_another_user_it_may_not_close_and_loses_nothing(
+    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    fresh_vhost: Settings,
+) -> None:
+    import pika
+
+    user = ci_user("management")
+    path = _file(tmp_path)
+    _ok(run_cli("apply", path, settings=user), "apply")
+    publish_sync(user, [Outgoing(f"m-{i}", b"{}") for i in range(4)], routing_key="order.x",
+                 exchange="lp")
+    # The administrator's consumer holds one message unacked.
+    other = pika.BlockingConnection(pika.URLParameters(fresh_vhost.url))
+    try:
+        channel = other.channel()
+        channel.basic_qos(prefetch_count=1)
+        held: list[int] = []
+        channel.basic_consume(Q, lambda _ch, method, _p, _b: held.append(method.delivery_tag))
+        while not held:
+            other.process_data_events(time_limit=0.1)
+        quorum = _file(tmp_path, "quorum")
+        refused = run_cli("migrate", quorum, "--yes", settings=user)
+        assert refused.code == 1, refused
+        name = parse_url(user.url).user
+        [line] = [line for line in refused.err.splitlines() if line.startswith("error: ")]
+        assert line.startswith(f"error: {Q}: cannot close its consumer connection '"), line
+        assert line.endswith(
+            f"': user {name!r} may close only its own connections (an administrator may close "
+            f"any); its messages are safe in {Q}.migrating; stop that consumer and run migrate "
+            "again"
+        ), line
+    finally:
+        other.close()  # its message goes back to the queue
+    done = _ok(run_cli("migrate", quorum, "--yes", settings=user), "migrate")
+    assert f"migrated 2 queues in vhost {user.vhost!r}" in done.out, done
+    assert depth_sync(user, Q) == 4
