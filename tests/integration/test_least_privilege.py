@@ -15,6 +15,7 @@ from urllib.parse import quote
 import pytest
 from conftest import CliResult
 from support.amqp import Outgoing, depth, depth_sync, publish_sync
+from support.broker import version
 from support.desk import desk_running
 from support.poll import eventually, wait_for
 from support.provision import topology
@@ -207,6 +208,32 @@ def test_a_vhost_the_user_has_no_permissions_on(
         f"error: vhost {elsewhere.vhost!r} does not exist on the broker, or user {name!r} has "
         "no permissions on it\n"
     )
+
+
+def test_status_without_any_permission_on_the_queues_says_what_is_missing(
+    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    management: Management, fresh_vhost: Settings,
+) -> None:
+    user = ci_user("management")
+    path = _file(tmp_path)
+    _ok(run_cli("apply", path, settings=user), "apply")
+    assert "no drift" in _ok(run_cli("status", path, settings=user), "status").out  # control
+    name = parse_url(user.url).user
+    where = f"/permissions/{quote(fresh_vhost.vhost, safe='')}/{quote(str(name), safe='')}"
+    response = management.request("PUT", where, json={"configure": "", "write": "",
+                                                      "read": ""})
+    assert response.status_code in (201, 204), response.text
+    result = run_cli("status", path, settings=user)
+    if version(management) < (4, 3):
+        # On 3.10 and 4.0 a passive declare needs no permission: status works all the same.
+        assert "no drift" in _ok(result, "status").out
+        return
+    assert (result.code, result.out) == (1, ""), result
+    assert result.err.startswith(f"error: counting the messages of queue '{Q}' was refused ("), (
+        result.err)
+    assert result.err.endswith(
+        f"): user {name!r} needs a permission on the file's queues (read is enough)\n"
+    ), result.err
 
 
 def test_migrate_names_a_consumer_of_another_user_it_may_not_close_and_loses_nothing(
