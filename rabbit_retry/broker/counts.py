@@ -35,7 +35,8 @@ async def ready_and_consumers(
                 # The broker names configure access; any permission on the queue admits it.
                 raise BrokerError(
                     f"counting the messages of queue {name!r} was refused ({mask(str(exc))}): "
-                    f"user {settings.user!r} needs a permission on the file's queues (read is enough)"
+                    f"user {settings.user!r} needs a permission on the file's queues "
+                    "(read is enough)"
                 ) from exc
             counts[name] = (int(ok.message_count or 0), int(ok.consumer_count or 0))
     finally:
