@@ -22,10 +22,13 @@ CERT_FILE_ENV = "RABBIT_RETRY_CERT_FILE"
 KEY_FILE_ENV = "RABBIT_RETRY_KEY_FILE"
 KEY_PASSWORD_ENV = "RABBIT_RETRY_KEY_PASSWORD"
 
-# A URL's password in free text (a library's message): up to the ``@`` that ends it; a
-# password holding ``@``, whitespace, ``/``, ``?`` or ``#`` never gets this far (``parse_url``
-# refuses such a URL before any library sees it).
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@\s]*)@")
+# A URL's password in free text (a library's message): up to the last ``@`` before the host
+# (one holding ``@`` or ``/`` included). A password with whitespace cannot be told from the text
+# around it: ``parse_url`` refuses such a URL before any library sees it, and a URL on its own
+# is printed through ``shown``.
+_USERINFO = re.compile(
+    r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>\S*?)@(?=[^@\s/]*(?:[/\s]|$))"
+)
 
 
 # libpq and redis-py also take the password as a query parameter (``?password=...``).
@@ -47,8 +50,9 @@ def shown(url: str) -> str:
         scheme, rest = "", url
     userinfo, at, where = rest.rpartition("@")
     if not at:
-        return url
+        return _QUERY_PASSWORD.sub(lambda m: f"{m['key']}***", url)
     user, colon, _ = userinfo.partition(":")
+    where = _QUERY_PASSWORD.sub(lambda m: f"{m['key']}***", where)
     return f"{scheme}{sep}{user}{':***' if colon else ''}@{where}"
 
 

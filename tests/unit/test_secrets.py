@@ -18,7 +18,7 @@ from rabbit_retry.broker.connect import describe_connect_error
 from rabbit_retry.broker.management import Management
 from rabbit_retry.cli import main
 from rabbit_retry.errors import InputError
-from rabbit_retry.settings import Settings, mask, parse_url
+from rabbit_retry.settings import Settings, mask, parse_url, shown
 
 # A distinctive start, so that "the password appears" cannot be a coincidence, then anything,
 # with the characters that end or split a URL's parts over-represented.
@@ -137,3 +137,34 @@ def test_what_rfc_3986_allows_is_read_as_it_says(url: str, password: str, vhost:
 
 def test_settings_do_not_show_the_key_password() -> None:
     assert "Zq9key" not in repr(Settings(key_password="Zq9key"))
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        ("x amqp://u:Zq9p@h/v,amqp://u:Zq9q@h2/v y", "x amqp://u:***@h/v,amqp://u:***@h2/v y"),
+        ("failed: amqp://u:Zq9p@ss@h/v", "failed: amqp://u:***@h/v"),  # an unencoded @
+        ("failed: amqp://u:Zq9a/b@h:1/v (x)", "failed: amqp://u:***@h:1/v (x)"),  # and /
+        ("postgresql://u:Zq9pw@h/db?password=Zq9zz", "postgresql://u:***@h/db?password=***"),
+        ("http://host:15672/api/x", "http://host:15672/api/x"),  # no password: as it is
+    ],
+)
+def test_a_password_in_free_text_is_masked(text: str, masked: str) -> None:
+    assert mask(text) == masked
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["postgresql://app:Zq9 a@b/c#d?e@db.internal:5432/outbox",
+     "redis://:Zq9 secret@cache:6379/0", "postgresql://app@db/x?password=Zq9 pw"],
+)
+def test_a_store_url_is_shown_without_its_password(url: str) -> None:
+    from rabbit_retry.database import engine_url
+
+    assert "Zq9" not in shown(url)
+    try:
+        engine_url(url.replace("postgresql", "mysql"))
+    except InputError as exc:
+        assert "Zq9" not in str(exc), str(exc)
+    else:
+        raise AssertionError("mysql is refused")
