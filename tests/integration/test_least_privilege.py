@@ -272,3 +272,24 @@ def test_migrate_names_a_consumer_of_another_user_it_may_not_close_and_loses_not
     done = _ok(run_cli("migrate", quorum, "--yes", settings=user), "migrate")
     assert f"migrated 2 queues in vhost {user.vhost!r}" in done.out, done
     assert depth_sync(user, Q) == 4
+
+
+def test_the_open_file_guard_of_3x_says_it_cannot_read_the_limit(
+    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    management: Management,
+) -> None:
+    user = ci_user("management")
+    done = _ok(run_cli("apply", _file(tmp_path, "quorum"), settings=user), "apply")
+    major, minor = version(management)
+    if major >= 4:  # 4.x holds quorum queues without a file handle each: nothing to check
+        assert done.err == "", done
+        return
+    # The queue and its tier are quorum queues (the parking queue here is classic).
+    assert done.err.startswith(f"note: the open-file limit of RabbitMQ {major}.{minor}."), done
+    assert done.err.endswith(
+        " for 2 new quorum queues is not checked: reading it needs the monitoring tag\n"
+    ), done
+    # With the monitoring tag it is read and checked: no note.
+    watcher = ci_user("management,monitoring")
+    again = _ok(run_cli("apply", _file(tmp_path, "quorum"), settings=watcher), "apply")
+    assert again.err == "" and "nothing to do" in again.out, again
