@@ -42,7 +42,8 @@ async def _amqp_identity(
         name = as_text((transport.connection.server_properties or {}).get("cluster_name"))
         if name is None or over_http is None or name == over_http:
             return name, False
-        if _node_count(api) == 1:  # a one-node cluster's name is its node's
+        nodes = _node_count(api)
+        if nodes is not None and nodes < 2:  # a one-node cluster's name is its node's
             return name, False
         return name, await asyncio.to_thread(_listed, api, settings.vhost, token)
     finally:

@@ -79,6 +79,7 @@ class NodeCapacity:
     version: str  # RabbitMQ version, e.g. "3.10.8"
     fd_total: int | None  # the smallest open-file limit of the cluster's nodes
     quorum_queues: int  # quorum queues on the broker, every vhost
+    readable: bool = True  # False: the user may not read the nodes (no monitoring tag)
 
 
 def _count(raw: Mapping[str, Any], key: str) -> int:
@@ -199,7 +200,7 @@ def read_capacity(api: Management) -> NodeCapacity:
     overview = api.overview()
     version = str(overview.get("rabbitmq_version") or overview.get("management_version") or "")
     if not api.may("monitoring"):
-        return NodeCapacity(version=version, fd_total=None, quorum_queues=0)
+        return NodeCapacity(version=version, fd_total=None, quorum_queues=0, readable=False)
     limits = [n["fd_total"] for n in api.get("/nodes") if isinstance(n.get("fd_total"), int)]
     queues = api.get("/queues", columns="type")
     return NodeCapacity(

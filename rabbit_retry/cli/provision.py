@@ -103,7 +103,7 @@ def _capacity(settings: Settings, changes: Sequence[Change]) -> str | None:
         return None
     with Management.for_settings(settings) as api:
         capacity = read_capacity(api)
-    if capacity.fd_total is None and capacity.version.startswith("3."):
+    if not capacity.readable and capacity.version.startswith("3."):
         click.echo(
             f"note: the open-file limit of RabbitMQ {capacity.version} for {new_quorum} new "
             "quorum queues is not checked: reading it needs the monitoring tag", err=True
