@@ -10,10 +10,10 @@ import json
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
-from conftest import CliResult
 from support.amqp import Outgoing, depth, depth_sync, publish_sync
 from support.broker import version
 from support.desk import desk_running
@@ -26,6 +26,7 @@ from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings, parse_url
 from rabbit_retry.topology import Topology
 
+RunCli = Callable[..., Any]  # the run_cli fixture of tests/conftest.py
 Q = "lp.orders"
 # Every character that ends or splits a part of a URL, and a space.
 PASSWORD = "Zq9 p@ss/w#rd?:x,%;" + secrets.token_hex(3)
@@ -91,7 +92,7 @@ class Refuses(RetryConsumer):
         raise Permanent("refused by the test")
 
 
-def _ok(result: CliResult, *verb: str) -> CliResult:
+def _ok(result: Any, *verb: str) -> Any:
     assert result.code == 0, (verb, result)
     assert not any(s in result.out + result.err for s in (PASSWORD, quote(PASSWORD, safe=""))), (
         verb, result)
@@ -99,12 +100,12 @@ def _ok(result: CliResult, *verb: str) -> CliResult:
 
 
 def test_a_management_user_runs_every_verb(
-    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    ci_user: Callable[[str], Settings], run_cli: RunCli, tmp_path: Path,
     management: Management, fresh_vhost: Settings,
 ) -> None:
     user = ci_user("management")
 
-    def cli(*args: str) -> CliResult:
+    def cli(*args: str) -> Any:
         return _ok(run_cli(*args, settings=user), *args)
 
     path = _file(tmp_path)
@@ -169,7 +170,7 @@ async def _stored(client: object, n: int) -> bool:
 
 
 def test_policies_need_the_policymaker_tag_and_nothing_more(
-    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    ci_user: Callable[[str], Settings], run_cli: RunCli, tmp_path: Path,
     management: Management, fresh_vhost: Settings,
 ) -> None:
     path = _file(tmp_path, policy=POLICY)
@@ -195,7 +196,7 @@ def test_policies_need_the_policymaker_tag_and_nothing_more(
 
 
 def test_a_vhost_the_user_has_no_permissions_on(
-    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    ci_user: Callable[[str], Settings], run_cli: RunCli, tmp_path: Path,
 ) -> None:
     user = ci_user("management")
     elsewhere = user.for_vhost(f"rr-nowhere-{secrets.token_hex(4)}")
@@ -211,7 +212,7 @@ def test_a_vhost_the_user_has_no_permissions_on(
 
 
 def test_status_without_any_permission_on_the_queues_says_what_is_missing(
-    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    ci_user: Callable[[str], Settings], run_cli: RunCli, tmp_path: Path,
     management: Management, fresh_vhost: Settings,
 ) -> None:
     user = ci_user("management")
@@ -237,7 +238,7 @@ def test_status_without_any_permission_on_the_queues_says_what_is_missing(
 
 
 def test_migrate_names_a_consumer_of_another_user_it_may_not_close_and_loses_nothing(
-    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    ci_user: Callable[[str], Settings], run_cli: RunCli, tmp_path: Path,
     fresh_vhost: Settings,
 ) -> None:
     import pika
@@ -275,7 +276,7 @@ def test_migrate_names_a_consumer_of_another_user_it_may_not_close_and_loses_not
 
 
 def test_the_open_file_guard_of_3x_says_it_cannot_read_the_limit(
-    ci_user: Callable[[str], Settings], run_cli: Callable[..., CliResult], tmp_path: Path,
+    ci_user: Callable[[str], Settings], run_cli: RunCli, tmp_path: Path,
     management: Management,
 ) -> None:
     user = ci_user("management")
