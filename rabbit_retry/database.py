@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from rabbit_retry.errors import InputError
-from rabbit_retry.settings import mask
+from rabbit_retry.settings import shown
 
 
 def engine_url(url: str, option: str = "--store") -> sa.URL:
@@ -24,7 +24,7 @@ def engine_url(url: str, option: str = "--store") -> sa.URL:
     try:
         parsed = sa.make_url(url)
     except sa.exc.ArgumentError:
-        raise InputError(f"{option}: not a store URL: {mask(url)!r} (use sqlite:///PATH or "
+        raise InputError(f"{option}: not a store URL: {shown(url)!r} (use sqlite:///PATH or "
                          "postgresql://user:pass@host/db)") from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
@@ -33,7 +33,7 @@ def engine_url(url: str, option: str = "--store") -> sa.URL:
         return parsed.set(drivername="sqlite")
     if backend in ("postgresql", "postgres"):
         return parsed.set(drivername="postgresql+psycopg")
-    raise InputError(f"{option}: unsupported database {backend!r} in {mask(url)!r} "
+    raise InputError(f"{option}: unsupported database {backend!r} in {shown(url)!r} "
                      "(use sqlite:///PATH or postgresql://...)")
 
 

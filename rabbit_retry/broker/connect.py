@@ -7,14 +7,14 @@ import asyncio
 import errno
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl
 
 import aiormq
 import aiormq.abc
 import aiormq.exceptions
-from yarl import URL
 
 from rabbit_retry.errors import BrokerError
-from rabbit_retry.settings import Settings, mask
+from rabbit_retry.settings import Settings, mask, parse_url
 from rabbit_retry.wire import keep_header_types
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ async def connect_amqp(
     async def open_node(node: Settings) -> aiormq.abc.AbstractConnection:
         tls = node.amqp_tls()
         # The two socket options aio-pika takes from the URL's query; aiormq reads the rest.
-        query = URL(node.url).query
+        query = dict(parse_qsl(parse_url(node.url).query))
         socket: dict[str, Any] = {}
         if query.get("interleave"):
             socket["interleave"] = int(query["interleave"])

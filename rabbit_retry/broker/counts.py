@@ -9,7 +9,8 @@ from collections.abc import Iterable
 import aiormq.exceptions
 
 from rabbit_retry.broker.connect import connect
-from rabbit_retry.settings import Settings
+from rabbit_retry.errors import BrokerError
+from rabbit_retry.settings import Settings, mask
 
 TIMEOUT = 30.0
 
@@ -30,6 +31,13 @@ async def ready_and_consumers(
                     await connection.channel(publisher_confirms=False)
                 ).get_underlay_channel()
                 continue
+            except aiormq.exceptions.ChannelAccessRefused as exc:
+                # The broker names configure access; any permission on the queue admits it.
+                raise BrokerError(
+                    f"counting the messages of queue {name!r} was refused ({mask(str(exc))}): "
+                    f"user {settings.user!r} needs a permission on the file's queues "
+                    "(read is enough)"
+                ) from exc
             counts[name] = (int(ok.message_count or 0), int(ok.consumer_count or 0))
     finally:
         await connection.close()

@@ -42,11 +42,20 @@ async def _amqp_identity(
         name = as_text((transport.connection.server_properties or {}).get("cluster_name"))
         if name is None or over_http is None or name == over_http:
             return name, False
-        if len(api.get("/nodes")) < 2:  # a one-node cluster's name is its node's
+        nodes = _node_count(api)
+        if nodes is not None and nodes < 2:  # a one-node cluster's name is its node's
             return name, False
         return name, await asyncio.to_thread(_listed, api, settings.vhost, token)
     finally:
         await connection.close()
+
+
+def _node_count(api: Management) -> int | None:
+    """How many nodes the cluster has, or None when the user may not list them (only the
+    monitoring and administrator tags may): then the connection check alone decides."""
+    if not api.may("monitoring"):
+        return None
+    return len(api.get("/nodes", columns="name"))
 
 
 def _listed(api: Management, vhost: str, token: str) -> bool:

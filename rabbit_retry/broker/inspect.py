@@ -79,6 +79,7 @@ class NodeCapacity:
     version: str  # RabbitMQ version, e.g. "3.10.8"
     fd_total: int | None  # the smallest open-file limit of the cluster's nodes
     quorum_queues: int  # quorum queues on the broker, every vhost
+    readable: bool = True  # False: the user may not read the nodes (no monitoring tag)
 
 
 def _count(raw: Mapping[str, Any], key: str) -> int:
@@ -182,6 +183,8 @@ def _cluster_nodes(api: Management) -> tuple[str, ...]:
     """The names of the cluster's nodes, or none when the user may not list them (only the
     monitoring and administrator tags may): replica checks then go without the cluster's size.
     """
+    if not api.may("monitoring"):
+        return ()
     try:
         raw = api.get("/nodes", columns="name")
     except (BrokerError, NotFound):
@@ -191,8 +194,13 @@ def _cluster_nodes(api: Management) -> tuple[str, ...]:
 
 
 def read_capacity(api: Management) -> NodeCapacity:
+    """The broker's version and, for a user tagged monitoring or administrator, its nodes'
+    open-file limit and every vhost's quorum queues; for another user ``fd_total`` is None (its
+    ``GET /api/nodes`` is refused, and it would see only its own vhosts' queues)."""
     overview = api.overview()
     version = str(overview.get("rabbitmq_version") or overview.get("management_version") or "")
+    if not api.may("monitoring"):
+        return NodeCapacity(version=version, fd_total=None, quorum_queues=0, readable=False)
     limits = [n["fd_total"] for n in api.get("/nodes") if isinstance(n.get("fd_total"), int)]
     queues = api.get("/queues", columns="type")
     return NodeCapacity(

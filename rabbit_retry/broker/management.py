@@ -7,17 +7,26 @@ import ssl
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, urlunsplit
 
 import httpx
 
 from rabbit_retry.errors import BrokerError, InputError
-from rabbit_retry.settings import Settings, mask
+from rabbit_retry.settings import Settings, mask, parse_url
 from rabbit_retry.tls import describe_tls_error, tls_cause
 
 
 def _q(name: str) -> str:
     return quote(name, safe="")
+
+
+# What the user lacks, by the management API's reason for a 401 (README, "Who may run what").
+_HINTS = {
+    "Not management user": "; it needs the management or monitoring tag",
+    "User not authorised to access virtual host": "; it needs permissions on the vhost",
+}
+# Tags whose users see every vhost in ``GET /api/vhosts``, not only their own.
+_SEE_ALL_VHOSTS = frozenset({"administrator", "monitoring"})
 
 
 class Management:
@@ -39,23 +48,21 @@ class Management:
             raise InputError("--management-url: no URL given")
         self._nodes = [self._client_for(url, timeout, tls) for url in urls]
         self._current = 0
+        self._tags: frozenset[str] | None = None
 
     def _client_for(
         self, management_url: str, timeout: float, tls: ssl.SSLContext | None
     ) -> tuple[str, str, httpx.Client]:
         """(printable base URL, user, client) of one node's API."""
-        parts = urlsplit(management_url)
-        try:
-            port = parts.port
-        except ValueError:  # a port that is not a number, or out of range
-            port = -1
-        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        parts = parse_url(management_url, "--management-url", ("http", "https"))
+        if not parts.host:
             raise InputError(
-                "--management-url: expected http(s)://user:pass@host:port, got "
-                f"{mask(management_url)!r}"
+                f"--management-url: expected http(s)://user:pass@host:port, got {parts.shown!r}"
             )
-        auth = (parts.username or "guest", parts.password or "guest")
-        netloc = parts.hostname + (f":{port}" if port else "")
+        # Basic auth takes the user and password as the broker knows them: decoded.
+        auth = (parts.user or "guest", parts.password or "guest")
+        host = f"[{parts.host}]" if ":" in parts.host else parts.host
+        netloc = host + (f":{parts.port}" if parts.port else "")
         base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
         client = httpx.Client(
             base_url=base + "/api",
@@ -63,7 +70,7 @@ class Management:
             timeout=timeout,
             verify=tls if tls is not None else True,
         )
-        return base, unquote(auth[0]), client
+        return base, auth[0], client
 
     @property
     def safe_url(self) -> str:
@@ -137,7 +144,7 @@ class Management:
                 f"{mask(str(exc)) or 'no detail'}); is the rabbitmq_management plugin enabled?"
             ) from exc
         if response.status_code == 401:
-            raise BrokerError(self._refusal(response))
+            raise Refused(self._refusal(response))
         return response
 
     def _refusal(self, response: httpx.Response) -> str:
@@ -148,12 +155,8 @@ class Management:
             reason = ""
         # Wrong credentials: "Login failed" on 3.x, "Not_Authorized" on 4.x.
         if reason and reason not in ("Login failed", "Not_Authorized"):
-            # The password was right; the user lacks a tag the API asks for.
-            hint = (
-                "; it needs the management or monitoring tag"
-                if reason == "Not management user"
-                else ""
-            )
+            # The password was right; the user lacks a tag or a permission the API asks for.
+            hint = _HINTS.get(reason, "")
             return (
                 f"management API at {self.safe_url} refused user {self._user!r}: {mask(reason)}"
                 f" (401){hint}"
@@ -179,16 +182,41 @@ class Management:
 
     # --- vhosts -------------------------------------------------------------------------------
 
+    # ``GET /api/vhosts/{vhost}`` is for administrators alone; the list is for every user of
+    # the API (a management or policymaker user sees the vhosts it has permissions on).
+
     def vhost_exists(self, vhost: str) -> bool:
-        try:
-            self.get(f"/vhosts/{_q(vhost)}")
-        except NotFound:
-            return False
-        return True
+        """Whether ``vhost`` exists and this user may see it."""
+        listed = self.get("/vhosts", columns="name")
+        return any(isinstance(v, dict) and v.get("name") == vhost for v in listed)
 
     def require_vhost(self, vhost: str) -> None:
-        if not self.vhost_exists(vhost):
+        if self.vhost_exists(vhost):
+            return
+        if self.tags() & _SEE_ALL_VHOSTS:
             raise BrokerError(f"vhost {vhost!r} does not exist on the broker")
+        raise BrokerError(
+            f"vhost {vhost!r} does not exist on the broker, or user {self._user!r} has no "
+            "permissions on it"
+        )
+
+    def tags(self) -> frozenset[str]:
+        """The tags of the user the API knows us as (``GET /api/whoami``), read once."""
+        if self._tags is None:
+            raw = self.get("/whoami").get("tags") or ()
+            # 3.x gives one comma-separated string, 4.x a list.
+            names = raw.split(",") if isinstance(raw, str) else raw
+            self._tags = frozenset(str(t).strip() for t in names if str(t).strip())
+        return self._tags
+
+    @property
+    def user(self) -> str:
+        """The user the API knows us as (decoded)."""
+        return self._user
+
+    def may(self, tag: str) -> bool:
+        """Whether this user has ``tag`` (an administrator has every tag's rights)."""
+        return bool(self.tags() & {tag, "administrator"})
 
     # --- objects ------------------------------------------------------------------------------
 
@@ -229,6 +257,11 @@ class Management:
         response = self.request("DELETE", path, headers={"X-Reason": reason})
         if response.status_code != 404:
             self._raise_for(response, "DELETE", path)
+
+
+class Refused(BrokerError):
+    """The management API refused this user the request (401): wrong credentials, or a tag or
+    permission it lacks."""
 
 
 class NotFound(Exception):

@@ -29,7 +29,7 @@ from pamqp import commands as spec
 from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.broker.inspect import parse_bindings
-from rabbit_retry.broker.management import Management, NotFound
+from rabbit_retry.broker.management import Management, NotFound, Refused
 from rabbit_retry.broker.migrate_plan import (
     MARKER_HEADER,
     MARKER_VALUE,
@@ -529,7 +529,17 @@ async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
     classic = (run.api.queue(run.vhost, name) or {}).get("type", "classic") == "classic"
     for _ in range(RELEASE_ATTEMPTS):
         for connection in run.consumer_connections(name):
-            run.api.close_connection(connection, f"rabbit-retry migrate: {name} is being rebuilt")
+            try:
+                run.api.close_connection(
+                    connection, f"rabbit-retry migrate: {name} is being rebuilt"
+                )
+            except Refused:
+                raise BrokerError(
+                    f"{name}: cannot close its consumer connection {connection!r}: user "
+                    f"{run.api.user!r} may close only its own connections (an administrator "
+                    f"may close any); its messages are safe in {hold}; stop that consumer and "
+                    "run migrate again"
+                ) from None
             run.say(f"{name}: closed consumer connection {connection!r}; it reconnects by itself")
             outcome.closed += 1
         more = await run.move(name, hold, Copies(), marker=False)

@@ -17,6 +17,19 @@ def policy_work(changes: Sequence[Change]) -> list[Change]:
     return [c for c in changes if c.object == "policy" and c.kind in ("create", "update")]
 
 
+def policy_refusal(api: Management, changes: Sequence[Change]) -> str | None:
+    """Why this user may not make the policy changes of ``changes`` (only the policymaker and
+    administrator tags may set a policy), or None; asked before anything is changed."""
+    work = policy_work(changes)
+    if not work or api.may("policymaker"):
+        return None
+    tags = ", ".join(sorted(api.tags())) or "none"
+    return (
+        f"{len(work)} {'policy' if len(work) == 1 else 'policies'} to set, and setting a policy "
+        f"needs the policymaker tag: user {api.user!r} has tags {tags}; nothing was changed"
+    )
+
+
 def apply_policies(api: Management, vhost: str, changes: Sequence[Change]) -> list[str]:
     """PUT or DELETE each changed policy; one line per policy for the user."""
     done = []

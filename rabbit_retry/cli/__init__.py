@@ -311,4 +311,5 @@ def _quiet_stdout() -> None:
 def _print_traceback() -> None:
     import traceback
 
-    traceback.print_exc()
+    # Masked too: a library's frame may show a URL.
+    sys.stderr.write(mask(traceback.format_exc()))

@@ -39,7 +39,7 @@ from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.placement import single_node_notes
-from rabbit_retry.broker.policies import apply_policies
+from rabbit_retry.broker.policies import apply_policies, policy_refusal, policy_work
 from rabbit_retry.cli import confirm, pass_settings, stdin_is_terminal
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
@@ -113,7 +113,21 @@ def _capacity(settings: Settings, changes: Sequence[Change], new_quorum: int | N
     if not new_quorum:
         return None
     with Management.for_settings(settings) as api:
-        return capacity_problem(read_capacity(api), new_quorum)
+        capacity = read_capacity(api)
+    if not capacity.readable and capacity.version.startswith("3."):
+        click.echo(
+            f"note: the open-file limit of RabbitMQ {capacity.version} for {new_quorum} new "
+            "quorum queues is not checked: reading it needs the monitoring tag", err=True
+        )
+    return capacity_problem(capacity, new_quorum)
+
+
+def _policy_rights(settings: Settings, changes: Sequence[Change]) -> str | None:
+    """Why this user may not set the file's policies, or None."""
+    if not policy_work(changes):
+        return None
+    with Management.for_settings(settings) as api:
+        return policy_refusal(api, changes)
 
 
 def _line(change: Change) -> str:
@@ -276,7 +290,8 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
     names = unsendable(changes)
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
-    problem = _plugin(settings, compiled) or _capacity(settings, changes)
+    problem = (_plugin(settings, compiled) or _policy_rights(settings, changes)
+               or _capacity(settings, changes))
     _notes(compiled, live)
     for line in deferred_notes(changes, file):
         click.echo(line, err=True)

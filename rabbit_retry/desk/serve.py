@@ -20,7 +20,7 @@ from rabbit_retry.desk.ingest import Ingest
 from rabbit_retry.desk.outcomes import Depths
 from rabbit_retry.desk.store import Store
 from rabbit_retry.errors import BrokerError, InputError
-from rabbit_retry.settings import Settings, mask
+from rabbit_retry.settings import Settings, shown
 from rabbit_retry.topology import Topology
 
 log = logging.getLogger("rabbit_retry.desk")
@@ -77,7 +77,7 @@ def open_store(url: str) -> Store:
     except Exception as exc:
         store.close()
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise BrokerError(f"store {mask(url)}: cannot open or migrate it: {first}") from None
+        raise BrokerError(f"store {shown(url)}: cannot open or migrate it: {first}") from None
     return store
 
 
@@ -122,7 +122,7 @@ async def serve(topology: Topology, settings: Settings, *, store_url: str, liste
         auth = {"loopback": "loopback only, no sign-in", "token": "a token is required",
                 "operators": "named operators sign in"}[access.mode]
         log.info("desk: serving %s (%s); store %s; %d queue(s)", listen.url, auth,
-                 mask(store_url), len(queues))
+                 shown(store_url), len(queues))
         print(f"rabbit-retry desk: open {listen.url} ({auth})", flush=True)
         if on_ready is not None:
             on_ready.set()

@@ -40,7 +40,7 @@ from rabbit_retry.desk.schema import (
     totals,
 )
 from rabbit_retry.errors import InputError
-from rabbit_retry.settings import mask
+from rabbit_retry.settings import shown
 
 DEFAULT_STORE = "sqlite:///rabbit-retry-desk.db"
 _MIGRATION_LOCK = 0x7261626269740001  # PostgreSQL advisory lock: one desk migrates at a time
@@ -53,7 +53,7 @@ def engine_url(url: str) -> sa.URL:
     try:
         parsed = sa.make_url(url)
     except sa.exc.ArgumentError:
-        raise InputError(f"--store: not a store URL: {mask(url)!r} (use sqlite:///PATH or "
+        raise InputError(f"--store: not a store URL: {shown(url)!r} (use sqlite:///PATH or "
                          "postgresql://user:pass@host/db)") from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
@@ -62,7 +62,7 @@ def engine_url(url: str) -> sa.URL:
         return parsed.set(drivername="sqlite")
     if backend in ("postgresql", "postgres"):
         return parsed.set(drivername="postgresql+psycopg")
-    raise InputError(f"--store: unsupported database {backend!r} in {mask(url)!r} "
+    raise InputError(f"--store: unsupported database {backend!r} in {shown(url)!r} "
                      "(use sqlite:///PATH or postgresql://...)")
 
 

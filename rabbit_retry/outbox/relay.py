@@ -60,7 +60,7 @@ from rabbit_retry.outbox.event import outgoing
 from rabbit_retry.outbox.metrics import RelayMetrics
 from rabbit_retry.outbox.names import DEAD
 from rabbit_retry.outbox.store import Claim, Failure, OnFailure, OutboxStore, Outcome, Row
-from rabbit_retry.settings import Settings, mask
+from rabbit_retry.settings import Settings, mask, shown
 from rabbit_retry.topology.resolved import Topology
 
 log = logging.getLogger("rabbit_retry.outbox")
@@ -330,7 +330,7 @@ class Relay:
             background.append(asyncio.create_task(self._lease(), name="relay lease"))
         else:
             self._leased.set()
-        log.info("relay: publishing the outbox of %s to %s (%s)", mask(self.store.url),
+        log.info("relay: publishing the outbox of %s to %s (%s)", shown(self.store.url),
                  self.settings.safe_url, "several relays share it" if self.store.locking
                  else "one relay at a time: SQLite")
         try:
@@ -362,7 +362,7 @@ class Relay:
         except Exception as exc:
             self.store.close()
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise BrokerError(f"store {mask(self.store.url)}: cannot open or migrate it: "
+            raise BrokerError(f"store {shown(self.store.url)}: cannot open or migrate it: "
                               f"{first}") from None
 
     async def _wait(self, seconds: float) -> None:
@@ -576,14 +576,14 @@ class Relay:
                 log.warning("relay: cannot renew its lease (%s)", _first_line(exc))
                 held = False
             if held and not self._leased.is_set():
-                log.info("relay: holds the lease of %s; publishing", mask(self.store.url))
+                log.info("relay: holds the lease of %s; publishing", shown(self.store.url))
                 waiting_said = False
             elif not held and self._leased.is_set():
                 log.warning("relay: lost the lease of %s to another relay; waiting",
-                            mask(self.store.url))
+                            shown(self.store.url))
             elif not held and not waiting_said:
                 log.info("relay: another relay publishes %s; waiting for its lease to run out",
-                         mask(self.store.url))
+                         shown(self.store.url))
                 waiting_said = True
             (self._leased.set if held else self._leased.clear)()
             await asyncio.sleep(LEASE_S / 3)

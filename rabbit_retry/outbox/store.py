@@ -45,7 +45,7 @@ from rabbit_retry.outbox.names import (
     WAITING,
 )
 from rabbit_retry.outbox.schema import Timestamp, history, lease, outbox
-from rabbit_retry.settings import mask
+from rabbit_retry.settings import shown
 
 log = logging.getLogger("rabbit_retry.outbox")
 
@@ -161,7 +161,7 @@ class OutboxStore:
         if found != HEAD:
             state = "no outbox tables" if found is None else f"revision {found}"
             raise BrokerError(
-                f"store {mask(self.url)}: has {state}; this relay needs revision {HEAD} "
+                f"store {shown(self.url)}: has {state}; this relay needs revision {HEAD} "
                 "(apply rabbit_retry/outbox/sql/*.sql, or start the relay without --no-migrate "
                 "to migrate it)")
 

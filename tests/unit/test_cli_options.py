@@ -55,8 +55,8 @@ def test_url_after_the_verb_is_the_url_used(
          "error: --management-url: expected http(s)://user:pass@host:port, got "
          "'ftp://guest:***@h'"),
         ("--management-url", "http://guest:secret@h:abc",
-         "error: --management-url: expected http(s)://user:pass@host:port, got "
-         "'http://guest:***@h:abc'"),
+         "error: --management-url: the port of 'http://guest:***@h:abc' is not a number from 1 "
+         "to 65535"),
     ],
 )
 def test_a_malformed_url_is_one_line_and_exit_2(

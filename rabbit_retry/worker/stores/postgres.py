@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from rabbit_retry.errors import BrokerError, InputError
-from rabbit_retry.settings import mask
+from rabbit_retry.settings import mask, shown
 from rabbit_retry.worker.stores import Claim, Held, Timed, Verdict
 
 TABLE = "rabbit_retry_keys"
@@ -60,7 +60,7 @@ class PostgresBackend:
         from psycopg.conninfo import conninfo_to_dict
 
         self._dsn = url
-        self.url = mask(url)
+        self.url = shown(url)
         try:
             conninfo_to_dict(url)
         except psycopg.Error as exc:  # its message quotes the URL

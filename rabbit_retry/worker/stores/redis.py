@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rabbit_retry.errors import BrokerError, InputError
-from rabbit_retry.settings import mask
+from rabbit_retry.settings import mask, shown
 from rabbit_retry.worker.stores import Claim, Held, Timed, Verdict
 
 PREFIX = "rabbit-retry:idem:"
@@ -52,7 +52,7 @@ class RedisBackend:
                 "a redis:// idempotency store needs redis-py: pip install 'rabbit-retry[redis]'"
             ) from None
         self._dsn = url
-        self.url = mask(url)
+        self.url = shown(url)
         self._client: Any = None
 
     @staticmethod
