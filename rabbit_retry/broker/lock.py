@@ -137,7 +137,10 @@ class VhostLock:
             await connection.close()
 
     def _holder(self) -> str:
-        with Management.for_settings(self._settings) as api:
-            queue = api.queue(self._settings.vhost, LOCK_QUEUE)
+        try:
+            with Management.for_settings(self._settings) as api:
+                queue = api.queue(self._settings.vhost, LOCK_QUEUE)
+        except BrokerError as exc:  # a user who may not read it still learns it is held
+            return f"another run (who could not be read: {mask(str(exc))})"
         arguments = queue.get("arguments") if isinstance(queue, dict) else None
         return describe_holder(arguments if isinstance(arguments, dict) else None)

@@ -71,11 +71,13 @@ def _load(file: str) -> Plan:
 
 
 def _read(
-    settings: Settings, plan: Plan, targets: Sequence[str] = ()
+    settings: Settings, plan: Plan, targets: Sequence[str] = (), *, checked: bool = False
 ) -> tuple[list[Change], LiveState]:
-    """The diff of ``plan`` (only the part ``targets`` need, when given) with the vhost."""
+    """The diff of ``plan`` (only the part ``targets`` need, when given) with the vhost.
+    ``checked``: both URLs are known to reach the vhost on one broker (``_checked``)."""
     with Management.for_settings(settings) as api:
-        check_same_broker(settings, api)
+        if not checked:
+            check_same_broker(settings, api)
         live = read_live(api, settings.vhost)
     unknown = unknown_targets(plan, live, targets)
     if unknown:
@@ -99,9 +101,13 @@ def _read(
 
 @contextmanager
 def _locked(settings: Settings, verb: str, file: str, timeout: float) -> Iterator[None]:
-    """The vhost's lock (broker/lock.py) for the block: one apply or migrate at a time."""
+    """The vhost's lock (broker/lock.py) for the block: one apply or migrate at a time. The
+    URLs are checked first, so a wrong one is said as plan says it, not as a lock failure."""
     from rabbit_retry.broker.lock import VhostLock
 
+    with Management.for_settings(settings) as api:
+        check_same_broker(settings, api)
+        api.require_vhost(settings.vhost)
     with VhostLock(settings, verb, file, timeout, lambda line: click.echo(line, err=True)):
         yield
 
@@ -222,8 +228,8 @@ def _report_work(report: ApplyReport, changes: Sequence[Change], vhost: str,
                        "(--discard-messages)")
         for name, left in report.kept:
             click.echo(
-                f"kept {name} (obsolete, {plural(left, 'message')} still in it, or a consumer); "
-                "prune again once it has drained"
+                f"kept {name} (obsolete, {plural(left, 'message')} still in it); prune again "
+                "once it has drained"
             )
         for c in report.left:
             click.echo(f"left {c.name} ({c.detail}); apply --prune deletes it once its group "
@@ -363,7 +369,7 @@ def apply(settings: Settings, file: str, prune: bool, discard_messages: bool, dr
 
 def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: bool,
            dry_run: bool, targets: Sequence[str]) -> None:
-    changes, live = _read(settings, compiled, targets)
+    changes, live = _read(settings, compiled, targets, checked=not dry_run)
     refused = refusal(changes, settings.vhost, file)
     if refused:
         raise ConflictError("\n".join(refused))
@@ -431,7 +437,7 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
         schedule,
     )
 
-    changes, live = _read(settings, compiled, targets)
+    changes, live = _read(settings, compiled, targets, checked=not dry_run)
     selection = sorted(set(targets)) or None
     migrations = plan_migrations(changes, live, compiled.bindings)
     if not migrations:
