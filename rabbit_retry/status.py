@@ -445,8 +445,8 @@ def status_view(status: Status) -> RenderableType:
     if status.orphans:
         parts.append(Text(
             f"ORPHANS: {plural(len(status.orphans), 'object')} of queues no longer in "
-            f"{status.source}; `rabbit-retry apply {status.source} --prune` deletes them once "
-            "empty", style="bold yellow"))
+            f"{status.source}; `rabbit-retry apply {status.source} --prune --target QUEUE` "
+            "deletes those of QUEUE once empty", style="bold yellow"))
         parts.extend(Text("  " + o.line, style="yellow") for o in status.orphans)
     if not status.drift:
         parts.append(Text(f"no drift: the broker has every object {status.source} derives",
