@@ -74,7 +74,7 @@ def _read(
     settings: Settings, plan: Plan, targets: Sequence[str] = (), *, checked: bool = False
 ) -> tuple[list[Change], LiveState]:
     """The diff of ``plan`` (only the part ``targets`` need, when given) with the vhost.
-    ``checked``: both URLs are known to reach the vhost on one broker (``_checked``)."""
+    ``checked``: both URLs are known to reach the vhost on one broker (``_locked``)."""
     with Management.for_settings(settings) as api:
         if not checked:
             check_same_broker(settings, api)
