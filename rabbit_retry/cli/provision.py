@@ -346,10 +346,11 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
 @click.command()
 @_file
 @click.option("--prune", is_flag=True,
-              help="Delete obsolete retry tiers, and the objects of queues no longer in FILE, "
-              "that are empty.")
+              help="Delete obsolete retry tiers that are empty, and the objects of a queue no "
+              "longer in FILE named by --target once they are empty.")
 @click.option("--discard-messages", is_flag=True,
-              help="With --prune: delete the queues no longer in FILE with their messages.")
+              help="With --prune: delete the objects of the queues no longer in FILE named by "
+              "--target with their messages.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
 @_targets
 @_lock_timeout
