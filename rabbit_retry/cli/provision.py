@@ -160,7 +160,8 @@ def _summary(changes: Sequence[Change], vhost: str) -> str:
         parts.append(f"{totals['grow']} short of replicas")
     orphans = sum(1 for c in changes if c.orphan)
     if orphans:
-        parts.append(f"{plural(orphans, 'object')} of queues no longer in the file")
+        parts.append(f"{plural(orphans, 'object')} of queues no longer in the file among them "
+                     "(apply --prune --target QUEUE deletes those of QUEUE)")
     return f"vhost {vhost!r}: " + ", ".join(parts)
 
 
