@@ -106,8 +106,7 @@ def _locked(settings: Settings, verb: str, file: str, timeout: float) -> Iterato
     from rabbit_retry.broker.lock import VhostLock
 
     with Management.for_settings(settings) as api:
-        check_same_broker(settings, api)
-        api.require_vhost(settings.vhost)
+        check_same_broker(settings, api)  # a missing vhost is said here too
     with VhostLock(settings, verb, file, timeout, lambda line: click.echo(line, err=True)):
         yield
 
