@@ -6,6 +6,8 @@ EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_INPUT = 2
 EXIT_CONFLICT = 3
+# `plan --detailed-exitcode`: apply has changes to make (2 is taken by invalid input).
+EXIT_PENDING = 4
 
 
 class RabbitRetryError(Exception):

@@ -134,6 +134,25 @@ class Drift:
 
 
 @dataclass(frozen=True)
+class Orphan:
+    """A live object of ours for a queue the file no longer declares (diff.orphans)."""
+
+    object: str  # queue | exchange | policy
+    name: str
+    owner: str  # the queue that left the file
+    messages: int | None  # queues only
+    detail: str
+
+    @property
+    def line(self) -> str:
+        return f"{self.object} {self.name}: {self.detail}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"object": self.object, "name": self.name, "owner": self.owner,
+                "messages": self.messages, "detail": self.detail}
+
+
+@dataclass(frozen=True)
 class Status:
     vhost: str
     source: str
@@ -143,6 +162,7 @@ class Status:
     policy_hazards: tuple[PolicyHazard, ...] = ()
     # One line per main queue some of whose queues live on one node of a cluster.
     placement_warnings: tuple[str, ...] = ()
+    orphans: tuple[Orphan, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -172,8 +192,14 @@ class Status:
         )
 
     @property
+    def orphan_warnings(self) -> tuple[str, ...]:
+        """One line per object of ours for a queue the file no longer declares."""
+        return tuple(f"orphan {o.line}" for o in self.orphans)
+
+    @property
     def warnings(self) -> tuple[str, ...]:
-        return self.replica_warnings + self.policy_warnings + self.placement_warnings
+        return (self.replica_warnings + self.policy_warnings + self.placement_warnings
+                + self.orphan_warnings)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -185,6 +211,7 @@ class Status:
             "drift": [d.to_json() for d in self.drift],
             "policy_hazards": [h.to_json() for h in self.policy_hazards],
             "policy_hazard_lines": list(self.hazard_lines),
+            "orphans": [o.to_json() for o in self.orphans],
             # Every other count is read from the broker the moment status runs.
             "sampled": ["unacked", "held_for_dead_lettering", "online"],
         }
@@ -303,7 +330,19 @@ def build_status(
         )
         rows[-1] = _with_stranded(rows[-1], plan, changes)
     return Status(vhost, source, tuple(rows), drift_of(changes, plan),
-                  tuple(policy_hazards(plan, live)), tuple(single_node_notes(plan, live)))
+                  policy_hazards=tuple(policy_hazards(plan, live)),
+                  placement_warnings=tuple(single_node_notes(plan, live)),
+                  orphans=orphans_of(changes, live))
+
+
+def orphans_of(changes: Iterable[Change], live: LiveState) -> tuple[Orphan, ...]:
+    """The orphans among ``changes``, with the message count of each queue."""
+    return tuple(
+        Orphan(c.object, c.name, c.owner or "",
+               live.queues[c.name].messages if c.object == "queue" and c.name in live.queues
+               else None, c.detail)
+        for c in changes if c.orphan
+    )
 
 
 def read_status(api: Management, settings: Settings, plan: Plan, source: str,
@@ -435,6 +474,12 @@ def status_view(status: Status) -> RenderableType:
     parts.extend(Text(f"WARNING: {w}", style="bold yellow") for w in status.placement_warnings)
     for row in status.queues:
         parts.extend(Text(line, style="bold yellow") for line in held_lines(row, status.source))
+    if status.orphans:
+        parts.append(Text(
+            f"ORPHANS: {plural(len(status.orphans), 'object')} of queues no longer in "
+            f"{status.source}; `rabbit-retry apply {status.source} --prune --target QUEUE` "
+            "deletes those of QUEUE once empty", style="bold yellow"))
+        parts.extend(Text("  " + o.line, style="yellow") for o in status.orphans)
     if not status.drift and status.policy_hazards:
         parts.append(Text(f"not safe: the broker has every object {status.source} derives, but "
                           "other policies drop, expire or limit their messages (above)",

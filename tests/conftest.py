@@ -64,6 +64,9 @@ ANY_VERSION = (
     "reliability/test_tls.py",  # our TLS client against a 3.10 node of its own
     "reliability/test_bad_topology.py",  # refused before the broker is asked
     "integration/test_provision_corpus.py::test_bad_file_is_refused_*",  # the same
+    # Which part of a file --target selects, and a closed pipe under plan and status: ours.
+    "integration/test_provision_ci.py::test_a_target_repairs_*",
+    "integration/test_provision_ci.py::test_plan_and_status_into_a_closed_pipe_*",
     # The store's side of a killed desk; the broker's side runs per version on SQLite.
     "reliability/test_desk_killed.py::*[[]postgresql[]]",
     # The outbox's: its schema (no broker), a PostgreSQL outbox's side (the broker's side runs

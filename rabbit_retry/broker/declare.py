@@ -46,6 +46,12 @@ class ApplyReport:
     unbound: list[Change] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)
     kept: list[tuple[str, int]] = field(default_factory=list)  # (tier, messages still in it)
+    # Orphans (diff.orphans): queues deleted with their messages (--discard-messages), groups
+    # left because they hold messages, and policies whose queues are all gone now (deleted
+    # through the management API by the caller).
+    discarded: list[tuple[str, int]] = field(default_factory=list)
+    left: list[Change] = field(default_factory=list)
+    policies: list[Change] = field(default_factory=list)
 
 
 def _describe(change: Change) -> str:
@@ -218,18 +224,20 @@ async def apply_changes(
     live_bindings: Sequence[Binding] = (),
     *,
     prune: bool = False,
+    discard: bool = False,
     concurrency: int = DEFAULT_CONCURRENCY,
     progress: Progress | None = None,
 ) -> ApplyReport:
     """Carry out ``changes`` (a conflict-free diff) on the broker of ``settings``.
 
     ``live_bindings`` are the bindings read with the diff; pruning a quorum tier unbinds them
-    first and restores them if the tier turns out not to be empty.
+    first and restores them if the tier turns out not to be empty. Orphans are pruned a queue
+    group at a time (``_prune_orphans``); ``discard`` deletes those holding messages too.
     """
     if any(blocking(c) for c in changes):
         raise AssertionError("apply_changes called with conflicts; check the diff first")
     report = ApplyReport()
-    if work_count(changes, prune=prune) == 0:
+    if work_count(changes, prune=prune) == 0 and not (prune and any(c.orphan for c in changes)):
         return report
     problems = unsendable(changes)
     if problems:
@@ -264,7 +272,7 @@ async def apply_changes(
             gone = {_binding_of(c).key for c in unbinds}
             remaining = [b for b in live_bindings if b.key not in gone]
             for change in changes:
-                if change.kind not in ("prune", "keep"):
+                if change.kind not in ("prune", "keep") or change.orphan:
                     continue
                 assert isinstance(change.item, Queue)
                 left = await _prune_one(connection, change.item, remaining)
@@ -274,9 +282,82 @@ async def apply_changes(
                     report.kept.append((change.name, left))
                 if progress is not None:
                     progress(1)
+            groups: dict[str | None, list[Change]] = {}
+            for change in changes:
+                if change.orphan:
+                    groups.setdefault(change.owner, []).append(change)
+            for group in groups.values():
+                await _prune_orphans(connection, group, remaining, report, discard=discard)
+                if progress is not None:
+                    progress(sum(1 for c in group if c.object != "policy"))
     finally:
         await connection.close()
     return report
+
+
+async def _prune_orphans(
+    connection: AbstractConnection,
+    group: Sequence[Change],
+    live_bindings: Sequence[Binding],
+    report: ApplyReport,
+    *,
+    discard: bool,
+) -> None:
+    """Delete the objects of one queue the file no longer declares: its queues in the order
+    messages flow (main and lanes first: nothing enters the others once they are gone), each
+    only if empty and without consumers, then its exchanges and (by the caller) its policy. A
+    group that held messages when planned is left whole, so none of them loses the way back
+    through its tiers; so is the rest of a group once one of its queues is found not empty.
+    With ``discard``, its queues are deleted with what they hold."""
+    if not discard and any(c.kind == "keep" for c in group):
+        report.left += [c for c in group if c.object == "queue"]
+        return
+    for change in group:
+        if change.object != "queue":
+            continue
+        assert isinstance(change.item, Queue)
+        if discard:
+            left = await _delete(connection, change.item.name)
+            if left:
+                report.discarded.append((change.name, left))
+            else:
+                report.pruned.append(change.name)
+            continue
+        kept = await _prune_one(connection, change.item, live_bindings, unused=True)
+        if kept is not None:
+            report.kept.append((change.name, kept))
+            return
+        report.pruned.append(change.name)
+    for change in group:
+        if change.object == "exchange":
+            channel = await _open(connection)
+            try:
+                await channel.exchange_delete(change.name, if_unused=True,
+                                              timeout=OPERATION_TIMEOUT)
+            except aiormq.exceptions.ChannelPreconditionFailed:
+                report.kept.append((change.name, 0))
+                return
+            except CONNECTION_ERRORS as exc:
+                raise _fail(f"deleting exchange {change.name}", exc) from exc
+            if not channel.is_closed:
+                await channel.close()
+            report.pruned.append(change.name)
+    report.policies += [c for c in group if c.object == "policy"]
+
+
+async def _delete(connection: AbstractConnection, name: str) -> int:
+    """Delete queue ``name`` whatever it holds; how many messages it held."""
+    channel = await _open(connection)
+    try:
+        ok = await channel.queue_delete(name, timeout=OPERATION_TIMEOUT)
+        return int(getattr(ok, "message_count", 0) or 0)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return 0
+    except CONNECTION_ERRORS as exc:
+        raise _fail(f"deleting queue {name}", exc) from exc
+    finally:
+        if not channel.is_closed:
+            await channel.close()
 
 
 def _binding_of(change: Change) -> Binding:
@@ -285,9 +366,11 @@ def _binding_of(change: Change) -> Binding:
 
 
 async def _prune_one(
-    connection: AbstractConnection, tier: Queue, live_bindings: Sequence[Binding]
+    connection: AbstractConnection, tier: Queue, live_bindings: Sequence[Binding],
+    *, unused: bool = False,
 ) -> int | None:
     """Delete ``tier`` if it is empty (None); otherwise leave it as it was, return its count.
+    With ``unused``, a queue with a consumer is left too (a worker still reads it).
 
     Classic queues delete with if-empty, which the broker checks atomically. Quorum queues
     refuse if-empty (RabbitMQ answers NOT_IMPLEMENTED and closes the connection), so a quorum
@@ -299,20 +382,23 @@ async def _prune_one(
     try:
         if tier.queue_type != "quorum":
             try:
-                await channel.queue_delete(tier.name, if_empty=True, timeout=OPERATION_TIMEOUT)
+                await channel.queue_delete(tier.name, if_empty=True, if_unused=unused,
+                                           timeout=OPERATION_TIMEOUT)
                 return None
             except aiormq.exceptions.ChannelPreconditionFailed:
                 # The broker closed the channel to say "not empty"; count on a new one.
                 channel = await _open(connection)
-                return await _count(channel, tier.name)
+                counted = await _count(channel, tier.name)
+                return None if counted is None else counted[0]
         bindings = [b for b in live_bindings if b.destination == tier.name]
         for binding in bindings:
             await _binding(binding, bind=False)(channel)
         await asyncio.sleep(SETTLE_SECONDS if bindings else 0)
-        left = await _count(channel, tier.name)
-        if left is None:
+        counted = await _count(channel, tier.name)
+        if counted is None:
             return None
-        if left == 0:
+        left, consumers = counted
+        if left == 0 and not (unused and consumers):
             await channel.queue_delete(tier.name, timeout=OPERATION_TIMEOUT)
             return None
         for binding in bindings:
@@ -330,11 +416,12 @@ async def _open(connection: AbstractConnection) -> aiormq.abc.AbstractChannel:
     return await channel.get_underlay_channel()
 
 
-async def _count(channel: aiormq.abc.AbstractChannel, queue: str) -> int | None:
-    """Messages in ``queue`` as the broker counts them now; None if it is already gone."""
+async def _count(channel: aiormq.abc.AbstractChannel, queue: str) -> tuple[int, int] | None:
+    """Messages and consumers of ``queue`` as the broker counts them now; None if it is
+    already gone."""
     try:
         ok = await channel.queue_declare(queue, passive=True, timeout=OPERATION_TIMEOUT)
     except aiormq.exceptions.ChannelNotFoundEntity:
         return None
     assert ok is not None
-    return int(ok.message_count or 0)
+    return int(ok.message_count or 0), int(ok.consumer_count or 0)

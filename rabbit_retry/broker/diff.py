@@ -4,16 +4,21 @@ Like Terraform's plan, but it never proposes to destroy data to converge: a live
 differs from the file is a ``conflict`` for a human to resolve; a live queue that differs is a
 ``migrate``, which ``apply`` refuses and ``rabbit-retry migrate`` carries out, moving every
 message (broker/migrate_plan.py); and the only deletions it ever
-proposes are retry tiers that left the file (``prune``), which ``apply`` deletes only with
-``--prune`` and only while empty. Main queues, parking queues and anything the file does not
-derive are never touched.
+proposes are retry tiers that left the file (``prune``), and the objects of a queue that left
+the file (orphans: ``Change.orphan``), which ``apply`` deletes only with ``--prune`` and only
+while empty (orphans only when ``--target`` names their queue: ``apply_work``). Main queues,
+parking queues and anything the file does not derive are never touched otherwise.
+
+``diff(plan, live, targets=...)`` compares only the part of the file those queues need
+(``select``): a conflict elsewhere does not concern it. Orphans are always found against the
+whole file.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,7 +33,7 @@ from rabbit_retry.broker.replicas import GROUP_SIZE, Replication, replicas_note
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
-from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue
+from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue, Role
 
 # ``grow``: a live quorum queue with fewer replicas than the file asks for; apply cannot add
 # them (broker/replicas.py), the detail says what can. ``migrate``: a queue the broker cannot
@@ -56,9 +61,22 @@ class Change:
     # A ``migrate`` of a parking queue that differs only in its type (a classic one the file
     # now wants quorum): apply leaves it for ``migrate`` and goes on (``deferred``).
     type_only: bool = False
+    # An object of a queue the file no longer declares (its ``item.owner``/``item.queue``).
+    orphan: bool = False
+
+    @property
+    def owner(self) -> str | None:
+        """The main queue of the file (or, for an orphan, of the live broker) it belongs to."""
+        item = self.item
+        if isinstance(item, Queue | Exchange):
+            return item.owner
+        if isinstance(item, Policy):
+            return item.queue
+        return None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "object": self.object, "name": self.name}
+        out: dict[str, Any] = {"kind": self.kind, "object": self.object, "name": self.name,
+                               "orphan": self.orphan, "owner": self.owner}
         if isinstance(self.item, Binding):
             out |= {
                 "source": self.item.source,
@@ -287,13 +305,18 @@ def _misrouting(plan: Plan, live: LiveState) -> Iterable[Change]:
             )
 
 
-def diff(plan: Plan, live: LiveState) -> list[Change]:
-    """Every planned object as create / unchanged / conflict, then unbinds, then prune / keep.
+def diff(
+    whole: Plan, live: LiveState, *, targets: Collection[str] | None = None
+) -> list[Change]:
+    """Every planned object as create / unchanged / conflict, then unbinds, then prune / keep,
+    then the orphans.
 
-    Obsolete tiers are always reported (``prune`` if the statistics say empty, ``keep`` with the
-    message count if not); ``apply`` deletes them only when asked to, and only if the broker
-    finds them empty at that moment.
+    Obsolete tiers and orphans are always reported (``prune`` if the statistics say empty,
+    ``keep`` with the message count if not); ``apply`` deletes them only when asked to, and only
+    if the broker finds them empty at that moment. With ``targets`` (main queues of the file,
+    or orphans), only what they need (``select``) and their own orphans.
     """
+    plan = whole if targets is None else select(whole, targets)
     changes: list[Change] = []
     for exchange in plan.exchanges:
         live_exchange = live.exchanges.get(exchange.name)
@@ -311,7 +334,168 @@ def diff(plan: Plan, live: LiveState) -> list[Change]:
     changes += _misrouting(plan, live)
     changes += _obsolete(plan, live)
     changes += _lane_changes(plan, live)
+    changes += [c for c in orphans(whole, live) if targets is None or c.owner in targets]
     return changes
+
+
+def select(plan: Plan, targets: Collection[str]) -> Plan:
+    """The part of ``plan`` the main queues ``targets`` need: the objects they compile to, the
+    bindings that feed them and the exchanges of those bindings; pure, in ``plan``'s order."""
+    queues = tuple(q for q in plan.queues if q.owner in targets)
+    derived = {e.name for e in plan.exchanges if e.owner in targets}
+    reached = {q.name for q in queues} | derived
+    bindings = tuple(b for b in plan.bindings if b.destination in reached)
+    sources = {b.source for b in bindings}
+    return Plan(
+        exchanges=tuple(e for e in plan.exchanges if e.name in derived or e.name in sources),
+        queues=queues,
+        bindings=bindings,
+        policies=tuple(p for p in plan.policies if p.queue in targets),
+    )
+
+
+def unknown_targets(plan: Plan, live: LiveState, targets: Iterable[str]) -> list[str]:
+    """The ``targets`` that name neither a queue of the file nor an orphan of ``live``."""
+    known = {q.name for q in plan.main_queues} | {c.owner for c in orphans(plan, live)}
+    return [t for t in targets if t not in known]
+
+
+# --- orphans: objects of ours for a queue the file no longer declares -------------------------
+
+
+def _main_signature(queue: LiveQueue) -> bool:
+    # Dead-lettering into its own retry exchange with its own name: only a main queue of ours.
+    args = queue.arguments
+    return (args.get("x-dead-letter-exchange") == naming.retry_exchange(queue.name)
+            and args.get("x-dead-letter-routing-key") == queue.name)
+
+
+def _tier_owner(queue: LiveQueue) -> str | None:
+    owner = queue.arguments.get("x-dead-letter-routing-key")
+    if isinstance(owner, str) and owner and _looks_like_tier(queue, owner):
+        return owner
+    return None
+
+
+def _orphan_owners(plan: Plan, live: LiveState) -> list[str]:
+    planned = {q.name for q in plan.queues}
+    owners = set()
+    for queue in live.queues.values():
+        if queue.name in planned:
+            continue
+        if _main_signature(queue):
+            owners.add(queue.name)
+        owner = _tier_owner(queue)
+        if owner is not None:
+            owners.add(owner)
+    for policy in live.policies:
+        if not policy.operator and policy.name.startswith(naming.POLICY_PREFIX):
+            owners.add(policy.name[len(naming.POLICY_PREFIX):])
+    return sorted(owners - {q.name for q in plan.main_queues} - planned)
+
+
+def _orphan_queues(owner: str, live: LiveState) -> list[tuple[LiveQueue, Role]]:
+    """The live queues of ``owner`` with their roles, in the order they are deleted: those
+    messages enter by first (main, lanes), then what they feed."""
+    found: list[tuple[LiveQueue, Role]] = []
+    main = live.queues.get(owner)
+    if main is not None and _main_signature(main):
+        found.append((main, "main"))
+    lanes = sorted(_live_lanes(owner, live), key=lambda n: int(n.rsplit(".", 1)[1]))
+    found += [(live.queues[n], "lane") for n in lanes]
+    found += [(live.queues[h], "held") for h in (n + naming.HELD_SUFFIX for n in lanes)
+              if h in live.queues]
+    tiers = [n for n in live.queues if _tier_owner(live.queues[n]) == owner]
+    found += [(live.queues[n], "tier")
+              for n in sorted(tiers, key=lambda n: _delay(n, owner))]
+    others: tuple[tuple[str, Role], ...] = (
+        (naming.parking_queue(owner), "parking"), (naming.migrating_queue(owner), "main"))
+    for name, role in others:
+        if name in live.queues:
+            found.append((live.queues[name], role))
+    return found
+
+
+def _delay(tier: str, owner: str) -> int:
+    tier_label = naming.tier_label_of(tier, owner)
+    return parse_duration(tier_label) if tier_label else 0
+
+
+def _fed_by(name: str, live: LiveState, derived: set[str]) -> list[Binding]:
+    return [b for b in live.bindings if b.destination == name and b.source not in derived]
+
+
+def _renamed_to(owner: str, fed: list[Binding], plan: Plan) -> str | None:
+    """A queue of the file bound exactly as ``owner`` is: likely its new name, if the file
+    renamed it."""
+    if not fed:
+        return None
+    wanted = {(b.source, b.routing_key, _args(b)) for b in fed}
+    for queue in plan.main_queues:
+        mine = {(b.source, b.routing_key, _args(b)) for b in plan.bindings
+                if b.destination in (queue.name, naming.lanes_exchange(queue.name))}
+        if mine == wanted:
+            return queue.name
+    return None
+
+
+def _args(binding: Binding) -> str:
+    return json.dumps(dict(binding.arguments), sort_keys=True, default=str)
+
+
+def orphans(plan: Plan, live: LiveState) -> list[Change]:
+    """The live queues, exchanges and ``rabbit-retry:`` policy of every queue of ours that
+    ``plan`` no longer declares (removed or renamed in the file): ``prune`` while every queue
+    of that queue's group is empty and unused, ``keep`` (with the count) otherwise. A main
+    queue still bound from an exchange is said so: it gets a copy of every message routed
+    there."""
+    out: list[Change] = []
+    for owner in _orphan_owners(plan, live):
+        queues = _orphan_queues(owner, live)
+        derived = {naming.retry_exchange(owner), naming.lanes_exchange(owner)}
+        busy = any(q.messages or q.consumers for q, _ in queues)
+        gone = f"not in the file (queue {owner})"
+        group: list[Change] = []
+        for queue, role in queues:
+            parts = [gone]
+            if queue.messages:
+                parts.append(f"{plural(queue.messages, 'message')} in it")
+            if queue.consumers:
+                parts.append(f"{plural(queue.consumers, 'consumer')}")
+            fed = _fed_by(queue.name, live, derived) if role in ("main", "lane") else []
+            if fed:
+                sources = ", ".join(sorted({f"{b.source} [{b.routing_key}]" for b in fed}))
+                parts.append(f"still bound from {sources}: it gets a copy of every message "
+                             "routed there")
+                renamed = _renamed_to(owner, fed, plan)
+                if renamed:
+                    parts.append(f"renamed to {renamed}? its messages stay here")
+            if not queue.messages and not queue.consumers and busy:
+                parts.append("kept while its group holds messages")
+            item = Queue(queue.name, role, owner, dict(queue.arguments), queue.durable)
+            kind: ChangeKind = "keep" if busy else "prune"
+            group.append(Change(kind, "queue", queue.name, "; ".join(parts), item, orphan=True))
+        exchange_roles: tuple[tuple[str, Role], ...] = (
+            (naming.lanes_exchange(owner), "lanes-exchange"),
+            (naming.retry_exchange(owner), "retry-exchange"))
+        for name, role in exchange_roles:
+            exchange = live.exchanges.get(name)
+            if exchange is None:
+                continue
+            item_x = Exchange(name, exchange.type, exchange.durable, exchange.auto_delete,
+                              exchange.internal, dict(exchange.arguments), role, owner)
+            group.append(Change("keep" if busy else "prune", "exchange", name, gone, item_x,
+                                orphan=True))
+        policy = next((p for p in live.policies if not p.operator
+                       and p.name == naming.policy_name(owner)), None)
+        if policy is not None:
+            item_p = Policy(policy.name, policy.pattern, {}, policy.priority, owner,
+                            policy.apply_to)
+            group.append(Change("keep" if busy else "prune", "policy", policy.name, gone,
+                                item_p, orphan=True))
+        out += group
+    return out
+
 
 
 def _live_lanes(main: str, live: LiveState) -> set[str]:
@@ -608,3 +792,27 @@ def capacity_problem(capacity: NodeCapacity, new_quorum: int) -> str | None:
         "broker's open-file limit (ulimit -n, LimitNOFILE) or use classic queues for some; "
         "nothing was changed"
     )
+
+
+def apply_work(changes: Iterable[Change], *, targeted: bool) -> list[Change]:
+    """The changes ``apply`` acts on: orphans only when ``--target`` names their queue. A
+    vhost may hold the queues of several files, each an orphan to the others: deleting one
+    takes a request by name."""
+    return [c for c in changes if targeted or not c.orphan]
+
+
+def pending(changes: Iterable[Change], *, prune: bool = False) -> bool:
+    """Whether ``apply`` (with ``--prune`` if ``prune``) has a change to make among
+    ``changes`` (``apply_work``): what ``plan --detailed-exitcode`` exits 4 for. Obsolete
+    objects still holding messages (``keep``) and missing replicas (``grow``) are not: apply
+    cannot change them. A parking queue left for ``migrate`` (``deferred``) is pending too."""
+    kinds: set[ChangeKind] = {"create", "update", "unbind"}
+    if prune:
+        kinds.add("prune")
+    return any(c.kind in kinds or deferred(c) for c in changes)
+
+
+def listed(change: Change) -> bool:
+    """Whether the compact plan lists ``change``: every change, and an unchanged queue only
+    with a note (its replicas)."""
+    return change.kind != "unchanged" or (change.object == "queue" and bool(change.detail))

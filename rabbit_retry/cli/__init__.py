@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         # The AMQP client logs each failed connect itself; we already say it in one line.
         for name in ("aiormq", "aio_pika"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _PipeProof(sys.stdout), _PipeProof(sys.stderr)
     try:
         _check_last(args)
         with cli.make_context(PROG, hoist_global_options(args)) as ctx:
@@ -286,9 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
-    except BrokenPipeError:
+    except BrokenPipeError:  # written past _PipeProof (a stream kept from before main)
         _quiet_stdout()
-        sys.exit(EXIT_RUNTIME)
+        sys.exit(0)
     except Exception as exc:  # the last line of defence: one line, never a traceback
         if debug:
             _print_traceback()
@@ -298,7 +300,44 @@ def main(argv: list[str] | None = None) -> None:
             err=True,
         )
         sys.exit(EXIT_RUNTIME)
+    finally:
+        sys.stdout, sys.stderr = streams
     sys.exit(0)
+
+
+class _PipeProof:
+    """``stream`` (stdout or stderr) that a reader going away (`| head`) does not break: from
+    the first closed-pipe error on, what is written goes nowhere and the verb runs on to its
+    end and its own exit code. Every writer goes through it (click.echo, rich, print), so no
+    verb handles a closed pipe itself (rich would exit 1 on its own)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self._gone = True
+        # What the stream still buffers goes to /dev/null, so the flush at exit is quiet too.
+        with contextlib.suppress(OSError, ValueError):  # no file behind it (a test's capture)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def _quiet_stdout() -> None:

@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,15 +25,20 @@ from rabbit_retry.broker.declare import ApplyReport, apply_changes, unsendable, 
 from rabbit_retry.broker.declare import Progress as Advance
 from rabbit_retry.broker.diff import (
     Change,
+    apply_work,
     blocking,
     capacity_problem,
     count,
     deferred_notes,
     diff,
+    listed,
     new_quorum_queues,
     nothing_to_do,
+    pending,
     policy_notes,
     refusal,
+    select,
+    unknown_targets,
 )
 from rabbit_retry.broker.hazards import hazard_lines, policy_hazards
 from rabbit_retry.broker.identity import check_same_broker
@@ -41,7 +47,7 @@ from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.placement import single_node_notes
 from rabbit_retry.broker.policies import apply_policies, policy_refusal, policy_work
 from rabbit_retry.cli import confirm, pass_settings, stdin_is_terminal
-from rabbit_retry.errors import BrokerError, ConflictError, InputError
+from rabbit_retry.errors import EXIT_PENDING, BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
 from rabbit_retry.text import plural
 from rabbit_retry.topology import Plan, compile_topology, load_topology, naming
@@ -68,18 +74,45 @@ def _load(file: str) -> Plan:
     return compile_topology(load_topology(file))
 
 
-def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
+def _read(
+    settings: Settings, plan: Plan, targets: Sequence[str] = (), *, checked: bool = False
+) -> tuple[list[Change], LiveState]:
+    """The diff of ``plan`` (only the part ``targets`` need, when given) with the vhost.
+    ``checked``: both URLs are known to reach the vhost on one broker (``_locked``)."""
     with Management.for_settings(settings) as api:
-        check_same_broker(settings, api)
+        if not checked:
+            check_same_broker(settings, api)
         live = read_live(api, settings.vhost)
-    changes = diff(plan, live)
-    # "migrate keeps its N messages": N read exactly, not from statistics seconds old.
+    unknown = unknown_targets(plan, live, targets)
+    if unknown:
+        raise InputError(
+            f"--target {unknown[0]}: no queue {unknown[0]!r} in the file, nor one of ours left "
+            f"on vhost {settings.vhost!r} by an earlier file; name a queue of the file"
+        )
+    selection = sorted(set(targets)) or None
+    changes = diff(plan, live, targets=selection)
+    # "migrate keeps its N messages", "N messages in it": N read exactly, not from statistics
+    # seconds old (an orphan group is pruned only if every queue of it is empty).
     moving = [c.name for c in changes if c.kind == "migrate"]
-    if moving:
+    orphaned = [c.name for c in changes if c.orphan and c.object == "queue"]
+    if moving or orphaned:
         names = [n for m in moving for n in (m, naming.migrating_queue(m)) if n in live.queues]
+        names += orphaned
         live = with_exact_counts(live, asyncio.run(ready_and_consumers(settings, names)))
-        changes = diff(plan, live)
+        changes = diff(plan, live, targets=selection)
     return changes, live
+
+
+@contextmanager
+def _locked(settings: Settings, verb: str, file: str, timeout: float) -> Iterator[None]:
+    """The vhost's lock (broker/lock.py) for the block: one apply or migrate at a time. The
+    URLs are checked first, so a wrong one is said as plan says it, not as a lock failure."""
+    from rabbit_retry.broker.lock import VhostLock
+
+    with Management.for_settings(settings) as api:
+        check_same_broker(settings, api)  # a missing vhost is said here too
+    with VhostLock(settings, verb, file, timeout, lambda line: click.echo(line, err=True)):
+        yield
 
 
 def _notes(plan: Plan, live: LiveState) -> list[str]:
@@ -149,20 +182,31 @@ def _summary(changes: Sequence[Change], vhost: str) -> str:
     ]
     if totals["grow"]:
         parts.append(f"{totals['grow']} short of replicas")
+    orphans = sum(1 for c in changes if c.orphan)
+    if orphans:
+        parts.append(f"{plural(orphans, 'object')} of queues no longer in the file among them "
+                     "(apply --prune --target QUEUE deletes those of QUEUE)")
     return f"vhost {vhost!r}: " + ", ".join(parts)
 
 
-def _print_changes(changes: Sequence[Change], vhost: str) -> None:
+def _print_changes(changes: Sequence[Change], vhost: str, *, everything: bool = False) -> None:
+    """The changes (every object with ``everything``), then one line counting the unchanged
+    ones left out, then the summary."""
+    shown = [c for c in changes if everything or listed(c)]
     console = Console()
     if console.is_terminal:
         table = Table("change", "object", "name", "detail", box=None, pad_edge=False)
-        for c in changes:
+        for c in shown:
             style = _STYLE[c.kind]
             table.add_row(f"[{style}]{c.kind}[/]", c.object, c.name, c.detail)
-        console.print(table)
+        if shown:
+            console.print(table)
     else:  # piped: one plain line per object, easy to grep
-        for c in changes:
+        for c in shown:
             click.echo(_line(c))
+    hidden = len(changes) - len(shown)
+    if hidden:
+        click.echo(f"unchanged: {plural(hidden, 'object')} not listed (--all lists them)")
     click.echo(_summary(changes, vhost))
 
 
@@ -179,6 +223,17 @@ def _progress(total: int) -> Iterator[Advance | None]:
 
 
 def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: bool) -> None:
+    _report_work(report, changes, vhost, prune)
+    done = {*report.pruned, *(n for n, _ in report.discarded), *(n for n, _ in report.kept),
+            *(c.name for c in report.left)}
+    for c in changes:
+        if c.orphan and c.name not in done and c.object != "policy":
+            click.echo(f"left {c.name} ({c.detail}); apply --prune --target {c.owner} deletes "
+                       "it once empty")
+
+
+def _report_work(report: ApplyReport, changes: Sequence[Change], vhost: str,
+                 prune: bool) -> None:
     if report.created:
         made = {"exchange": 0, "queue": 0, "binding": 0, "policy": 0}
         for c in report.created:
@@ -193,14 +248,20 @@ def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: b
         _report_grow(changes)
         for name in report.pruned:
             click.echo(f"pruned {name} (obsolete, empty)")
+        for name, left in report.discarded:
+            click.echo(f"pruned {name} and the {plural(left, 'message')} in it "
+                       "(--discard-messages)")
         for name, left in report.kept:
             click.echo(
                 f"kept {name} (obsolete, {plural(left, 'message')} still in it); prune again "
                 "once it has drained"
             )
+        for c in report.left:
+            click.echo(f"left {c.name} ({c.detail}); apply --prune deletes it once its group "
+                       "is empty, --discard-messages with what it holds")
         return
     for c in changes:
-        if c.kind in ("prune", "keep"):
+        if c.kind in ("prune", "keep") and not c.orphan:
             click.echo(f"left {c.name} ({c.detail}); apply --prune deletes it once empty")
     _report_grow(changes)
 
@@ -235,19 +296,52 @@ def _destinations(compiled: Plan, file: str) -> Destinations:
     return Destinations.of_plan(compiled, file)
 
 
+_targets = click.option(
+    "--target", "targets", multiple=True, metavar="QUEUE",
+    help="Only this queue of FILE: the objects it compiles to, the bindings that feed it and "
+    "their exchanges (or the objects of a queue no longer in FILE); repeat for more. A "
+    "conflict elsewhere does not stop it.",
+)
+_lock_timeout = click.option(
+    "--lock-timeout", type=click.FloatRange(min=0), default=60.0, show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for another apply or migrate on the vhost to finish; 0: refuse "
+    "at once.",
+)
+# The document `plan --json` prints; README, "Commands", lists its fields. A field is only
+# ever added; one renamed or removed raises the version.
+PLAN_FORMAT = 1
+
+
 @click.command()
 @_file
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (every object).")
+@click.option("--all", "everything", is_flag=True,
+              help="List unchanged objects too (by default only changes, and their count).")
+@click.option("--detailed-exitcode", is_flag=True,
+              help=f"Exit {EXIT_PENDING} when apply has changes to make, 0 when in sync.")
+@click.option("--prune", is_flag=True,
+              help="Plan for apply --prune: what it would delete counts as a change.")
+@_targets
 @pass_settings
-def plan(settings: Settings, file: str, as_json: bool) -> None:
-    """Compare FILE with the live broker; exit 3 if anything conflicts."""
+def plan(settings: Settings, file: str, as_json: bool, everything: bool,
+         detailed_exitcode: bool, prune: bool, targets: tuple[str, ...]) -> None:
+    """Compare FILE with the live broker; exit 3 if anything conflicts.
+
+    With --detailed-exitcode: 0 in sync, 4 changes pending, 3 conflict, 2 bad input,
+    1 failure.
+    """
     compiled = _load(file)
     destinations = _destinations(compiled, file)
-    changes, live = _read(settings, compiled)
+    changes, live = _read(settings, compiled, targets)
+    waiting = pending(apply_work(changes, targeted=bool(targets)), prune=prune)
     if as_json:
         document = {
+            "format": PLAN_FORMAT,
             "file": file,
             "vhost": settings.vhost,
+            "targets": sorted(set(targets)),
+            "pending": waiting,
             "summary": count(changes),
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
@@ -257,7 +351,7 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
         }
         click.echo(json.dumps(document, indent=2, sort_keys=True))
     else:
-        _print_changes(changes, settings.vhost)
+        _print_changes(changes, settings.vhost, everything=everything)
         _notes(compiled, live)
     totals = count(changes)
     if totals["conflict"]:
@@ -273,24 +367,47 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
             f"cannot change them in place); apply would refuse; `rabbit-retry migrate {file}` "
             "does it and keeps their messages"
         )
+    if detailed_exitcode and waiting:
+        sys.stdout.flush()
+        sys.exit(EXIT_PENDING)
 
 
 @click.command()
 @_file
-@click.option("--prune", is_flag=True, help="Delete obsolete retry tiers that are empty.")
+@click.option("--prune", is_flag=True,
+              help="Delete obsolete retry tiers that are empty, and the objects of a queue no "
+              "longer in FILE named by --target once they are empty.")
+@click.option("--discard-messages", is_flag=True,
+              help="With --prune: delete the objects of the queues no longer in FILE named by "
+              "--target with their messages.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@_targets
+@_lock_timeout
 @pass_settings
-def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
+def apply(settings: Settings, file: str, prune: bool, discard_messages: bool, dry_run: bool,
+          targets: tuple[str, ...], lock_timeout: float) -> None:
     """Create what FILE needs on the broker; a second run changes nothing."""
+    if discard_messages and not prune:
+        raise InputError("--discard-messages: only with --prune")
     compiled = _load(file)
-    changes, live = _read(settings, compiled)
+    if dry_run:
+        _apply(settings, compiled, file, prune, discard_messages, True, targets)
+        return
+    with _locked(settings, "apply", file, lock_timeout):
+        _apply(settings, compiled, file, prune, discard_messages, False, targets)
+
+
+def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: bool,
+           dry_run: bool, targets: Sequence[str]) -> None:
+    changes, live = _read(settings, compiled, targets, checked=not dry_run)
     refused = refusal(changes, settings.vhost, file)
     if refused:
         raise ConflictError("\n".join(refused))
     names = unsendable(changes)
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
-    problem = (_plugin(settings, compiled) or _policy_rights(settings, changes)
+    part = select(compiled, targets) if targets else compiled
+    problem = (_plugin(settings, part) or _policy_rights(settings, changes)
                or _capacity(settings, changes))
     _notes(compiled, live)
     for line in deferred_notes(changes, file):
@@ -303,20 +420,24 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
         return
     if problem:
         raise BrokerError(problem)
-    if nothing_to_do(changes, prune=prune):
-        if any(c.kind == "migrate" for c in changes):
+    work = apply_work(changes, targeted=bool(targets))
+    if nothing_to_do(work, prune=prune):
+        if any(c.kind == "migrate" for c in work):
             click.echo(f"nothing else to do in vhost {settings.vhost!r}")
         else:
             click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
         _report(ApplyReport(), changes, settings.vhost, prune)
         return
-    with _progress(work_count(changes, prune=prune)) as advance:
+    with _progress(work_count(work, prune=prune)) as advance:
         report = asyncio.run(
-            apply_changes(settings, changes, live.bindings, prune=prune, progress=advance)
+            apply_changes(settings, work, live.bindings, prune=prune, discard=discard,
+                          progress=advance)
         )
     _report(report, changes, settings.vhost, prune)
+    # An orphan's policy goes once its queues are gone (a policy removal is an update).
+    gone = [replace(c, kind="update") for c in report.policies]
     with Management.for_settings(settings) as api:
-        for line in apply_policies(api, settings.vhost, changes):
+        for line in apply_policies(api, settings.vhost, [*changes, *gone]):
             click.echo(line)
 
 
@@ -324,13 +445,26 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
 @_file
 @click.option("--dry-run", is_flag=True, help="Print the steps; change nothing.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_targets
+@_lock_timeout
 @pass_settings
-def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
+def migrate(settings: Settings, file: str, dry_run: bool, yes: bool, targets: tuple[str, ...],
+            lock_timeout: float) -> None:
     """Rebuild every queue of FILE the broker cannot change in place, keeping its messages.
 
     Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
     again; a run that was stopped at any point is finished by running migrate again.
     """
+    compiled = _load(file)
+    if dry_run:
+        _migrate(settings, compiled, file, True, yes, targets)
+        return
+    with _locked(settings, "migrate", file, lock_timeout):
+        _migrate(settings, compiled, file, False, yes, targets)
+
+
+def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: bool,
+             targets: Sequence[str]) -> None:
     from rabbit_retry.broker.migrate import migrate as run_migrations
     from rabbit_retry.broker.migrate_plan import (
         describe,
@@ -342,8 +476,8 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
         new_quorum_queues as migrated_quorum_queues,
     )
 
-    compiled = _load(file)
-    changes, live = _read(settings, compiled)
+    changes, live = _read(settings, compiled, targets, checked=not dry_run)
+    selection = sorted(set(targets)) or None
     migrations = plan_migrations(changes, live, compiled.bindings)
     if not migrations:
         click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
@@ -376,7 +510,8 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
         f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
         + ", ".join(o.name for o in outcomes)
     )
-    left = [c for c in diff(compiled, read_live_of(settings)) if c.kind != "unchanged"]
+    left = [c for c in diff(compiled, read_live_of(settings), targets=selection)
+            if c.kind != "unchanged" and not c.orphan]
     if left:
         click.echo(f"`rabbit-retry apply {file}` has {plural(len(left), 'change')} left to make")
 

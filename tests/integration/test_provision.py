@@ -223,13 +223,19 @@ def test_second_apply_and_plan_have_nothing_to_do(
 
     plan = run_cli("plan", file, settings=fresh_vhost)
     assert (plan.code, plan.err) == (0, "")
-    lines = plan.out.splitlines()
-    assert len(lines) == 18
-    assert all(line.startswith("unchanged ") for line in lines[:-1])
-    assert lines[-1] == (
+    summary = (
         f"vhost {fresh_vhost.vhost!r}: 0 to create, 17 unchanged, 0 to update, 0 in conflict, "
         "0 to migrate, 0 to unbind, 0 to prune, 0 obsolete but not empty"
     )
+    # Compact by default: the changes (none), a count of the rest; --all lists every object.
+    assert plan.out.splitlines() == ["unchanged: 17 objects not listed (--all lists them)",
+                                     summary]
+    every = run_cli("plan", file, "--all", "--detailed-exitcode", settings=fresh_vhost)
+    assert (every.code, every.err) == (0, "")
+    lines = every.out.splitlines()
+    assert len(lines) == 18
+    assert all(line.startswith("unchanged ") for line in lines[:-1])
+    assert lines[-1] == summary
 
     as_json = run_cli("plan", file, "--json", settings=fresh_vhost)
     assert as_json.code == 0

@@ -4,6 +4,7 @@ confirmation prompt, a closed pipe. Nothing here reaches a broker."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,4 +191,43 @@ def test_output_piped_to_head_ends_quietly(tmp_path: Path) -> None:
         process.stdout.close()
         err = process.stderr.read()
     assert first == f"{topology}: valid; 2000 exchanges, 10000 queues, 8000 bindings\n".encode()
-    assert (process.returncode, err) == (1, b"")
+    # The reader going away is no failure: the verb runs to its end and its own exit code.
+    assert (process.returncode, err) == (0, b"")
+
+
+@pytest.mark.parametrize("args", [
+    ("export", "{file}", "--format", "definitions"),
+    ("export", "{file}", "--format", "mermaid"),
+    ("export", "{file}", "--format", "alerts"),
+    ("export", "{file}", "--format", "grafana"),
+    ("validate", "{file}"),
+    ("--help",),
+    ("plan", "--help"),
+], ids=lambda a: "-".join(a).replace("{file}", "").replace("--", "-"))
+def test_every_verb_writing_into_a_closed_pipe_ends_quietly(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    # Both ends closed before the command writes a byte: every write meets a closed pipe.
+    topology = tmp_path / "t.yml"
+    topology.write_text("version: 1\nqueues:\n" + "".join(f"  q{i}: {{}}\n" for i in range(50)))
+    argv = [a.replace("{file}", str(topology)) for a in args]
+    out_read, out_write = os.pipe()
+    os.close(out_read)
+    done = subprocess.run([sys.executable, "-c", "from rabbit_retry.cli import main; main()",
+                           *argv], stdout=out_write, stderr=subprocess.PIPE, check=False)
+    os.close(out_write)
+    assert (done.returncode, done.stderr) == (0, b"")
+
+
+def test_an_error_into_a_closed_pipe_keeps_its_exit_code(tmp_path: Path) -> None:
+    # Positive control for the one above: the closed pipe hides nothing but the text.
+    for stream in ("stdout", "stderr"):
+        read, write = os.pipe()
+        os.close(read)
+        target = {stream: write}
+        done = subprocess.run([sys.executable, "-c", "from rabbit_retry.cli import main; main()",
+                               "validate", str(tmp_path / "missing.yml")], check=False,
+                              **{"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL,
+                                 **target})
+        os.close(write)
+        assert done.returncode == EXIT_INPUT, stream

@@ -8,6 +8,7 @@ from typing import Any
 from rabbit_retry.broker.declare import unsendable
 from rabbit_retry.broker.diff import (
     Change,
+    apply_work,
     capacity_problem,
     count,
     diff,
@@ -313,7 +314,12 @@ def test_never_proposes_deleting_what_the_file_does_not_derive() -> None:
     ]
     stray_binding = Binding("orders.fraud-check.retry", "unrelated", "orders.fraud-check")
     live = live_of(plan, queues=strangers, bindings=[stray_binding])
-    assert not_unchanged(diff(plan, live)) == []
+    changes = diff(plan, live)
+    # The tier of a queue the file does not mention is reported (another file's, or one that
+    # left this file), never deleted by apply unless --target names its queue.
+    assert not_unchanged(changes) == [("prune", "queue", "billing.retry.5s")]
+    assert by_name(changes, "billing.retry.5s").orphan
+    assert not_unchanged(apply_work(changes, targeted=False)) == []
 
 
 def test_obsolete_tier_is_pruned_even_when_its_name_sorts_anywhere() -> None:
@@ -328,6 +334,7 @@ def test_to_json_is_stable_and_carries_binding_parts() -> None:
     changes = diff(plan_of(), LiveState.empty())
     assert changes[0].to_json() == {
         "kind": "create", "object": "exchange", "name": "orders", "detail": "topic",
+        "orphan": False, "owner": None,
     }
     assert changes[-1].to_json() == {
         "kind": "create",
@@ -338,6 +345,8 @@ def test_to_json_is_stable_and_carries_binding_parts() -> None:
         "routing_key": "orders.email",
         "arguments": {},
         "detail": "",
+        "orphan": False,
+        "owner": None,
     }
 
 

@@ -113,11 +113,12 @@ def test_expiry_limits_and_delivery_limits_by_queue_type_and_apply_to() -> None:
         "(orders.retry.5s, orders.retry.1m, points.retry.1m): deletes the queue and every "
         "message in it after 1m unused (a tier never has a consumer)"
     ]
-    # Quorum only: points (quorum) and its lanes; its held queues keep the parking limit, and
-    # a lower one deletes; classic orders has no delivery limit; a tier is never consumed.
+    # Quorum only: points (quorum) and its lanes; its held and parking queues (quorum like
+    # points) keep the parking limit, and a lower one deletes; classic orders has no delivery
+    # limit; a tier is never consumed.
     limit = LivePolicy("dl", "^points", "quorum_queues", {"delivery-limit": 3}, 0)
     by_role = {h.role: h for h in policy_hazards(plan, _live(plan, limit))}
-    assert set(by_role) == {"main", "lane", "held"}
+    assert set(by_role) == {"main", "lane", "held", "parking"}
     assert "a limit the worker does not know" in by_role["main"].effect
     assert by_role["held"].effect.startswith("deletes a held message returned 3 times")
     # Quorum queues reject publishes over a length limit rather than drop.

@@ -118,10 +118,15 @@ def test_a_policy_the_file_no_longer_sets_is_deleted_and_others_are_not_ours() -
     stale = LivePolicy("rabbit-retry:pay+ments", r"^pay\+ments$", "queues", {}, 20)
     foreign = LivePolicy("rabbit-retry:elsewhere", "^elsewhere$", "queues", {}, 1)
     changes = [c for c in diff(plan, _live(stale, foreign)) if c.object == "policy"]
-    others = [(c.kind, c.name, c.detail) for c in changes if c.name != "rabbit-retry:orders.email"]
+    others = [(c.kind, c.name, c.detail) for c in changes
+              if c.name != "rabbit-retry:orders.email" and not c.orphan]
     assert others == [
         ("update", "rabbit-retry:pay+ments", "no longer in the file: deleted")
     ]
+    # The policy of a queue the file does not declare is an orphan: reported, left to prune.
+    [orphan] = [c for c in changes if c.orphan]
+    assert (orphan.kind, orphan.name, orphan.owner) == (
+        "prune", "rabbit-retry:elsewhere", "elsewhere")
 
 
 def test_notes_say_which_other_policy_wins_or_loses_and_name_operator_policies() -> None:
