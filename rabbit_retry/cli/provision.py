@@ -32,6 +32,7 @@ from rabbit_retry.broker.diff import (
     policy_notes,
     refusal,
 )
+from rabbit_retry.broker.evictions import Eviction, evictions
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
@@ -43,6 +44,7 @@ from rabbit_retry.text import plural
 from rabbit_retry.topology import Plan, compile_topology, load_topology, naming
 from rabbit_retry.topology.export import to_definitions, to_mermaid
 from rabbit_retry.topology.monitoring import to_alerts, to_grafana
+from rabbit_retry.topology.plan import Policy
 
 if TYPE_CHECKING:
     from rabbit_retry.outbox.destinations import Destinations
@@ -71,6 +73,9 @@ def _read(settings: Settings, plan: Plan) -> tuple[list[Change], LiveState]:
     changes = diff(plan, live)
     # "migrate keeps its N messages": N read exactly, not from statistics seconds old.
     moving = [c.name for c in changes if c.kind == "migrate"]
+    # A policy that may evict messages: how many, counted exactly too (broker/evictions.py).
+    moving += [c.item.queue for c in changes
+               if isinstance(c.item, Policy) and c.kind != "unchanged"]
     if moving:
         names = [n for m in moving for n in (m, naming.migrating_queue(m)) if n in live.queues]
         live = with_exact_counts(live, asyncio.run(ready_and_consumers(settings, names)))
@@ -226,6 +231,7 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
             "summary": count(changes),
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
+            "evictions": [e.to_json() for e in evictions(compiled, live)],
             "outbox_destinations": {"exchanges": sorted(destinations.exchanges),
                                     "queues": sorted(destinations.queues)},
         }
@@ -233,6 +239,7 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
     else:
         _print_changes(changes, settings.vhost)
         _notes(compiled, live)
+        _print_evictions(evictions(compiled, live))
     totals = count(changes)
     if totals["conflict"]:
         raise ConflictError(
@@ -246,18 +253,42 @@ def plan(settings: Settings, file: str, as_json: bool) -> None:
         )
 
 
+def _print_evictions(evicted: Sequence[Eviction]) -> None:
+    for eviction in evicted:
+        click.echo(eviction.line())
+    if evicted:
+        click.echo(f"apply makes {plural(len(evicted), 'change')} that evict messages only "
+                   "with --accept-evictions")
+
+
+def _evictions_refused(evicted: Sequence[Eviction], accepted: bool) -> str | None:
+    """Why ``apply`` will not evict messages without ``--accept-evictions``, or None."""
+    if accepted or not evicted:
+        return None
+    lines = [f"queue {e.queue}: {e.detail}" for e in evicted]
+    return "\n".join([*lines, "nothing was changed; pass --accept-evictions to make "
+                       f"{'this change' if len(evicted) == 1 else 'these changes'}"])
+
+
 @click.command()
 @_file
 @click.option("--prune", is_flag=True, help="Delete obsolete retry tiers that are empty.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.option("--accept-evictions", is_flag=True,
+              help="Make changes that take messages out of a queue at once (a lowered length "
+                   "limit, a new or shorter TTL): parked or dropped, as the file says.")
 @pass_settings
-def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
+def apply(settings: Settings, file: str, prune: bool, dry_run: bool,
+          accept_evictions: bool) -> None:
     """Create what FILE needs on the broker; a second run changes nothing."""
     compiled = _load(file)
     changes, live = _read(settings, compiled)
     refused = refusal(changes, settings.vhost, file)
     if refused:
         raise ConflictError("\n".join(refused))
+    evicted = evictions(compiled, live)
+    if not dry_run and (why := _evictions_refused(evicted, accept_evictions)):
+        raise ConflictError(why)
     names = unsendable(changes)
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
@@ -265,6 +296,7 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool) -> None:
     _notes(compiled, live)
     if dry_run:
         _print_changes(changes, settings.vhost)
+        _print_evictions(evicted)
         if problem:
             click.echo(f"warning: apply would refuse: {problem}", err=True)
         click.echo("dry run: nothing was changed")
