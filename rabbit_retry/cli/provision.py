@@ -257,8 +257,7 @@ def _print_evictions(evicted: Sequence[Eviction]) -> None:
     for eviction in evicted:
         click.echo(eviction.line())
     if evicted:
-        click.echo(f"apply makes {plural(len(evicted), 'change')} that evict messages only "
-                   "with --accept-evictions")
+        click.echo("apply makes a change that evicts messages only with --accept-evictions")
 
 
 def _evictions_refused(evicted: Sequence[Eviction], accepted: bool) -> str | None:
