@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from support.amqp import blocking, depth, drain, publish, publish_each
+from aiormq import spec
+from support.amqp import blocking, depth, drain, on_channel, publish, publish_each, publish_raw
 from support.poll import wait_for
 
 from rabbit_retry import contract
@@ -122,7 +123,8 @@ def test_expired_messages_are_parked_from_classic_and_quorum_queues_saying_so(
     text = "version: 1\nqueues:\n" + "".join(
         _queue(f"lim.ttl.{kind}", kind, "    policy: {message_ttl: 300ms}\n"
                                         "    on_expire: park\n")
-        for kind in ("classic", "quorum"))
+        for kind in ("classic", "quorum")) + _queue("lim.ttl.own", "classic",
+                                                    "    on_expire: park\n")
     _apply(run_cli, fresh_vhost, _write(tmp_path, text))
     mgmt = management
     for kind in ("classic", "quorum"):
@@ -138,6 +140,16 @@ def test_expired_messages_are_parked_from_classic_and_quorum_queues_saying_so(
         parked = blocking(drain(fresh_vhost, f"{q}.parking"))
         assert sorted(m.body for m in parked) == sorted(_bodies(q))
         assert {contract.parked_reason(m.headers) for m in parked} == {"expired"}
+
+    # A TTL the publisher set on each message (no TTL in the file): parked all the same.
+    q = "lim.ttl.own"
+    blocking(publish_raw(fresh_vhost, [
+        (body, spec.Basic.Properties(delivery_mode=2, expiration="300")) for body in _bodies(q)
+    ], routing_key=q))
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == N,
+             f"{N} expired messages parked from {q}")
+    assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 0, f"{q}.retry.2s": 0}
+    assert [m.body for m in blocking(drain(fresh_vhost, f"{q}.parking"))] == _bodies(q)
 
 
 def test_lowering_a_live_limit_names_the_evicted_and_applies_only_when_accepted(
@@ -174,3 +186,25 @@ def test_lowering_a_live_limit_names_the_evicted_and_applies_only_when_accepted(
     assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 600, f"{q}.retry.2s": 0}
     again = run_cli("plan", limited, settings=fresh_vhost)
     assert again.code == 0 and "evicts" not in again.out
+
+
+def test_why_a_classic_queue_may_not_refuse_publishes_a_returning_retry_is_dropped(
+    fresh_vhost: Settings,
+) -> None:
+    """The broker behaviour behind refusing ``on_full: reject`` on a classic queue (declared by
+    hand: the file refuses it). The quorum queue of the test above takes such a retry back."""
+    q = "lim.classic.reject"
+    tier = {"x-queue-type": "classic", "x-message-ttl": 300, "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": q}
+    blocking(on_channel(
+        fresh_vhost,
+        lambda ch: ch.queue_declare(q, durable=True, arguments={
+            "x-queue-type": "classic", "x-max-length": 2, "x-overflow": "reject-publish"}),
+        lambda ch: ch.queue_declare(f"{q}.tier", durable=True, arguments=tier),
+    ))
+    assert blocking(publish_each(fresh_vhost, _bodies(q, 3), routing_key=q)) == [_bodies(q)[2]]
+    assert blocking(publish_each(fresh_vhost, [b"retried"], routing_key=f"{q}.tier")) == []
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.tier")[f"{q}.tier"] == 0,
+             "the retry dead-lettered from its tier")
+    # It left the tier and is not in the queue: dropped, no publisher told.
+    assert [m.body for m in blocking(drain(fresh_vhost, q))] == _bodies(q)[:2]
