@@ -36,7 +36,7 @@ from rabbit_retry.broker.evictions import Eviction, evictions
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
-from rabbit_retry.broker.policies import apply_policies
+from rabbit_retry.broker.policies import apply_policies, around_routes
 from rabbit_retry.cli import confirm, pass_settings, stdin_is_terminal
 from rabbit_retry.errors import BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
@@ -306,13 +306,16 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool,
         click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
         _report(ApplyReport(), changes, settings.vhost, prune)
         return
+    before, after = around_routes(compiled, changes)  # never a limit without its route
+    with Management.for_settings(settings) as api:
+        done = apply_policies(api, settings.vhost, before)
     with _progress(work_count(changes, prune=prune)) as advance:
         report = asyncio.run(
             apply_changes(settings, changes, live.bindings, prune=prune, progress=advance)
         )
     _report(report, changes, settings.vhost, prune)
     with Management.for_settings(settings) as api:
-        for line in apply_policies(api, settings.vhost, changes):
+        for line in [*done, *apply_policies(api, settings.vhost, after)]:
             click.echo(line)
 
 

@@ -13,6 +13,7 @@ from rabbit_retry import contract
 from rabbit_retry.broker.diff import diff
 from rabbit_retry.broker.evictions import evictions
 from rabbit_retry.broker.inspect import LivePolicy, LiveQueue, LiveState
+from rabbit_retry.broker.policies import around_routes
 from rabbit_retry.errors import InputError
 from rabbit_retry.topology import Plan, compile_topology, parse_topology
 from rabbit_retry.topology.resolved import from_values, to_values
@@ -177,3 +178,15 @@ def test_a_message_the_broker_parked_reads_its_reason_from_its_newest_death(
     headers: dict[str, object], reason: str | None
 ) -> None:
     assert contract.parked_reason(headers) == reason
+
+
+def test_a_limit_is_set_after_its_route_exists_and_removed_before_its_route_goes() -> None:
+    plain = _plan("classic", "")
+    parked = _plan("classic", "    policy: {max_length: 5}\n    on_full: park\n")
+    adding = diff(parked, _live(plain, ready=0))
+    assert around_routes(parked, adding) == (
+        [], [c for c in adding if c.object == "policy"])
+    removing = diff(plain, _live(parked, ready=0, policy={"max-length": 5}))
+    [deletion] = [c for c in removing if c.object == "policy"]
+    assert deletion.detail == "no longer in the file: deleted"
+    assert around_routes(plain, removing) == ([deletion], [])
