@@ -317,6 +317,8 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool,
     with Management.for_settings(settings) as api:
         for line in [*done, *apply_policies(api, settings.vhost, after)]:
             click.echo(line)
+    for eviction in evicted:  # accepted with --accept-evictions
+        click.echo(f"evicted from {eviction.queue}: {eviction.detail}")
 
 
 @click.command()

@@ -6,6 +6,7 @@ overflow behaviours differ between classic and quorum queues and between 3.10, 4
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,10 @@ def test_lowering_a_live_limit_names_the_evicted_and_applies_only_when_accepted(
             f"it at once, parked in {q}.parking)") in planned.out
     assert f"unbind    binding  {q}.retry -> {q}.retry.2s [{q}]" in planned.out
     assert f"create    binding  {q}.retry -> {q}.parking [{q}]" in planned.out
+    as_json = run_cli("plan", limited, "--json", settings=fresh_vhost)
+    [eviction] = json.loads(as_json.out)["evictions"]
+    assert (eviction["queue"], eviction["count"], eviction["messages"], eviction["to"]) == (
+        q, 200, 800, f"{q}.parking")
 
     refused = run_cli("apply", limited, settings=fresh_vhost)
     assert refused.code == 3
@@ -180,7 +185,9 @@ def test_lowering_a_live_limit_names_the_evicted_and_applies_only_when_accepted(
     assert (mgmt.queue(fresh_vhost.vhost, q) or {}).get("policy") is None
     assert _depths(fresh_vhost, q, f"{q}.parking") == {q: 800, f"{q}.parking": 0}
 
-    _apply(run_cli, fresh_vhost, limited, "--accept-evictions")
+    accepted = _apply(run_cli, fresh_vhost, limited, "--accept-evictions")
+    assert (f"evicted from {q}: max_length absent -> 600: 200 of its 800 messages leave it at "
+            f"once, parked in {q}.parking") in accepted.out
     wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == 200,
              "200 messages parked")
     assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 600, f"{q}.retry.2s": 0}
