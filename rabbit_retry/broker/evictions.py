@@ -13,15 +13,16 @@ only the broker knows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rabbit_retry.broker.diff import Change
 from rabbit_retry.broker.inspect import LivePolicy, LiveQueue, LiveState
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label
-from rabbit_retry.topology.plan import Plan, Queue
+from rabbit_retry.topology.plan import Binding, Plan, Queue
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,19 @@ def _route(plan: Plan, queue: Queue) -> str | None:
 
 
 def evictions(plan: Plan, live: LiveState) -> list[Eviction]:
-    """Every eviction applying ``plan``'s policies to ``live`` makes at once."""
+    """Every eviction applying ``plan``'s policies to ``live`` makes at once, and every one a
+    ``migrate`` makes when it refills a main queue under a lower ``x-max-length``."""
     ours: Mapping[str, LivePolicy] = {p.name: p for p in live.policies if not p.operator}
-    queues = {q.name: q for q in plan.main_queues}
+    files = {p.queue: p.definition for p in plan.policies}
     out: list[Eviction] = []
-    for policy in plan.policies:
-        queue, there = queues.get(policy.queue), live.queues.get(policy.queue)
-        if queue is None or there is None or not there.messages_ready:
+    for queue in plan.main_queues:
+        there = live.queues.get(queue.name)
+        if there is None or not there.messages_ready:
             continue
-        current = ours.get(policy.name)
+        current = ours.get(naming.policy_name(queue.name))
         was: Mapping[str, Any] = current.definition if current is not None else {}
-        out += _evicted(plan, queue, there, dict(policy.definition), was)
+        file = files.get(queue.name, {})
+        out += _evicted(plan, queue, there, dict(file), was)
     return out
 
 
@@ -95,7 +98,8 @@ def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any]
              was: Mapping[str, Any]) -> list[Eviction]:
     to = _route(plan, queue)
     ready = there.messages_ready
-    args = there.arguments
+    # The live queue's arguments, or the file's where they differ: migrate rebuilds it so.
+    args = queue.arguments
     out = []
 
     def evict(setting: str, old: int | None, new: int, count: int, exact: bool,
@@ -104,19 +108,39 @@ def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any]
                             min(count, ready), ready, exact, to))
 
     if queue.queue_type != "quorum":  # a full quorum queue refuses publishes; nothing leaves
+        live_args = there.arguments
         new = _lowest(file.get("max-length"), args.get("x-max-length"))
-        old = _lowest(was.get("max-length"), args.get("x-max-length"))
+        old = _lowest(was.get("max-length"), live_args.get("x-max-length"))
         if new is not None and ready > new and (old is None or old > new):
-            evict("max_length", _int(was.get("max-length")), new, ready - new, True)
+            setting = ("max_length" if _int(file.get("max-length")) == new
+                       else "x-max-length (migrate)")
+            evict(setting, old, new, ready - new, True)
         new_bytes = _lowest(file.get("max-length-bytes"), args.get("x-max-length-bytes"))
-        old_bytes = _lowest(was.get("max-length-bytes"), args.get("x-max-length-bytes"))
+        old_bytes = _lowest(was.get("max-length-bytes"), live_args.get("x-max-length-bytes"))
         size = there.message_bytes_ready
         if (new_bytes is not None and size > new_bytes
                 and (old_bytes is None or old_bytes > new_bytes)):
             # How many depends on their sizes, which only the broker knows: an upper bound.
-            evict("max_length_bytes", _int(was.get("max-length-bytes")), new_bytes, ready,
-                  False)
+            evict("max_length_bytes", old_bytes, new_bytes, ready, False)
     new_ttl, old_ttl = _int(file.get("message-ttl")), _int(was.get("message-ttl"))
     if new_ttl is not None and (old_ttl is None or old_ttl > new_ttl):
         evict("message_ttl", old_ttl, new_ttl, ready, False, ttl=True)
     return out
+
+
+def dead_letter_routes(changes: Sequence[Change], queues: Iterable[str]) -> list[Change]:
+    """The changes that move the route of ``queues``' own dead letters (key ``Q`` on
+    ``Q.retry``) to where the file says, with the parking queue they may need: what ``migrate``
+    makes before it refills a queue under a new limit, so that what does not fit is never sent
+    round a tier (``apply`` makes the rest afterwards)."""
+    names = set(queues)
+
+    def routes(change: Change) -> bool:
+        item = change.item
+        if isinstance(item, Binding):
+            return (change.kind in ("create", "unbind") and item.routing_key in names
+                    and item.source == naming.retry_exchange(item.routing_key))
+        return (isinstance(item, Queue) and change.kind == "create" and item.role == "parking"
+                and item.owner in names)
+
+    return [c for c in changes if routes(c)]

@@ -32,7 +32,7 @@ from rabbit_retry.broker.diff import (
     policy_notes,
     refusal,
 )
-from rabbit_retry.broker.evictions import Eviction, evictions
+from rabbit_retry.broker.evictions import Eviction, dead_letter_routes, evictions
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
@@ -325,8 +325,12 @@ def apply(settings: Settings, file: str, prune: bool, dry_run: bool,
 @_file
 @click.option("--dry-run", is_flag=True, help="Print the steps; change nothing.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--accept-evictions", is_flag=True,
+              help="Rebuild a queue under a lower x-max-length than it holds: what does not fit "
+                   "is parked or dropped, as the file says.")
 @pass_settings
-def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
+def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
+            accept_evictions: bool) -> None:
     """Rebuild every queue of FILE the broker cannot change in place, keeping its messages.
 
     Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
@@ -354,9 +358,22 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool) -> None:
     hazards = hold_hazards(migrations, live.policies)
     if hazards:
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))
+    rebuilt = {m.name for m in migrations}
+    evicted = [e for e in evictions(compiled, live) if e.queue in rebuilt]
     if dry_run:
+        _print_evictions(evicted)
         click.echo("dry run: nothing was changed")
         return
+    if why := _evictions_refused(evicted, accept_evictions):
+        raise ConflictError(why)
+    for eviction in evicted:  # accepted
+        click.echo(f"evicting from {eviction.queue}: {eviction.detail}")
+    routes = dead_letter_routes(changes, rebuilt)
+    if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
+        asyncio.run(apply_changes(settings, routes, live.bindings))
+        for change in routes:
+            click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
+                       if change.object == "binding" else f"declared {change.name}")
     if not yes:
         if not stdin_is_terminal():
             raise InputError(

@@ -215,3 +215,35 @@ def test_why_a_classic_queue_may_not_refuse_publishes_a_returning_retry_is_dropp
              "the retry dead-lettered from its tier")
     # It left the tier and is not in the queue: dropped, no publisher told.
     assert [m.body for m in blocking(drain(fresh_vhost, q))] == _bodies(q)[:2]
+
+
+def test_migrate_under_a_lower_argument_limit_asks_then_parks_what_does_not_fit(
+    tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any],
+) -> None:
+    q = "lim.rebuilt"
+    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
+    _apply(run_cli, fresh_vhost, plain)
+    blocking(publish(fresh_vhost, b"x", routing_key=q, count=300))
+    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
+        q, "classic", "    arguments: {x-max-length: 200}\n    on_full: park\n"), "limited.yml")
+    line = (f"queue {q}: x-max-length (migrate) absent -> 200: 100 of its 300 messages leave it "
+            f"at once, parked in {q}.parking")
+    assert f"evicts    queue    {q}  ({line.split(': ', 1)[1]})" in run_cli(
+        "plan", limited, settings=fresh_vhost).out
+
+    refused = run_cli("migrate", limited, "--yes", settings=fresh_vhost)
+    assert refused.code == 3
+    assert refused.err.strip().splitlines()[-2:] == [
+        f"error: {line}", "error: nothing was changed; pass --accept-evictions to make this "
+        "change"]
+    assert _depths(fresh_vhost, q, f"{q}.parking") == {q: 300, f"{q}.parking": 0}
+
+    done = run_cli("migrate", limited, "--yes", "--accept-evictions", settings=fresh_vhost)
+    assert done.code == 0, done.err
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == 100,
+             "100 messages parked")
+    assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 200, f"{q}.retry.2s": 0}
+    # The route first: what does not fit the rebuilt queue never goes round the tier.
+    assert f"bound {q}.retry -> {q}.parking [{q}]" in done.out
+    assert f"unbound {q}.retry -> {q}.retry.2s [{q}]" in done.out
+    assert f"evicting from {line[len('queue '):]}" in done.out

@@ -190,3 +190,14 @@ def test_a_limit_is_set_after_its_route_exists_and_removed_before_its_route_goes
     [deletion] = [c for c in removing if c.object == "policy"]
     assert deletion.detail == "no longer in the file: deleted"
     assert around_routes(plain, removing) == ([deletion], [])
+
+
+def test_a_queue_migrate_rebuilds_under_a_lower_argument_limit_names_what_does_not_fit() -> None:
+    plan = _plan("classic", "    arguments: {x-max-length: 600}\n    on_full: park\n")
+    live = _live(plan, ready=800)
+    live.queues["q"] = dataclasses.replace(live.queues["q"], arguments={
+        k: v for k, v in live.queues["q"].arguments.items() if k != "x-max-length"})
+    [eviction] = evictions(plan, live)
+    assert eviction.detail == ("x-max-length (migrate) absent -> 600: 200 of its 800 messages "
+                               "leave it at once, parked in q.parking")
+    assert evictions(plan, _live(plan, ready=800)) == []  # already so: nothing is rebuilt
