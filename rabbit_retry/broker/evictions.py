@@ -128,12 +128,21 @@ def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any]
     return out
 
 
-def dead_letter_routes(changes: Sequence[Change], queues: Iterable[str]) -> list[Change]:
+def dead_letter_routes(plan: Plan, changes: Sequence[Change],
+                       queues: Iterable[str]) -> list[Change]:
     """The changes that move the route of ``queues``' own dead letters (key ``Q`` on
-    ``Q.retry``) to where the file says, with the parking queue they may need: what ``migrate``
-    makes before it refills a queue under a new limit, so that what does not fit is never sent
-    round a tier (``apply`` makes the rest afterwards)."""
-    names = set(queues)
+    ``Q.retry``) to ``Q.parking`` or nowhere, as the file says, with the parking queue it may
+    need: what ``migrate`` makes before it refills a queue under a new limit, so that what does
+    not fit is never sent round a tier (``apply`` makes the rest afterwards). A queue whose file
+    routes them to a tier is left to ``apply``: its new first tier may not exist yet."""
+    wanted = set(queues)
+
+    def parks_or_drops(queue: Queue) -> bool:  # key Q bound to Q.parking, or to nothing
+        return all(b.destination == naming.parking_queue(queue.name) for b in plan.bindings
+                   if b.source == naming.retry_exchange(queue.name)
+                   and b.routing_key == queue.name)
+
+    names = {q.name for q in plan.main_queues if q.name in wanted and parks_or_drops(q)}
 
     def routes(change: Change) -> bool:
         item = change.item

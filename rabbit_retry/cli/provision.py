@@ -368,7 +368,7 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
         raise ConflictError(why)
     for eviction in evicted:  # accepted
         click.echo(f"evicting from {eviction.queue}: {eviction.detail}")
-    routes = dead_letter_routes(changes, rebuilt)
+    routes = dead_letter_routes(compiled, changes, rebuilt)
     if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
         asyncio.run(apply_changes(settings, routes, live.bindings))
         for change in routes:

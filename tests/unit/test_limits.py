@@ -11,7 +11,7 @@ import pytest
 
 from rabbit_retry import contract
 from rabbit_retry.broker.diff import diff
-from rabbit_retry.broker.evictions import evictions
+from rabbit_retry.broker.evictions import dead_letter_routes, evictions
 from rabbit_retry.broker.inspect import LivePolicy, LiveQueue, LiveState
 from rabbit_retry.broker.policies import around_routes
 from rabbit_retry.errors import InputError
@@ -201,3 +201,15 @@ def test_a_queue_migrate_rebuilds_under_a_lower_argument_limit_names_what_does_n
     assert eviction.detail == ("x-max-length (migrate) absent -> 600: 200 of its 800 messages "
                                "leave it at once, parked in q.parking")
     assert evictions(plan, _live(plan, ready=800)) == []  # already so: nothing is rebuilt
+
+
+def test_migrate_moves_only_a_route_to_parking_or_nowhere_never_to_a_tier_not_made_yet() -> None:
+    plain = _plan("classic", "")
+    parked = _plan("classic", "    arguments: {x-max-length: 5}\n    on_full: park\n")
+    moved = dead_letter_routes(parked, diff(parked, _live(plain, ready=0)), ["q"])
+    assert [(c.kind, c.name) for c in moved] == [
+        ("create", "q.retry -> q.parking [q]"), ("unbind", "q.retry -> q.retry.2s [q]")]
+    assert dead_letter_routes(parked, diff(parked, _live(plain, ready=0)), ["other"]) == []
+    # Back to a tier (here a new one, which apply declares): left to apply.
+    later = compile_topology(parse_topology(_file("classic", "").replace("[2s]", "[5s]"), "t"))
+    assert dead_letter_routes(later, diff(later, _live(parked, ready=0)), ["q"]) == []
