@@ -192,6 +192,30 @@ def header_text(value: Any) -> str | None:
     return str(value)
 
 
+# Why the broker itself put a message into a parking queue (the main queue's dead letters routed
+# there: ``on_full: park`` / ``on_expire: park``), by the reason of its newest ``x-death`` entry.
+# It cannot add ``parked-reason``; readers of a parking queue show this in its place.
+BROKER_PARKED_REASONS = {
+    "maxlen": "queue-full",
+    "expired": "expired",
+    "delivery_limit": "delivery-limit",
+    "rejected": "rejected",
+}
+
+
+def parked_reason(headers: Mapping[str, Any]) -> str | None:
+    """A parked message's reason: its ``parked-reason``, else (parked by the broker) the one its
+    newest ``x-death`` entry gives (``BROKER_PARKED_REASONS``), else None."""
+    reason = header_text(headers.get(PARKED_REASON))
+    if reason is not None:
+        return reason
+    deaths = headers.get(X_DEATH)
+    if isinstance(deaths, list | tuple) and deaths and isinstance(deaths[0], Mapping):
+        # Newest first on every version: 3.x moves the entry it updates to the front.
+        return BROKER_PARKED_REASONS.get(as_text(deaths[0].get("reason")) or "")
+    return None
+
+
 # The basic properties a copy carries over, in the spec's order: all but ``headers`` (a copy has
 # its own) and ``cluster_id`` (must be empty on publish; RabbitMQ never sets it).
 PROPERTY_NAMES: tuple[str, ...] = tuple(

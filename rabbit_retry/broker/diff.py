@@ -281,10 +281,12 @@ def _obsolete(plan: Plan, live: LiveState) -> Iterable[Change]:
 
 
 def _misrouting(plan: Plan, live: LiveState) -> Iterable[Change]:
-    """Live ``Q`` keys on ``Q.retry`` to tiers that are no longer first.
+    """Live ``Q`` keys on ``Q.retry`` to tiers that are no longer first, or to ``Q.parking``
+    where the file no longer parks ``Q``'s dead letters, or to a tier where it now does.
 
     Dead letters from ``Q`` are routed with key ``Q``; left bound, an old first tier would get a
-    copy of every one of them and each message would come back twice.
+    copy of every one of them and each message would come back twice (an overflowed or expired
+    one, never: the broker drops it on its way back, topology/limits.py).
     """
     wanted = {b.key for b in plan.bindings}
     mains = {q.name for q in plan.main_queues}
@@ -294,15 +296,19 @@ def _misrouting(plan: Plan, live: LiveState) -> Iterable[Change]:
             owner in mains
             and binding.source == naming.retry_exchange(owner)
             and binding.key not in wanted
-            and naming.tier_label_of(binding.destination, owner) is not None
         ):
-            yield Change(
-                "unbind",
-                "binding",
-                binding_name(binding),
-                f"{binding.destination} is no longer the first tier of {owner}",
-                binding,
-            )
+            keyed = [b.destination for b in plan.bindings
+                     if b.source == binding.source and b.routing_key == owner]
+            if naming.tier_label_of(binding.destination, owner) is not None:
+                why = (f"{binding.destination} is no longer the first tier of {owner}"
+                       if any(naming.tier_label_of(d, owner) for d in keyed) else
+                       f"what {owner} dead-letters (overflowed, expired) no longer goes to a "
+                       "tier, from which the broker would drop it")
+            elif binding.destination == naming.parking_queue(owner):
+                why = f"the file no longer parks what {owner} dead-letters"
+            else:
+                continue
+            yield Change("unbind", "binding", binding_name(binding), why, binding)
 
 
 def diff(

@@ -31,6 +31,7 @@ class LiveQueue:
     consumers: int = 0
     # Quorum queues only: messages the queue holds until their dead-letter target confirms.
     messages_dlx: int = 0
+    message_bytes_ready: int = 0  # bodies of the ready messages: what max-length-bytes counts
     # Quorum queues only (broker/replicas.py): the node leading it, the nodes holding a
     # replica, and those of them the API saw running at its last statistics collection.
     leader: str | None = None
@@ -107,6 +108,7 @@ def parse_queue(raw: Mapping[str, Any]) -> LiveQueue:
         messages_unacknowledged=_count(raw, "messages_unacknowledged"),
         consumers=_count(raw, "consumers"),
         messages_dlx=_count(raw, "messages_dlx"),
+        message_bytes_ready=_count(raw, "message_bytes_ready"),
         leader=str(leader) if isinstance(leader, str) and leader else None,
         members=_names(raw, "members"),
         online=_names(raw, "online"),
@@ -154,7 +156,8 @@ def parse_policies(raw: Iterable[Mapping[str, Any]], *, operator: bool) -> tuple
 
 _QUEUE_COLUMNS = ",".join(
     ("name", "type", "durable", "auto_delete", "arguments", "messages", "messages_ready",
-     "messages_unacknowledged", "consumers", "messages_dlx", "leader", "members", "online")
+     "messages_unacknowledged", "consumers", "messages_dlx", "message_bytes_ready", "leader",
+     "members", "online")
 )
 _EXCHANGE_COLUMNS = "name,type,durable,auto_delete,internal,arguments"
 

@@ -10,7 +10,8 @@ from urllib.parse import quote
 from rabbit_retry.broker.diff import Change
 from rabbit_retry.broker.management import Management
 from rabbit_retry.errors import BrokerError
-from rabbit_retry.topology.plan import Policy
+from rabbit_retry.topology import naming
+from rabbit_retry.topology.plan import Plan, Policy
 
 
 def policy_work(changes: Sequence[Change]) -> list[Change]:
@@ -28,6 +29,21 @@ def policy_refusal(api: Management, changes: Sequence[Change]) -> str | None:
         f"{len(work)} {'policy' if len(work) == 1 else 'policies'} to set, and setting a policy "
         f"needs the policymaker tag: user {api.user!r} has tags {tags}; nothing was changed"
     )
+
+
+def around_routes(plan: Plan, changes: Sequence[Change]) -> tuple[list[Change], list[Change]]:
+    """The policy changes to make before the bindings change, and those to make after.
+
+    A queue whose dead letters the file routes to a tier has no limit that sends messages there
+    (topology/limits.py): its policy goes first, so that a limit being removed is gone before
+    its route to ``Q.parking`` is. Every other queue's goes after, so that a new limit applies
+    only once its route exists. Either way no overflowed or expired message meets a tier."""
+    to_tier = {b.routing_key for b in plan.bindings
+               if b.source == naming.retry_exchange(b.routing_key)
+               and naming.tier_label_of(b.destination, b.routing_key) is not None}
+    work = policy_work(changes)
+    first = [c for c in work if isinstance(c.item, Policy) and c.item.queue in to_tier]
+    return first, [c for c in work if c not in first]
 
 
 def apply_policies(api: Management, vhost: str, changes: Sequence[Change]) -> list[str]:

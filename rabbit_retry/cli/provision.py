@@ -40,12 +40,18 @@ from rabbit_retry.broker.diff import (
     select,
     unknown_targets,
 )
+from rabbit_retry.broker.evictions import Eviction, dead_letter_routes, evictions
 from rabbit_retry.broker.hazards import hazard_lines, policy_hazards
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
 from rabbit_retry.broker.management import Management
 from rabbit_retry.broker.placement import single_node_notes
-from rabbit_retry.broker.policies import apply_policies, policy_refusal, policy_work
+from rabbit_retry.broker.policies import (
+    apply_policies,
+    around_routes,
+    policy_refusal,
+    policy_work,
+)
 from rabbit_retry.cli import confirm, pass_settings, stdin_is_terminal
 from rabbit_retry.errors import EXIT_PENDING, BrokerError, ConflictError, InputError
 from rabbit_retry.settings import Settings
@@ -53,6 +59,7 @@ from rabbit_retry.text import plural
 from rabbit_retry.topology import Plan, compile_topology, load_topology, naming
 from rabbit_retry.topology.export import to_definitions, to_mermaid
 from rabbit_retry.topology.monitoring import to_alerts, to_grafana
+from rabbit_retry.topology.plan import Policy
 
 if TYPE_CHECKING:
     from rabbit_retry.outbox.destinations import Destinations
@@ -95,6 +102,9 @@ def _read(
     # seconds old (an orphan group is pruned only if every queue of it is empty).
     moving = [c.name for c in changes if c.kind == "migrate"]
     orphaned = [c.name for c in changes if c.orphan and c.object == "queue"]
+    # A policy that may evict messages: how many, counted exactly too (broker/evictions.py).
+    moving += [c.item.queue for c in changes
+               if isinstance(c.item, Policy) and c.kind != "unchanged" and not c.orphan]
     if moving or orphaned:
         names = [n for m in moving for n in (m, naming.migrating_queue(m)) if n in live.queues]
         names += orphaned
@@ -346,6 +356,7 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
             "policy_hazards": [h.to_json() for h in policy_hazards(compiled, live)],
+            "evictions": [e.to_json() for e in evictions(compiled, live)],
             "outbox_destinations": {"exchanges": sorted(destinations.exchanges),
                                     "queues": sorted(destinations.queues)},
         }
@@ -353,6 +364,7 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
     else:
         _print_changes(changes, settings.vhost, everything=everything)
         _notes(compiled, live)
+        _print_evictions(evictions(compiled, live))
     totals = count(changes)
     if totals["conflict"]:
         raise ConflictError(
@@ -372,6 +384,22 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
         sys.exit(EXIT_PENDING)
 
 
+def _print_evictions(evicted: Sequence[Eviction]) -> None:
+    for eviction in evicted:
+        click.echo(eviction.line())
+    if evicted:
+        click.echo("apply makes a change that evicts messages only with --accept-evictions")
+
+
+def _evictions_refused(evicted: Sequence[Eviction], accepted: bool) -> str | None:
+    """Why ``apply`` will not evict messages without ``--accept-evictions``, or None."""
+    if accepted or not evicted:
+        return None
+    lines = [f"queue {e.queue}: {e.detail}" for e in evicted]
+    return "\n".join([*lines, "nothing was changed; pass --accept-evictions to make "
+                       f"{'this change' if len(evicted) == 1 else 'these changes'}"])
+
+
 @click.command()
 @_file
 @click.option("--prune", is_flag=True,
@@ -381,32 +409,43 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
               help="With --prune: delete the objects of the queues no longer in FILE named by "
               "--target with their messages.")
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.option("--accept-evictions", is_flag=True,
+              help="Make changes that take messages out of a queue at once (a lowered length "
+                   "limit, a new or shorter TTL): parked or dropped, as the file says.")
 @_targets
 @_lock_timeout
 @pass_settings
 def apply(settings: Settings, file: str, prune: bool, discard_messages: bool, dry_run: bool,
-          targets: tuple[str, ...], lock_timeout: float) -> None:
+          accept_evictions: bool, targets: tuple[str, ...], lock_timeout: float) -> None:
     """Create what FILE needs on the broker; a second run changes nothing."""
     if discard_messages and not prune:
         raise InputError("--discard-messages: only with --prune")
     compiled = _load(file)
     if dry_run:
-        _apply(settings, compiled, file, prune, discard_messages, True, targets)
+        _apply(settings, compiled, file, prune, discard_messages, True, targets,
+               accept_evictions)
         return
     with _locked(settings, "apply", file, lock_timeout):
-        _apply(settings, compiled, file, prune, discard_messages, False, targets)
+        _apply(settings, compiled, file, prune, discard_messages, False, targets,
+               accept_evictions)
 
 
 def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: bool,
-           dry_run: bool, targets: Sequence[str]) -> None:
+           dry_run: bool, targets: Sequence[str], accept_evictions: bool) -> None:
     changes, live = _read(settings, compiled, targets, checked=not dry_run)
     refused = refusal(changes, settings.vhost, file)
     if refused:
         raise ConflictError("\n".join(refused))
+    part = select(compiled, targets) if targets else compiled
+    evicted = evictions(part, live)
+    if not dry_run and (why := _evictions_refused(evicted, accept_evictions)):
+        raise ConflictError(why)
+    evicted = evictions(compiled, live)
+    if not dry_run and (why := _evictions_refused(evicted, accept_evictions)):
+        raise ConflictError(why)
     names = unsendable(changes)
     if names:
         raise InputError("\n".join([*names, "nothing was changed"]))
-    part = select(compiled, targets) if targets else compiled
     problem = (_plugin(settings, part) or _policy_rights(settings, changes)
                or _capacity(settings, changes))
     _notes(compiled, live)
@@ -414,6 +453,7 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
         click.echo(line, err=True)
     if dry_run:
         _print_changes(changes, settings.vhost)
+        _print_evictions(evicted)
         if problem:
             click.echo(f"warning: apply would refuse: {problem}", err=True)
         click.echo("dry run: nothing was changed")
@@ -428,6 +468,9 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
             click.echo(f"nothing to do: vhost {settings.vhost!r} already matches {file}")
         _report(ApplyReport(), changes, settings.vhost, prune)
         return
+    before, after = around_routes(compiled, work)  # never a limit without its route
+    with Management.for_settings(settings) as api:
+        done = apply_policies(api, settings.vhost, before)
     with _progress(work_count(work, prune=prune)) as advance:
         report = asyncio.run(
             apply_changes(settings, work, live.bindings, prune=prune, discard=discard,
@@ -437,19 +480,24 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
     # An orphan's policy goes once its queues are gone (a policy removal is an update).
     gone = [replace(c, kind="update") for c in report.policies]
     with Management.for_settings(settings) as api:
-        for line in apply_policies(api, settings.vhost, [*changes, *gone]):
+        for line in [*done, *apply_policies(api, settings.vhost, [*after, *gone])]:
             click.echo(line)
+    for eviction in evicted:  # accepted with --accept-evictions
+        click.echo(f"evicted from {eviction.queue}: {eviction.detail}")
 
 
 @click.command()
 @_file
 @click.option("--dry-run", is_flag=True, help="Print the steps; change nothing.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--accept-evictions", is_flag=True,
+              help="Rebuild a queue under a lower x-max-length than it holds: what does not fit "
+                   "is parked or dropped, as the file says.")
 @_targets
 @_lock_timeout
 @pass_settings
-def migrate(settings: Settings, file: str, dry_run: bool, yes: bool, targets: tuple[str, ...],
-            lock_timeout: float) -> None:
+def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
+            accept_evictions: bool, targets: tuple[str, ...], lock_timeout: float) -> None:
     """Rebuild every queue of FILE the broker cannot change in place, keeping its messages.
 
     Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
@@ -457,14 +505,14 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool, targets: tu
     """
     compiled = _load(file)
     if dry_run:
-        _migrate(settings, compiled, file, True, yes, targets)
+        _migrate(settings, compiled, file, True, yes, targets, accept_evictions)
         return
     with _locked(settings, "migrate", file, lock_timeout):
-        _migrate(settings, compiled, file, False, yes, targets)
+        _migrate(settings, compiled, file, False, yes, targets, accept_evictions)
 
 
 def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: bool,
-             targets: Sequence[str]) -> None:
+             targets: Sequence[str], accept_evictions: bool) -> None:
     from rabbit_retry.broker.migrate import migrate as run_migrations
     from rabbit_retry.broker.migrate_plan import (
         describe,
@@ -492,19 +540,32 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))
     # The same open-file guard as apply's: a classic -> quorum migration adds quorum queues.
     problem = _capacity(settings, changes, migrated_quorum_queues(migrations, live))
+    rebuilt = {m.name for m in migrations}
+    evicted = [e for e in evictions(compiled, live) if e.queue in rebuilt]
     if dry_run:
+        _print_evictions(evicted)
         if problem:
             click.echo(f"warning: migrate would refuse: {problem}", err=True)
         click.echo("dry run: nothing was changed")
         return
     if problem:
         raise BrokerError(problem)
+    if why := _evictions_refused(evicted, accept_evictions):
+        raise ConflictError(why)
+    for eviction in evicted:  # accepted
+        click.echo(f"evicting from {eviction.queue}: {eviction.detail}")
     if not yes:
         if not stdin_is_terminal():
             raise InputError(
                 "refusing to migrate without confirmation: stdin is not a terminal; pass --yes"
             )
         confirm(f"Migrate {plural(len(migrations), 'queue')} in vhost {settings.vhost!r}?")
+    routes = dead_letter_routes(compiled, changes, rebuilt)
+    if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
+        asyncio.run(apply_changes(settings, routes, live.bindings))
+        for change in routes:
+            click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
+                       if change.object == "binding" else f"declared {change.name}")
     outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
     click.echo(
         f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "

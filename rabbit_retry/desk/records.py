@@ -126,7 +126,7 @@ def parked(
     exc_message = contract.header_text(headers.get(contract.EXCEPTION_MESSAGE))
     if exc_message is not None:
         exc_message = exc_message[:EXCEPTION_MESSAGE_MAX]
-    reason = contract.header_text(headers.get(contract.PARKED_REASON))
+    reason = contract.parked_reason(headers)
     group, pattern = grouping.group(queue, reason, exc_type, exc_message)
     replay_of = contract.header_text(headers.get(contract.REPLAY_ID))
     return Parked(

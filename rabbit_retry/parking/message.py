@@ -44,7 +44,7 @@ class ParkedMessage:
 
     @property
     def reason(self) -> str | None:
-        return self.header(contract.PARKED_REASON)
+        return contract.parked_reason(self.headers)
 
     @property
     def exception_type(self) -> str | None:

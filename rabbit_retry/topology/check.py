@@ -15,6 +15,7 @@ from typing import Any
 from rabbit_retry.text import clip, shorten
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label
+from rabbit_retry.topology.limits import limit_problems
 from rabbit_retry.topology.model import RetrySpec, TopologySpec, resolve
 from rabbit_retry.topology.resolved import BindingConfig, QueueConfig
 
@@ -191,6 +192,7 @@ def _queue_problems(
     problems += _queue_argument_problems((*path, "arguments"), queue)
     problems += _replica_problems(path, queue, spec)
     problems += _policy_problems((*path, "policy"), queue)
+    problems += [Problem(where, message) for where, message in limit_problems(queue)]
     return problems
 
 
@@ -446,8 +448,8 @@ def _queue_argument_problems(path: Path, queue: QueueConfig) -> list[Problem]:
                 Problem(
                     apath,
                     "reject-publish on a classic queue silently drops retried messages that "
-                    "return while the queue is full; leave x-overflow unset (drop-head sends the "
-                    "oldest message to the retry tier) or use queue_type: quorum",
+                    "return while the queue is full; leave x-overflow unset and write on_full: "
+                    "park or drop, or use queue_type: quorum with on_full: reject",
                 )
             )
         elif _is_argument_value(value):

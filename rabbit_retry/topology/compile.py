@@ -15,6 +15,11 @@ Why the arguments are what they are:
   limit no peek will ever reach: without one, 4.x drops a message after 20 returns (a peek is a
   return on 3.10-4.2), and 3.10 reads -1 as "drop at the first return", so -1 cannot serve every
   version. It has no dead-letter target: nothing ever leaves it but by a verb or the desk.
+- Broker dead letters of ``Q`` (routing key ``Q``) go to the first tier, or, when the file parks
+  what overflows or expires (``on_full`` / ``on_expire``: park), to ``Q.parking``, or nowhere
+  (``drop``): never to a tier, from which they would come back in a cycle the broker breaks by
+  dropping them (topology/limits.py). A parked-by-the-broker message says why in its
+  ``x-death`` (``contract.parked_reason``).
 - ``replicas`` sets ``x-quorum-initial-group-size`` on every quorum queue of ``Q``.
 - An ordered queue (``ordered``) is entered through ``Q.lanes``, a consistent-hash exchange
   (RabbitMQ's ``rabbitmq_consistent_hash_exchange`` plugin, on every version: 4.3's built-in
@@ -149,17 +154,15 @@ def compile_queue(queue: QueueConfig) -> tuple[list[Exchange], list[Queue], list
         )
         routing_key = naming.tier_routing_key(delay_ms)
         bindings.append(Binding(retry_exchange, tier, routing_key))
-        if index == 0 and name != routing_key:
+        if index == 0 and name != routing_key and queue.dead_letter_route == "tier":
             # Broker dead letters from Q carry routing key Q: they land in the first tier.
             bindings.append(Binding(retry_exchange, tier, name))
-    queues.append(
-        Queue(
-            name=naming.parking_queue(name),
-            role="parking",
-            owner=name,
-            arguments=parking_arguments(queue),
-        )
-    )
+    parking = naming.parking_queue(name)
+    queues.append(Queue(name=parking, role="parking", owner=name,
+                        arguments=parking_arguments(queue)))
+    if queue.dead_letter_route == "parking":
+        # Overflowed and expired messages (topology/limits.py), and a delivery limit's.
+        bindings.append(Binding(retry_exchange, parking, name))
     return exchanges, queues, bindings
 
 

@@ -21,6 +21,8 @@ from rabbit_retry.topology.resolved import (
     BindingConfig,
     ExchangeConfig,
     ExchangeType,
+    OnExpire,
+    OnFull,
     OnPark,
     OrderedConfig,
     QueueConfig,
@@ -146,6 +148,8 @@ class QueueSpec(_Spec):
     arguments: dict[str, Any] = Field(default_factory=dict)
     policy: PolicySpec | None = None
     ordered: OrderedSpec | None = None
+    on_full: OnFull | None = None
+    on_expire: OnExpire | None = None
 
 
 class DefaultsSpec(_Spec):
@@ -214,6 +218,8 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
                     queue.ordered.lanes,
                     queue.ordered.on_park,
                 ),
+                on_full=queue.on_full,
+                on_expire=queue.on_expire,
             )
         )
     exchanges = tuple(

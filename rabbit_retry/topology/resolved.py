@@ -58,6 +58,13 @@ class BindingConfig:
 
 
 OnPark = Literal["hold", "continue"]
+# What a main queue does with a message when it is full, or when a message's TTL runs out
+# (README, "Length limits and TTLs"): refuse new publishes, park it, or drop it.
+OnFull = Literal["reject", "park", "drop"]
+OnExpire = Literal["park", "drop"]
+# Where the main queue's own dead letters (routing key ``Q`` on ``Q.retry``) go: the first tier
+# (a rejection by the worker's ``nack``), the parking queue, or nowhere (dropped).
+DeadLetterRoute = Literal["tier", "parking", "drop"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +91,20 @@ class QueueConfig:
     policy: Mapping[str, Any] = field(default_factory=dict)  # broker policy definition keys
     policy_priority: int = DEFAULT_POLICY_PRIORITY
     ordered: OrderedConfig | None = None
+    on_full: OnFull | None = None
+    on_expire: OnExpire | None = None
+
+    @property
+    def dead_letter_route(self) -> DeadLetterRoute:
+        """Where ``Q``'s broker dead letters go. An overflowed or expired message must never
+        reach a tier: it would come back to ``Q`` by dead-lettering alone, a cycle the broker
+        breaks by dropping it (``Dead-letter queues cycle detected``)."""
+        choices = (self.on_full, self.on_expire)
+        if "park" in choices:
+            return "parking"
+        if "drop" in choices:
+            return "drop"
+        return "tier"
 
     @property
     def quorum_queues(self) -> bool:
@@ -141,6 +162,8 @@ def to_values(topology: Topology) -> tuple[Any, ...]:
                 q.policy_priority,
                 None if q.ordered is None else (q.ordered.header, q.ordered.lanes,
                                                 q.ordered.on_park),
+                q.on_full,
+                q.on_expire,
             )
             for q in topology.queues
         ),
@@ -165,9 +188,11 @@ def from_values(values: tuple[Any, ...]) -> Topology:
                 policy,
                 priority,
                 None if ordered is None else OrderedConfig(*ordered),
+                on_full,
+                on_expire,
             )
             for (name, queue_type, bindings, retry, arguments, parking_type, replicas, policy,
-                 priority, ordered) in queues
+                 priority, ordered, on_full, on_expire) in queues
         ),
         source=source,
     )

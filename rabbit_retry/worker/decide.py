@@ -129,7 +129,9 @@ class Rules:
     delivery_limit: int | None
     counting: Counting
     # False for an ordered queue's lanes: a retry always leaves as a copy, which carries the
-    # hold of its key (``ordering``); the broker's own cycle could carry nothing.
+    # hold of its key (``ordering``); the broker's own cycle could carry nothing. False too
+    # where the file routes the queue's dead letters to its parking queue or nowhere
+    # (``on_full`` / ``on_expire``): a ``nack`` would end there, not in the tier.
     native: bool = True
 
     @property

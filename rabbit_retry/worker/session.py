@@ -207,7 +207,9 @@ class Session:
             delivery_limit(config.queue_type,
                            with_policy_limit(config.arguments, config.policy), self.counting),
             self.counting,
-            native,
+            # A nack dead-letters with key Q, which goes to the tier only while the file does
+            # not route Q's dead letters elsewhere (on_full / on_expire).
+            native and config.dead_letter_route == "tier",
         )
 
     async def _start_ordered(
@@ -688,7 +690,7 @@ class Session:
         lets the broker retry (``nack``) for this queue, every rejection in ``x-death`` is
         another consumer's. (Where it does, the two cannot be told apart.)"""
         rules = stream.rules
-        native = uses_native_retry(rules.policy, rules.queue_type)
+        native = rules.native and uses_native_retry(rules.policy, rules.queue_type)
         if native and rules.counting.native_cycle != "adds":
             return 0
         return history.broker_failures

@@ -62,7 +62,8 @@ def test_tunables_are_applied_live_as_one_policy_and_other_policies_are_named_fi
     tmp_path: Path, fresh_vhost: Settings, management: Management,
     run_cli: Callable[..., Any], operator_policy: None,
 ) -> None:
-    file = _write(tmp_path, _file("    policy: {max_length: 1000, message_ttl: 1h}\n"))
+    file = _write(tmp_path, _file("    policy: {max_length: 1000, message_ttl: 1h}\n"
+                                     "    on_full: park\n    on_expire: park\n"))
     result = run_cli("apply", file, settings=fresh_vhost)
     assert result.code == 0, result.err
     assert f"set policy rabbit-retry:{Q} for queue {Q}: {{max-length: 1000, message-ttl: " \
@@ -79,7 +80,7 @@ def test_tunables_are_applied_live_as_one_policy_and_other_policies_are_named_fi
     path = f"/policies/{quote(fresh_vhost.vhost, safe='')}/greedy"
     management.request("PUT", path, json={"pattern": "orders$", "definition": {"max-length": 1},
                                           "priority": 50, "apply-to": "queues"})
-    changed = _write(tmp_path, _file("    policy: {max_length: 2000}\n"))
+    changed = _write(tmp_path, _file("    policy: {max_length: 2000}\n    on_full: park\n"))
     plan = run_cli("plan", changed, settings=fresh_vhost)
     assert plan.code == 0, plan.err
     assert (
@@ -136,7 +137,7 @@ def test_status_shows_the_policy_that_applies_as_the_broker_does(
     tmp_path: Path, fresh_vhost: Settings, management: Management,
     run_cli: Callable[..., Any], operator_policy: None,
 ) -> None:
-    file = _write(tmp_path, _file("    policy: {max_length: 1000}\n"))
+    file = _write(tmp_path, _file("    policy: {max_length: 1000}\n    on_full: park\n"))
     assert run_cli("apply", file, settings=fresh_vhost).code == 0
 
     def policy_of_status() -> tuple[dict[str, Any], list[str]]:
@@ -180,7 +181,8 @@ def test_exported_definitions_carry_the_policy(
 ) -> None:
     imported = vhost_factory()
     try:
-        file = _write(tmp_path, _file("    policy: {max_length: 1000, priority: 20}\n"))
+        file = _write(tmp_path, _file("    policy: {max_length: 1000, priority: 20}\n"
+                                     "    on_full: park\n"))
         exported = run_cli("export", file, "--format", "definitions")
         assert exported.code == 0, exported.err
         import_definitions(management, imported.vhost, json.loads(exported.out))

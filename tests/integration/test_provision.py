@@ -37,6 +37,7 @@ queues:
     bindings: [{exchange: orders, routing_key: "order.*"}]
     retry: {delays: [1s], max_attempts: 2}
     arguments: {x-max-length: 100000}
+    on_full: park
 """
 
 QUORUM_DL = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
@@ -79,7 +80,7 @@ EXPECTED_BINDINGS = {
     ("orders.fraud-check.retry", "orders.fraud-check.retry.1s", "1s"),
     ("orders", "orders.email", "order.*"),
     ("orders.email.retry", "orders.email.retry.1s", "1s"),
-    ("orders.email.retry", "orders.email.retry.1s", "orders.email"),
+    ("orders.email.retry", "orders.email.parking", "orders.email"),  # on_full: park
 }
 
 

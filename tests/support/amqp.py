@@ -144,6 +144,30 @@ async def publish_raw(
         await connection.close()
 
 
+async def publish_each(settings: Settings, bodies: Sequence[bytes], *, routing_key: str,
+                       exchange: str = "") -> list[bytes]:
+    """Publish ``bodies`` one at a time (persistent, mandatory), each confirmed before the next;
+    returns those the broker refused (``basic.nack``: a full queue that rejects publishes). A
+    returned (unroutable) message fails the call: it would be a lost input."""
+    refused = []
+    connection = await aiormq.connect(settings.url)
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        for body in bodies:
+            try:
+                confirm = await channel.basic_publish(
+                    body, exchange=exchange, routing_key=routing_key, mandatory=True,
+                    properties=spec.Basic.Properties(delivery_mode=2, message_id=body.decode()))
+            except aiormq.exceptions.DeliveryError as exc:
+                assert isinstance(exc.frame, spec.Basic.Nack), exc  # not returned: refused
+                refused.append(body)
+                continue
+            assert isinstance(confirm, spec.Basic.Ack), confirm
+    finally:
+        await connection.close()
+    return refused
+
+
 # --- reading queues ----------------------------------------------------------------------------
 
 

@@ -206,14 +206,19 @@ def test_queue_arguments(queue_type: str, arguments: dict[str, Any], message: st
     [
         ("classic", {"x-overflow": "reject-publish-dlx", "x-max-priority": 255}),
         ("classic", {"x-queue-mode": "lazy", "x-queue-version": 2}),
-        ("classic", {"x-overflow": "drop-head", "x-max-length": 0}),
+        ("classic", {"x-overflow": "drop-head", "x-max-length": 0, "on_full": "drop"}),
         ("quorum", {"x-delivery-limit": 20, "x-quorum-initial-group-size": 3}),
-        ("quorum", {"x-single-active-consumer": False, "x-max-length-bytes": 10**9}),
+        ("quorum", {"x-single-active-consumer": False, "x-max-length-bytes": 10**9,
+                    "on_full": "reject"}),
         ("quorum", {"x-custom": [1, "a", 1.5, True], "x-other": -(2**63)}),
     ],
 )
 def test_arguments_the_broker_accepts(queue_type: str, arguments: dict[str, Any]) -> None:
-    assert found(queues({"a": {"queue_type": queue_type, "arguments": arguments}})) == []
+    # A length limit says what a full queue does (topology/limits.py), beside the arguments.
+    arguments = dict(arguments)
+    on_full = {k: arguments.pop(k) for k in ("on_full",) if k in arguments}
+    assert found(queues({"a": {"queue_type": queue_type, "arguments": arguments,
+                               **on_full}})) == []
 
 
 def test_binding_and_exchange_arguments_are_checked_too() -> None:

@@ -30,6 +30,7 @@ queues:
     bindings: [{exchange: orders, routing_key: "order.*"}]
     retry: {delays: [10s], max_attempts: 3}
     arguments: {x-max-length: 100000}
+    on_full: park
 """
 
 
@@ -105,11 +106,34 @@ def test_classic_queue_compiles_to_exactly_these_objects() -> None:
     }
     assert queue(plan, f"{q}.parking").arguments == {"x-queue-type": "classic"}
     assert [q.queue_type for q in plan.queues] == ["classic"] * 3
+    # What overflows (dead-lettered with key Q) is parked, never sent round a tier.
     assert plan.bindings == (
         Binding("orders", q, "order.*"),
         Binding(f"{q}.retry", f"{q}.retry.10s", "10s"),
-        Binding(f"{q}.retry", f"{q}.retry.10s", q),
+        Binding(f"{q}.retry", f"{q}.parking", q),
     )
+
+
+def test_dead_letters_of_q_go_to_the_first_tier_to_parking_or_nowhere_as_the_file_says() -> None:
+    def keyed(text: str, name: str) -> list[str]:
+        plan = plan_of(text)
+        return [b.destination for b in plan.bindings
+                if b.source == f"{name}.retry" and b.routing_key == name]
+
+    q = "orders.email"
+    assert keyed(CLASSIC, q) == [f"{q}.parking"]
+    assert keyed(CLASSIC.replace("on_full: park", "on_full: drop"), q) == []
+    policy = "    policy: {message_ttl: 1h}\n"
+    assert keyed(CLASSIC.replace("on_full: park", "on_full: drop\n    on_expire: drop\n" +
+                                 policy), q) == []
+    assert keyed(CLASSIC.replace("    arguments: {x-max-length: 100000}\n    on_full: park\n",
+                                 ""), q) == [f"{q}.retry.10s"]
+    f = "orders.fraud-check"
+    assert keyed(QUORUM, f) == [f"{f}.retry.5s"]
+    assert keyed(QUORUM + "    policy: {max_length: 5}\n    on_full: reject\n", f) == [
+        f"{f}.retry.5s"]  # a full quorum queue refuses publishes: nothing overflows
+    assert keyed(QUORUM + "    policy: {message_ttl: 1m}\n    on_expire: park\n", f) == [
+        f"{f}.parking"]
 
 
 def test_tiers_have_the_queue_type_of_their_main_queue() -> None:
@@ -165,6 +189,7 @@ def test_user_arguments_pass_through_beside_the_managed_ones() -> None:
 version: 1
 queues:
   q:
+    on_full: reject
     arguments:
       x-max-length: 10
       x-delivery-limit: 3

@@ -32,6 +32,7 @@ queues:
     bindings: [{exchange: orders, routing_key: "order.*"}]
     retry: {delays: [10s], max_attempts: 3}
     arguments: {x-max-length: 100000}
+    on_full: park
 """
 
 
@@ -111,7 +112,7 @@ def test_empty_broker_creates_every_object_in_declaration_order() -> None:
         ("create", "binding", "orders.fraud-check.retry -> orders.fraud-check.retry.30s [30s]"),
         ("create", "binding", "orders -> orders.email [order.*]"),
         ("create", "binding", "orders.email.retry -> orders.email.retry.10s [10s]"),
-        ("create", "binding", "orders.email.retry -> orders.email.retry.10s [orders.email]"),
+        ("create", "binding", "orders.email.retry -> orders.email.parking [orders.email]"),
     ]
     assert by_name(changes, "orders.fraud-check.retry.30s").detail == "quorum, tier, ttl 30s"
     assert by_name(changes, "orders.email").detail == "classic, main"
@@ -339,9 +340,9 @@ def test_to_json_is_stable_and_carries_binding_parts() -> None:
     assert changes[-1].to_json() == {
         "kind": "create",
         "object": "binding",
-        "name": "orders.email.retry -> orders.email.retry.10s [orders.email]",
+        "name": "orders.email.retry -> orders.email.parking [orders.email]",
         "source": "orders.email.retry",
-        "destination": "orders.email.retry.10s",
+        "destination": "orders.email.parking",
         "routing_key": "orders.email",
         "arguments": {},
         "detail": "",

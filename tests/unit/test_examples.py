@@ -81,6 +81,7 @@ def test_notifications() -> None:
     assert (email.name, email.queue_type) == ("notifications.email", "classic")
     assert (email.retry.delays_ms, email.retry.max_attempts) == ((30_000,), 3)
     assert "x-overflow" not in email.arguments
+    assert (email.on_full, email.dead_letter_route) == ("park", "parking")
 
 
 def test_audit_fans_out_to_independent_queues() -> None:

@@ -21,6 +21,7 @@ queues:
     bindings: [{exchange: orders, routing_key: "order.*"}]
     retry: {delays: [10s], max_attempts: 3}
     arguments: {x-max-length: 100000, x-custom: [a, b]}
+    on_full: park
 """
 
 
@@ -101,7 +102,7 @@ def test_definitions_mirror_the_plan_one_to_one() -> None:
 def test_definitions_carry_each_policy_block_as_apply_puts_it() -> None:
     plan = plan_of(ORDERS.replace(
         "    arguments: {x-max-length: 100000, x-custom: [a, b]}\n",
-        "    policy: {max_length: 5000, message_ttl: 1d, priority: 20}\n",
+        "    policy: {max_length: 5000, message_ttl: 1d, priority: 20}\n    on_expire: park\n",
     ))
     (policy,) = plan.policies
     assert to_definitions(plan)["policies"] == [{

@@ -175,7 +175,8 @@ def test_the_status_view_says_no_drift() -> None:
 
 def test_the_status_view_shows_the_policy_that_applies_and_warns_when_ours_loses() -> None:
     plan = compile_topology(parse_topology(TOPOLOGY.replace(
-        "  payments:\n", "  payments:\n    policy: {max_length: 100}\n"), "t.yml"))
+        "  payments:\n", "  payments:\n    policy: {max_length: 100}\n    on_full: park\n"),
+        "t.yml"))
     ours = LivePolicy("rabbit-retry:payments", "^payments$", "queues", {"max-length": 100}, 10)
     greedy = LivePolicy("greedy", "^pay", "queues", {"max-length": 1}, 50)
     cap = LivePolicy("cap", ".*", "queues", {"max-length": 10}, 0, operator=True)

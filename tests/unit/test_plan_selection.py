@@ -44,6 +44,7 @@ queues:
     bindings: [{exchange: orders, routing_key: "order.*"}]
     retry: {delays: [10s], max_attempts: 3}
     policy: {max_length: 1000}
+    on_full: park
   audit.log:
     queue_type: classic
     bindings: [{exchange: audit}]
@@ -74,6 +75,7 @@ def test_a_target_selects_its_objects_the_bindings_feeding_it_and_their_exchange
     assert {(b.source, b.destination) for b in part.bindings} == {
         ("orders", "orders.email"),
         ("orders.email.retry", "orders.email.retry.10s"),
+        ("orders.email.retry", "orders.email.parking"),  # on_full: park
     }
     assert [p.name for p in part.policies] == ["rabbit-retry:orders.email"]
     # Two targets: the union, in the file's order.

@@ -20,6 +20,7 @@ queues:
     bindings: [{exchange: shop, routing_key: "order.*"}]
     retry: {delays: [5s, 1m]}
     policy: {max_length: 1000}
+    on_full: park
   points:
     bindings: [{exchange: shop, routing_key: "points"}]
     retry: {delays: [1m]}

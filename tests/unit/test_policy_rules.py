@@ -18,6 +18,8 @@ queues:
   orders.email:
     queue_type: classic
     policy: {max_length: 1000, max_length_bytes: 1048576, overflow: drop-head, message_ttl: 1h}
+    on_full: park
+    on_expire: park
   pay+ments:
     policy: {delivery_limit: 7, priority: 20}
   plain: {}

@@ -76,6 +76,23 @@ async def test_each_path_is_one_decision_with_its_destination_and_headers() -> N
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+async def test_one_delay_on_quorum_that_parks_its_dead_letters_retries_through_a_copy(
+    version: str,
+) -> None:
+    # on_expire: park routes what Q dead-letters to Q.parking: a nack would park the message.
+    yaml = orders_yaml(delays="[5s]", attempts=3) + (
+        "    policy: {message_ttl: 1d}\n    on_expire: park\n")
+    consumer = Scripted({"n": ["fail", "ok"]})
+    async with broker_for(yaml, version) as broker, broker.worker(consumer):
+        broker.publish(b"{}", queue=Q, message_id="n")
+        [decision] = await broker.settle()
+        assert (decision.verdict, decision.tier) == ("retried", f"{Q}.retry.5s")
+        assert decision.copy is not None and decision.copy.routing_key == "5s"
+        assert [str(d) for d in await broker.settle(retries=True)] == [f"acked n from {Q}"]
+        assert broker.parked(Q) == []
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 async def test_one_delay_on_quorum_is_decided_per_version(version: str) -> None:
     consumer = Scripted({"n": ["fail", "ok"]})
     async with broker_for(orders_yaml(delays="[5s]", attempts=3), version) as broker, \

@@ -1,0 +1,155 @@
+"""The messages a change of the file takes out of their queue at once (pure): a length limit
+lowered below what a classic queue holds, a TTL added or shortened on a queue with messages.
+
+``plan`` names them with their count; ``apply`` makes such a change only with
+``--accept-evictions``. Where they go is what the file says (``on_full`` / ``on_expire``,
+topology/limits.py): the parking queue, or nowhere. A quorum queue over a lowered limit keeps
+its messages and refuses new publishes until it is below it: nothing leaves, nothing is named.
+
+Counts come from what the broker shows (exact ready counts where ``apply`` reads them,
+``provision._read``); a TTL's count is an upper bound: which messages are older than the new TTL
+only the broker knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rabbit_retry.broker.diff import Change
+from rabbit_retry.broker.inspect import LivePolicy, LiveQueue, LiveState
+from rabbit_retry.text import plural
+from rabbit_retry.topology import naming
+from rabbit_retry.topology.durations import label
+from rabbit_retry.topology.plan import Binding, Plan, Queue
+
+
+@dataclass(frozen=True)
+class Eviction:
+    queue: str
+    setting: str  # the file's key: max_length, max_length_bytes, message_ttl
+    was: str  # its live value, as the user reads it ("absent" when unset)
+    becomes: str
+    count: int  # messages that leave the queue (at most that many when ``exact`` is False)
+    held: int  # messages the queue holds now
+    exact: bool
+    to: str | None  # the parking queue they move to; None: dropped
+
+    @property
+    def detail(self) -> str:
+        many = f"{self.count} of its {plural(self.held, 'message')}"
+        if not self.exact:
+            many = f"up to {many}"
+        fate = f"parked in {self.to}" if self.to else "dropped (the file says drop)"
+        return f"{self.setting} {self.was} -> {self.becomes}: {many} leave it at once, {fate}"
+
+    def line(self) -> str:
+        return f"evicts    queue    {self.queue}  ({self.detail})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"queue": self.queue, "setting": self.setting, "live": self.was,
+                "file": self.becomes, "count": self.count, "exact": self.exact,
+                "messages": self.held, "to": self.to, "detail": self.detail}
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _lowest(*values: Any) -> int | None:
+    numbers = [n for n in map(_int, values) if n is not None]
+    return min(numbers) if numbers else None
+
+
+def _show(value: int | None, ttl: bool = False) -> str:
+    if value is None:
+        return "absent"
+    return label(value) if ttl and value > 0 else str(value)
+
+
+def _route(plan: Plan, queue: Queue) -> str | None:
+    """Where ``queue``'s dead letters go: its parking queue, or None (dropped)."""
+    parking = naming.parking_queue(queue.name)
+    retry = naming.retry_exchange(queue.name)
+    routed = any(b.source == retry and b.routing_key == queue.name and b.destination == parking
+                 for b in plan.bindings)
+    return parking if routed else None
+
+
+def evictions(plan: Plan, live: LiveState) -> list[Eviction]:
+    """Every eviction applying ``plan``'s policies to ``live`` makes at once, and every one a
+    ``migrate`` makes when it refills a main queue under a lower ``x-max-length``."""
+    ours: Mapping[str, LivePolicy] = {p.name: p for p in live.policies if not p.operator}
+    files = {p.queue: p.definition for p in plan.policies}
+    out: list[Eviction] = []
+    for queue in plan.main_queues:
+        there = live.queues.get(queue.name)
+        if there is None or not there.messages_ready:
+            continue
+        current = ours.get(naming.policy_name(queue.name))
+        was: Mapping[str, Any] = current.definition if current is not None else {}
+        file = files.get(queue.name, {})
+        out += _evicted(plan, queue, there, dict(file), was)
+    return out
+
+
+def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any],
+             was: Mapping[str, Any]) -> list[Eviction]:
+    to = _route(plan, queue)
+    ready = there.messages_ready
+    # The live queue's arguments, or the file's where they differ: migrate rebuilds it so.
+    args = queue.arguments
+    out = []
+
+    def evict(setting: str, old: int | None, new: int, count: int, exact: bool,
+              ttl: bool = False) -> None:
+        out.append(Eviction(queue.name, setting, _show(old, ttl), _show(new, ttl),
+                            min(count, ready), ready, exact, to))
+
+    if queue.queue_type != "quorum":  # a full quorum queue refuses publishes; nothing leaves
+        live_args = there.arguments
+        new = _lowest(file.get("max-length"), args.get("x-max-length"))
+        old = _lowest(was.get("max-length"), live_args.get("x-max-length"))
+        if new is not None and ready > new and (old is None or old > new):
+            setting = ("max_length" if _int(file.get("max-length")) == new
+                       else "x-max-length (migrate)")
+            evict(setting, old, new, ready - new, True)
+        new_bytes = _lowest(file.get("max-length-bytes"), args.get("x-max-length-bytes"))
+        old_bytes = _lowest(was.get("max-length-bytes"), live_args.get("x-max-length-bytes"))
+        size = there.message_bytes_ready
+        if (new_bytes is not None and size > new_bytes
+                and (old_bytes is None or old_bytes > new_bytes)):
+            # How many depends on their sizes, which only the broker knows: an upper bound.
+            evict("max_length_bytes", old_bytes, new_bytes, ready, False)
+    new_ttl, old_ttl = _int(file.get("message-ttl")), _int(was.get("message-ttl"))
+    if new_ttl is not None and (old_ttl is None or old_ttl > new_ttl):
+        evict("message_ttl", old_ttl, new_ttl, ready, False, ttl=True)
+    return out
+
+
+def dead_letter_routes(plan: Plan, changes: Sequence[Change],
+                       queues: Iterable[str]) -> list[Change]:
+    """The changes that move the route of ``queues``' own dead letters (key ``Q`` on
+    ``Q.retry``) to ``Q.parking`` or nowhere, as the file says, with the parking queue it may
+    need: what ``migrate`` makes before it refills a queue under a new limit, so that what does
+    not fit is never sent round a tier (``apply`` makes the rest afterwards). A queue whose file
+    routes them to a tier is left to ``apply``: its new first tier may not exist yet."""
+    wanted = set(queues)
+
+    def parks_or_drops(queue: Queue) -> bool:  # key Q bound to Q.parking, or to nothing
+        return all(b.destination == naming.parking_queue(queue.name) for b in plan.bindings
+                   if b.source == naming.retry_exchange(queue.name)
+                   and b.routing_key == queue.name)
+
+    names = {q.name for q in plan.main_queues if q.name in wanted and parks_or_drops(q)}
+
+    def routes(change: Change) -> bool:
+        item = change.item
+        if isinstance(item, Binding):
+            return (change.kind in ("create", "unbind") and item.routing_key in names
+                    and item.source == naming.retry_exchange(item.routing_key))
+        return (isinstance(item, Queue) and change.kind == "create" and item.role == "parking"
+                and item.owner in names)
+
+    return [c for c in changes if routes(c)]

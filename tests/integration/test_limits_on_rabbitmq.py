@@ -1,0 +1,249 @@
+"""Length limits and TTLs on a real broker, counted message by message: every message published
+is in its queue, in its parking queue (with the reason it left), refused to its publisher, or
+dropped where the file says ``drop``; none goes round a retry tier that the broker breaks by
+dropping it (``Dead-letter queues cycle detected``). Runs on every version: the routes and the
+overflow behaviours differ between classic and quorum queues and between 3.10, 4.0 and 4.3."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiormq import spec
+from support.amqp import blocking, depth, drain, on_channel, publish, publish_each, publish_raw
+from support.poll import wait_for
+
+from rabbit_retry import contract
+from rabbit_retry.broker.management import Management
+from rabbit_retry.settings import Settings
+
+N = 8
+
+
+def _write(tmp_path: Path, text: str, name: str = "limits.yml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _queue(name: str, queue_type: str, body: str, delay: str = "2s") -> str:
+    return (f"  {name}:\n    queue_type: {queue_type}\n    retry: {{delays: [{delay}]}}\n"
+            f"{body}")
+
+
+def _depths(settings: Settings, *queues: str) -> dict[str, int | None]:
+    return {q: blocking(depth(settings, q)) for q in queues}
+
+
+def _apply(run_cli: Callable[..., Any], settings: Settings, file: str, *more: str) -> Any:
+    result = run_cli("apply", file, *more, settings=settings)
+    assert result.code == 0, result.err
+    return result
+
+
+def _bodies(prefix: str, count: int = N) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(count)]
+
+
+def test_a_full_classic_queue_parks_or_drops_its_oldest_as_the_file_says_and_none_cycles(
+    tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any], management: Management,
+) -> None:
+    text = "version: 1\nqueues:\n" + _queue(
+        "lim.park", "classic", "    policy: {max_length: 5}\n    on_full: park\n"
+    ) + _queue(
+        "lim.args", "classic", "    arguments: {x-max-length: 5}\n    on_full: park\n"
+    ) + _queue(
+        "lim.drop", "classic", "    policy: {max_length: 5}\n    on_full: drop\n"
+    )
+    _apply(run_cli, fresh_vhost, _write(tmp_path, text))
+    mgmt = management
+    wait_for(lambda: all((mgmt.queue(fresh_vhost.vhost, q) or {}).get("policy")
+                         for q in ("lim.park", "lim.drop")), "the policies applied")
+    for queue in ("lim.park", "lim.args", "lim.drop"):
+        assert blocking(publish_each(fresh_vhost, _bodies(queue), routing_key=queue)) == []
+
+    # Parked: the 3 oldest in the parking queue, the 5 newest in the queue: 8 of 8.
+    for queue in ("lim.park", "lim.args"):
+        parked = wait_for(lambda q=queue: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"]
+                          == 3, f"3 messages parked from {queue}")
+        assert parked
+        assert _depths(fresh_vhost, queue, f"{queue}.retry.2s") == {
+            queue: 5, f"{queue}.retry.2s": 0}
+    # Dropped, as the file says: 5 in the queue, none parked or waiting in a tier.
+    assert _depths(fresh_vhost, "lim.drop", "lim.drop.parking", "lim.drop.retry.2s") == {
+        "lim.drop": 5, "lim.drop.parking": 0, "lim.drop.retry.2s": 0}
+
+    # In order, each message once, and each parked one says why it left. (Routed to the tier,
+    # the 3 would have waited there and been dropped on their way back.)
+    for queue in ("lim.park", "lim.args"):
+        kept = blocking(drain(fresh_vhost, queue))
+        parked = blocking(drain(fresh_vhost, f"{queue}.parking"))
+        assert [m.body for m in parked] + [m.body for m in kept] == _bodies(queue)
+        assert [contract.parked_reason(m.headers) for m in parked] == ["queue-full"] * 3
+    assert [m.body for m in blocking(drain(fresh_vhost, "lim.drop"))] == _bodies("lim.drop")[3:]
+
+
+def test_a_full_quorum_queue_refuses_publishes_and_still_takes_back_its_retries(
+    tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any], management: Management,
+) -> None:
+    q = "lim.quorum"
+    text = "version: 1\nqueues:\n" + _queue(
+        q, "quorum", "    policy: {max_length: 5}\n    on_full: reject\n", delay="1s")
+    _apply(run_cli, fresh_vhost, _write(tmp_path, text))
+    mgmt = management
+    wait_for(lambda: (mgmt.queue(fresh_vhost.vhost, q) or {}).get("policy"),
+             "the policy applied")
+    refused = blocking(publish_each(fresh_vhost, _bodies(q), routing_key=q))
+    accepted = _bodies(q)[: N - len(refused)]
+    # The publisher is told of each one refused: nothing quietly lost. (A quorum queue checks
+    # its limit before each enqueue; some versions take one more than the limit.)
+    assert refused == _bodies(q)[len(accepted):] and len(accepted) in (5, 6), refused
+    assert _depths(fresh_vhost, q, f"{q}.parking") == {q: len(accepted), f"{q}.parking": 0}
+
+    # A retry copy (as the worker sends one) waits its delay, then comes back to the full
+    # queue: a quorum tier dead-letters at least once, so it reaches the queue, never nowhere.
+    assert blocking(publish_each(fresh_vhost, [b"retried"], exchange=f"{q}.retry",
+                                 routing_key="1s")) == []
+    taken: list[bytes] = []
+
+    def everything_back() -> bool:
+        taken.extend(m.body for m in blocking(drain(fresh_vhost, q)))
+        return len(taken) >= len(accepted) + 1
+
+    wait_for(everything_back, "the accepted messages and the retried one")
+    assert sorted(taken) == sorted([*accepted, b"retried"])
+    assert _depths(fresh_vhost, q, f"{q}.parking", f"{q}.retry.1s") == {
+        q: 0, f"{q}.parking": 0, f"{q}.retry.1s": 0}
+
+
+def test_expired_messages_are_parked_from_classic_and_quorum_queues_saying_so(
+    tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any], management: Management,
+) -> None:
+    text = "version: 1\nqueues:\n" + "".join(
+        _queue(f"lim.ttl.{kind}", kind, "    policy: {message_ttl: 300ms}\n"
+                                        "    on_expire: park\n")
+        for kind in ("classic", "quorum")) + _queue("lim.ttl.own", "classic",
+                                                    "    on_expire: park\n")
+    _apply(run_cli, fresh_vhost, _write(tmp_path, text))
+    mgmt = management
+    for kind in ("classic", "quorum"):
+        q = f"lim.ttl.{kind}"
+        wait_for(lambda q=q: (mgmt.queue(fresh_vhost.vhost, q) or {}).get("policy"),
+                 "the policy applied")
+        assert blocking(publish_each(fresh_vhost, _bodies(q), routing_key=q)) == []
+    for kind in ("classic", "quorum"):
+        q = f"lim.ttl.{kind}"
+        wait_for(lambda q=q: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == N,
+                 f"{N} expired messages parked from {q}")
+        assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 0, f"{q}.retry.2s": 0}
+        parked = blocking(drain(fresh_vhost, f"{q}.parking"))
+        assert sorted(m.body for m in parked) == sorted(_bodies(q))
+        assert {contract.parked_reason(m.headers) for m in parked} == {"expired"}
+
+    # A TTL the publisher set on each message (no TTL in the file): parked all the same.
+    q = "lim.ttl.own"
+    blocking(publish_raw(fresh_vhost, [
+        (body, spec.Basic.Properties(delivery_mode=2, expiration="300")) for body in _bodies(q)
+    ], routing_key=q))
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == N,
+             f"{N} expired messages parked from {q}")
+    assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 0, f"{q}.retry.2s": 0}
+    assert [m.body for m in blocking(drain(fresh_vhost, f"{q}.parking"))] == _bodies(q)
+
+
+def test_lowering_a_live_limit_names_the_evicted_and_applies_only_when_accepted(
+    tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any], management: Management,
+) -> None:
+    q = "lim.live"
+    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
+    _apply(run_cli, fresh_vhost, plain)
+    blocking(publish(fresh_vhost, b"x", routing_key=q, count=800))
+    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
+        q, "classic", "    policy: {max_length: 600}\n    on_full: park\n"), "limited.yml")
+
+    planned = run_cli("plan", limited, settings=fresh_vhost)
+    assert planned.code == 0, planned.err
+    assert (f"evicts    queue    {q}  (max_length absent -> 600: 200 of its 800 messages leave "
+            f"it at once, parked in {q}.parking)") in planned.out
+    assert f"unbind    binding  {q}.retry -> {q}.retry.2s [{q}]" in planned.out
+    assert f"create    binding  {q}.retry -> {q}.parking [{q}]" in planned.out
+    as_json = run_cli("plan", limited, "--json", settings=fresh_vhost)
+    [eviction] = json.loads(as_json.out)["evictions"]
+    assert (eviction["queue"], eviction["count"], eviction["messages"], eviction["to"]) == (
+        q, 200, 800, f"{q}.parking")
+
+    refused = run_cli("apply", limited, settings=fresh_vhost)
+    assert refused.code == 3
+    assert refused.err.strip().splitlines() == [
+        f"error: queue {q}: max_length absent -> 600: 200 of its 800 messages leave it at "
+        f"once, parked in {q}.parking",
+        "error: nothing was changed; pass --accept-evictions to make this change",
+    ]
+    mgmt = management
+    assert (mgmt.queue(fresh_vhost.vhost, q) or {}).get("policy") is None
+    assert _depths(fresh_vhost, q, f"{q}.parking") == {q: 800, f"{q}.parking": 0}
+
+    accepted = _apply(run_cli, fresh_vhost, limited, "--accept-evictions")
+    assert (f"evicted from {q}: max_length absent -> 600: 200 of its 800 messages leave it at "
+            f"once, parked in {q}.parking") in accepted.out
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == 200,
+             "200 messages parked")
+    assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 600, f"{q}.retry.2s": 0}
+    again = run_cli("plan", limited, settings=fresh_vhost)
+    assert again.code == 0 and "evicts" not in again.out
+
+
+def test_why_a_classic_queue_may_not_refuse_publishes_a_returning_retry_is_dropped(
+    fresh_vhost: Settings,
+) -> None:
+    """The broker behaviour behind refusing ``on_full: reject`` on a classic queue (declared by
+    hand: the file refuses it). The quorum queue of the test above takes such a retry back."""
+    q = "lim.classic.reject"
+    tier = {"x-queue-type": "classic", "x-message-ttl": 300, "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": q}
+    blocking(on_channel(
+        fresh_vhost,
+        lambda ch: ch.queue_declare(q, durable=True, arguments={
+            "x-queue-type": "classic", "x-max-length": 2, "x-overflow": "reject-publish"}),
+        lambda ch: ch.queue_declare(f"{q}.tier", durable=True, arguments=tier),
+    ))
+    assert blocking(publish_each(fresh_vhost, _bodies(q, 3), routing_key=q)) == [_bodies(q)[2]]
+    assert blocking(publish_each(fresh_vhost, [b"retried"], routing_key=f"{q}.tier")) == []
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.tier")[f"{q}.tier"] == 0,
+             "the retry dead-lettered from its tier")
+    # It left the tier and is not in the queue: dropped, no publisher told.
+    assert [m.body for m in blocking(drain(fresh_vhost, q))] == _bodies(q)[:2]
+
+
+def test_migrate_under_a_lower_argument_limit_asks_then_parks_what_does_not_fit(
+    tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any],
+) -> None:
+    q = "lim.rebuilt"
+    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
+    _apply(run_cli, fresh_vhost, plain)
+    blocking(publish(fresh_vhost, b"x", routing_key=q, count=300))
+    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
+        q, "classic", "    arguments: {x-max-length: 200}\n    on_full: park\n"), "limited.yml")
+    line = (f"queue {q}: x-max-length (migrate) absent -> 200: 100 of its 300 messages leave it "
+            f"at once, parked in {q}.parking")
+    assert f"evicts    queue    {q}  ({line.split(': ', 1)[1]})" in run_cli(
+        "plan", limited, settings=fresh_vhost).out
+
+    refused = run_cli("migrate", limited, "--yes", settings=fresh_vhost)
+    assert refused.code == 3
+    assert refused.err.strip().splitlines()[-2:] == [
+        f"error: {line}", "error: nothing was changed; pass --accept-evictions to make this "
+        "change"]
+    assert _depths(fresh_vhost, q, f"{q}.parking") == {q: 300, f"{q}.parking": 0}
+
+    done = run_cli("migrate", limited, "--yes", "--accept-evictions", settings=fresh_vhost)
+    assert done.code == 0, done.err
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == 100,
+             "100 messages parked")
+    assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 200, f"{q}.retry.2s": 0}
+    # The route first: what does not fit the rebuilt queue never goes round the tier.
+    assert f"bound {q}.retry -> {q}.parking [{q}]" in done.out
+    assert f"unbound {q}.retry -> {q}.retry.2s [{q}]" in done.out
+    assert f"evicting from {line[len('queue '):]}" in done.out
