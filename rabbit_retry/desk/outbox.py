@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from rabbit_retry.desk.api.models import time_json
 from rabbit_retry.desk.errors import NotFound, Nothing
 from rabbit_retry.desk.ledger import Ledger
-from rabbit_retry.errors import BrokerError
+from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import mask
 
 RETRY = "outbox-retry"
@@ -35,10 +36,15 @@ ACTED_ON = ("dead", "failed")
 
 class DeskOutbox:
     def __init__(self, url: str) -> None:
+        from rabbit_retry.database import engine_url
         from rabbit_retry.outbox.store import OutboxStore
 
         self.url = url
         self.name = mask(url)
+        target = engine_url(url, "--outbox")
+        if target.get_backend_name() == "sqlite" and not Path(target.database or "").is_file():
+            # Connecting would make an empty database there: a typo's, not the application's.
+            raise InputError(f"--outbox {self.name}: no such file")
         self.store = OutboxStore(url, pool_size=2)
 
     def close(self) -> None:

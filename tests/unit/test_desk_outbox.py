@@ -6,6 +6,7 @@ a parked message holds, and the message holding each."""
 from __future__ import annotations
 
 import datetime as dt
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from rabbit_retry.desk.outbox import DeskOutbox
 from rabbit_retry.desk.records import parked
 from rabbit_retry.desk.serve import open_outbox
 from rabbit_retry.desk.store import Store
-from rabbit_retry.errors import BrokerError
+from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings
 
 TOPOLOGY = """\
@@ -215,12 +216,23 @@ def test_without_an_outbox_its_routes_say_how_to_get_one(tmp_path: Path) -> None
         assert client.get("/api/me").json()["outbox"] is False
 
 
+def _empty_database(path: Path) -> Path:
+    sqlite3.connect(path).close()
+    assert path.is_file()
+    return path
+
+
 def test_an_outbox_without_its_tables_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(BrokerError) as caught:
-        open_outbox(f"sqlite:///{tmp_path / 'empty.db'}")
+        open_outbox(f"sqlite:///{_empty_database(tmp_path / 'empty.db')}")
     assert str(caught.value).startswith("--outbox sqlite:///")
     assert "has no outbox tables; the desk reads revision 0001 (run `rabbit-retry relay`" \
         in str(caught.value)
+    # No such file: said, and none made (connecting would make an empty database).
+    with pytest.raises(InputError) as missing:
+        open_outbox(f"sqlite:///{tmp_path / 'typo.db'}")
+    assert str(missing.value) == f"--outbox sqlite:///{tmp_path / 'typo.db'}: no such file"
+    assert not (tmp_path / "typo.db").exists()
 
 
 def test_held_keys_name_the_parked_message_holding_each_and_since_when(
@@ -259,3 +271,36 @@ def test_held_keys_name_the_parked_message_holding_each_and_since_when(
                                              "reason": "bad"}).status_code == 200
     assert [h["key"] for h in client.get("/api/held").json()["items"]] == ["<b>x</b>",
                                                                           "customer-9"]
+
+
+def test_the_desk_command_says_in_one_line_what_is_wrong_with_its_outbox(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, files: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rabbit_retry.cli import main
+    from rabbit_retry.errors import EXIT_INPUT, EXIT_RUNTIME
+
+    monkeypatch.setenv("RABBIT_RETRY_DESK_TOKEN", "")
+    monkeypatch.setenv("RABBIT_RETRY_DESK_ACCESS", "")
+    store = tmp_path / "desk.db"
+    empty = _empty_database(tmp_path / "empty.db")
+    for args, code, line in (
+        (["--outbox", "mysql://x/y"], EXIT_INPUT, "error: --outbox: unsupported database 'mysql'"),
+        (["--outbox", f"sqlite:///{tmp_path / 'typo.db'}"], EXIT_INPUT,
+         f"error: --outbox sqlite:///{tmp_path / 'typo.db'}: no such file"),
+        (["--outbox", f"sqlite:///{empty}"], EXIT_RUNTIME,
+         f"error: --outbox sqlite:///{empty}: has no outbox tables; the desk reads revision "),
+    ):
+        monkeypatch.delenv("RABBIT_RETRY_OUTBOX_STORE", raising=False)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["desk", str(files), "--store", f"sqlite:///{store}", *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == code, err
+        assert err.startswith(line) and len(err.strip().splitlines()) == 1, err
+    assert not store.exists()  # refused before the desk's own store was made
+    # The relay's variable names the same database.
+    monkeypatch.setenv("RABBIT_RETRY_OUTBOX_STORE", f"sqlite:///{empty}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["desk", str(files), "--store", f"sqlite:///{store}"])
+    assert "has no outbox tables" in capsys.readouterr().err
+    assert exit_info.value.code == EXIT_RUNTIME
