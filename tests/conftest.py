@@ -55,6 +55,7 @@ ANY_VERSION = (
     "browser/*",  # the desk's page; its broker side is the desk's API, tested per version
     "test_bench_smoke.py",  # the harness's report; the benchmarks measure, never assert
     "integration/test_desk_store.py",  # the desk's store on SQLite and PostgreSQL: no broker
+    "integration/test_desk_outbox_postgresql.py",  # the desk on a PostgreSQL outbox: no broker
     # Who may use the desk, its answers to bad or generated input, issue 22's findings: ours.
     "integration/test_desk_security.py",
     "integration/test_desk_fuzz.py",

@@ -20,6 +20,7 @@ STORE_ENV = "RABBIT_RETRY_DESK_STORE"
 TOKEN_ENV = "RABBIT_RETRY_DESK_TOKEN"
 ACCESS_ENV = "RABBIT_RETRY_DESK_ACCESS"
 HOSTS_ENV = "RABBIT_RETRY_DESK_HOSTS"
+OUTBOX_ENV = "RABBIT_RETRY_OUTBOX_STORE"  # the relay's --store: the same database
 DEFAULT_STORE = "sqlite:///rabbit-retry-desk.db"
 
 
@@ -44,9 +45,12 @@ def _keep(value: str) -> timedelta:
 @click.option("--access", "access_file", envvar=ACCESS_ENV, metavar="FILE",
               help="Who may use the desk: named operators and roles, a trusted proxy, a "
                    "/metrics credential.")
+@click.option("--outbox", "outbox_url", envvar=OUTBOX_ENV, metavar="URL",
+              help="An application's outbox database (the relay's --store): its dead and "
+                   "failed events shown beside the parked messages, to retry or discard.")
 @pass_settings
 def desk(settings: Settings, file: str, store_url: str, listen: str, keep: str,
-         access_file: str | None) -> None:
+         access_file: str | None, outbox_url: str | None) -> None:
     """Consume FILE's parking queues into a store; serve a page and a JSON API over them."""
     import asyncio
 
@@ -60,6 +64,10 @@ def desk(settings: Settings, file: str, store_url: str, listen: str, keep: str,
     where = parse_listen(listen)
     check_exposure(where, access)
     engine_url(store_url)  # a bad URL is bad input: say so before anything else
+    if outbox_url:
+        from rabbit_retry.database import engine_url as outbox_engine_url
+
+        outbox_engine_url(outbox_url, "--outbox")
     kept = _keep(keep)
     topology = load_topology(file)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -67,7 +75,7 @@ def desk(settings: Settings, file: str, store_url: str, listen: str, keep: str,
     for name in ("aiormq", "aio_pika", "alembic"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     asyncio.run(serve(topology, settings, store_url=store_url, listen=where, keep=kept,
-                      access=access))
+                      access=access, outbox_url=outbox_url or None))
 
 
 COMMANDS = {"desk": desk}

@@ -20,6 +20,7 @@ from rabbit_retry.desk.api import acting, errors, pages, reading
 from rabbit_retry.desk.api.edge import Edge
 from rabbit_retry.desk.auth import OPERATORS, TOKEN, Access, Identity, Throttle, load_access
 from rabbit_retry.desk.metrics import DeskCollector
+from rabbit_retry.desk.outbox import DeskOutbox
 from rabbit_retry.desk.outcomes import Depths
 from rabbit_retry.desk.store import Store
 
@@ -33,8 +34,10 @@ class Desk:
 
     def __init__(self, store: Store, actions: Actions, queues: list[str],
                  access: Access | str | None = None, ingest_stats: Any = None,
-                 depths: Depths | None = None) -> None:
+                 depths: Depths | None = None, outbox: DeskOutbox | None = None) -> None:
         self.store = store
+        # An application's outbox (``--outbox``): its failed and dead events beside the parked.
+        self.outbox = outbox
         self.actions = actions
         self.queues = queues
         # A string is the quick start's token (and None the loopback mode).

@@ -64,14 +64,26 @@ class Ledger:
 
     def _audit(self, tx: Connection, action: str, actor: str, selection: Selection | None,
                **values: Any) -> int:
+        return self._audit_json(tx, action, actor,
+                                selection.to_json() if selection is not None else {}, **values)
+
+    def _audit_json(self, tx: Connection, action: str, actor: str, selection: dict[str, Any],
+                    **values: Any) -> int:
         values.setdefault("state", "done")
         values.setdefault("count", 0)
         key = tx.execute(audit.insert().values(
-            at=now(), actor=actor, action=action,
-            selection=selection.to_json() if selection is not None else {}, **values,
+            at=now(), actor=actor, action=action, selection=selection, **values,
         )).inserted_primary_key
         assert key is not None
         return int(key[0])
+
+    def record(self, action: str, actor: str, selection: dict[str, Any], count: int,
+               reason: str | None) -> int:
+        """An action done elsewhere (an outbox's retry or discard, in the application's
+        database), in the audit: who, what, when, how many."""
+        with self.store.tx() as tx:
+            return self._audit_json(tx, action, actor, selection, reason=reason, count=count,
+                                    done_count=count, done_at=now())
 
     def _events(self, tx: Connection, entry: int, ids: Sequence[int]) -> None:
         for at in range(0, len(ids), EVENTS_BATCH):

@@ -17,6 +17,7 @@ from typing import Any
 from rabbit_retry.desk.actions import Actions
 from rabbit_retry.desk.auth import LOOPBACK, Access, load_access
 from rabbit_retry.desk.ingest import Ingest
+from rabbit_retry.desk.outbox import DeskOutbox
 from rabbit_retry.desk.outcomes import Depths
 from rabbit_retry.desk.store import Store
 from rabbit_retry.errors import BrokerError, InputError
@@ -81,20 +82,39 @@ def open_store(url: str) -> Store:
     return store
 
 
+def open_outbox(url: str) -> DeskOutbox:
+    """The application's outbox at ``url``, checked: its tables at the revision the desk reads
+    (the desk never creates or migrates them)."""
+    outbox = DeskOutbox(url)
+    try:
+        outbox.check()
+    except BaseException:
+        outbox.close()
+        raise
+    return outbox
+
+
 async def serve(topology: Topology, settings: Settings, *, store_url: str, listen: Listen,
                 keep: timedelta, token: str | None = None, access: Access | None = None,
-                on_ready: asyncio.Event | None = None) -> None:
+                on_ready: asyncio.Event | None = None, outbox_url: str | None = None) -> None:
     import uvicorn
 
     from rabbit_retry.desk.app import Desk, create_app
 
     access = access if access is not None else load_access(None, token)
     check_exposure(listen, access)
-    store = await asyncio.to_thread(open_store, store_url)
+    outbox = await asyncio.to_thread(open_outbox, outbox_url) if outbox_url else None
+    try:
+        store = await asyncio.to_thread(open_store, store_url)
+    except BaseException:
+        if outbox is not None:
+            outbox.close()
+        raise
     queues = list(topology.queue_names)
     ingest = Ingest(store, settings, queues)
     actions = Actions(store, settings, set(queues))
-    desk = Desk(store, actions, queues, access, ingest.stats, Depths(settings, topology))
+    desk = Desk(store, actions, queues, access, ingest.stats, Depths(settings, topology),
+                outbox=outbox)
     config = uvicorn.Config(create_app(desk, listen_host=listen.host), host=listen.host,
                             port=listen.port, log_level="warning", access_log=False,
                             lifespan="off")
@@ -121,8 +141,9 @@ async def serve(topology: Topology, settings: Settings, *, store_url: str, liste
             await asyncio.sleep(0.05)
         auth = {"loopback": "loopback only, no sign-in", "token": "a token is required",
                 "operators": "named operators sign in"}[access.mode]
-        log.info("desk: serving %s (%s); store %s; %d queue(s)", listen.url, auth,
-                 shown(store_url), len(queues))
+        log.info("desk: serving %s (%s); store %s; %d queue(s)%s", listen.url, auth,
+                 shown(store_url), len(queues),
+                 f"; outbox {outbox.name}" if outbox is not None else "")
         print(f"rabbit-retry desk: open {listen.url} ({auth})", flush=True)
         if on_ready is not None:
             on_ready.set()
@@ -136,6 +157,8 @@ async def serve(topology: Topology, settings: Settings, *, store_url: str, liste
             await asyncio.wait_for(serving, timeout=5)
         await actions.close()
         store.close()
+        if outbox is not None:
+            outbox.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     if not serving.cancelled() and serving.exception() is not None:

@@ -23,6 +23,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from rabbit_retry import contract
 from rabbit_retry.desk import schema
 from rabbit_retry.desk.errors import NotFound
 from rabbit_retry.desk.groups import Grouping, Rule, check_rule
@@ -444,6 +445,26 @@ class Store:
                                               audit.c.replay_id.in_(replay_ids)))
                 .order_by(audit.c.id))] if (audit_ids or replay_ids) else []
         return rows, entries, events
+
+    def held(self, queue: str | None = None, limit: int = 100,
+             offset: int = 0) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        """Ordered keys held by a parked message (``on_park: hold``): ({queue: how many}, one
+        page of the holders, by queue then oldest parked first). A parked copy that holds its
+        key carries the hold's id (``contract.ORDERED_HOLD``) and the key
+        (``contract.ORDERED_KEY``); replaying or discarding it releases the key."""
+        m = messages.c
+        hold = m.headers[contract.ORDERED_HOLD].as_string()
+        key = m.headers[contract.ORDERED_KEY].as_string()
+        where: list[sa.ColumnElement[bool]] = [m.status == "parked", hold.is_not(None)]
+        if queue is not None:
+            where.append(m.queue == queue)
+        counts = sa.select(m.queue, sa.func.count()).where(*where).group_by(m.queue)
+        page = (sa.select(m.id, m.queue, m.message_id, key.label("key"), hold.label("hold"),
+                          m.parked_at, m.reason, m.exception_type, m.exception_message)
+                .where(*where).order_by(m.queue, m.parked_at, m.id).limit(limit).offset(offset))
+        with self.engine.connect() as c:
+            by_queue = {str(q): int(n) for q, n in c.execute(counts)}
+            return by_queue, [dict(r._mapping) for r in c.execute(page)]
 
     def audit(self, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
         query = sa.select(audit).order_by(audit.c.id.desc()).limit(limit).offset(offset)

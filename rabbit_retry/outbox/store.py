@@ -379,14 +379,15 @@ class OutboxStore:
 
     # --- an operator's view and actions (the failure desk) -----------------------------------
 
-    def events(self, *, status: str = DEAD, destination_name: str | None = None,
+    def events(self, *, status: str | Sequence[str] = DEAD, destination_name: str | None = None,
                text: str | None = None, limit: int = 50,
                offset: int = 0) -> tuple[int, list[dict[str, Any]]]:
-        """(how many match, one page of them, newest change first): events in ``status``, of
-        one destination, or whose message id or order key is ``text``."""
+        """(how many match, one page of them, newest change first): events in ``status`` (one
+        or several), of one destination, or whose message id or order key is ``text``."""
         o = outbox.c
-        where: list[sa.ColumnElement[bool]] = [status_in(o.status, (status,))]
-        if status in (DEAD, DISCARDED):  # the index of those two (see ``status_in``)
+        statuses = (status,) if isinstance(status, str) else tuple(status)
+        where: list[sa.ColumnElement[bool]] = [status_in(o.status, statuses)]
+        if set(statuses) <= {DEAD, DISCARDED}:  # the index of those two (see ``status_in``)
             where.append(status_in(o.status, (DEAD, DISCARDED)))
         if destination_name is not None:
             where.append(destination() == destination_name)

@@ -40,6 +40,8 @@ ROUTES = [
     ("POST", "/api/restore"), ("POST", "/api/messages/{row}/edit"),
     ("POST", "/api/replays/{replay}/cancel"), ("POST", "/api/groups/{group}/notes"),
     ("POST", "/api/rules"), ("DELETE", "/api/rules/{row}"),
+    ("GET", "/api/held"), ("GET", "/api/outbox"), ("GET", "/api/outbox/{row}"),
+    ("POST", "/api/outbox/retry"), ("POST", "/api/outbox/discard"),
 ]
 QUERY = ["queue", "group", "status", "q", "since", "until", "limit", "offset", "replay",
          "source", "x"]

@@ -70,7 +70,7 @@ async def test_named_operators_act_under_their_own_name_and_viewers_only_read(
         assert entry["actor"] == "ana"
         assert (await ana.get("/api/me")).json() == {
             "name": "ana", "role": "operator", "mode": "operators", "may_act": True,
-            "logout": False, "loopback": False}
+            "logout": False, "loopback": False, "outbox": False}
 
         async with _as(ana, "vic") as vic:
             assert (await vic.get("/api/messages")).json()["total"] == N

@@ -368,3 +368,21 @@ def test_store_urls_it_cannot_use_are_one_line() -> None:
                       ("sqlite://", "needs a file"), ("not a url", "not a store URL")):
         with pytest.raises(InputError, match=says):
             Store(url)
+
+
+def test_held_keys_are_the_parked_copies_that_carry_a_hold(store: Store) -> None:
+    from rabbit_retry import contract
+
+    store.insert([copy(1, **{contract.ORDERED_HOLD: "h-1", contract.ORDERED_KEY: "k-1"}),
+                  copy(2),
+                  copy(3, queue="mail", **{contract.ORDERED_HOLD: "h-3",
+                                           contract.ORDERED_KEY: "k-3"}),
+                  copy(4, **{contract.ORDERED_KEY: "k-4"})])
+    by_queue, rows = store.held()
+    assert by_queue == {"orders": 1, "mail": 1}
+    assert [(r["queue"], r["key"], r["hold"], r["message_id"]) for r in rows] == [
+        ("mail", "k-3", "h-3", "m-3"), ("orders", "k-1", "h-1", "m-1")]
+    assert rows[1]["parked_at"] == T0 + dt.timedelta(minutes=1)
+    assert store.held("orders")[0] == {"orders": 1}
+    Ledger(store).discard(Selection(ids=(rows[1]["id"],)), "ana", "gone")
+    assert store.held() == ({"mail": 1}, rows[:1])

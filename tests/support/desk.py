@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from rabbit_retry.cli.desk import ACCESS_ENV, TOKEN_ENV
+from rabbit_retry.cli.desk import ACCESS_ENV, OUTBOX_ENV, TOKEN_ENV
 from rabbit_retry.desk.auth import Access, load_access
 from rabbit_retry.desk.serve import Listen, serve
 from rabbit_retry.settings import Settings
@@ -181,11 +181,12 @@ class Desk:
 @contextlib.contextmanager
 def running_desk(settings: Settings, topology: Path, workdir: Path, *,
                  token: str | None = None, access: str | None = None,
-                 as_user: str = "ana") -> Iterator[Desk]:
+                 as_user: str = "ana", outbox: str | None = None) -> Iterator[Desk]:
     """``rabbit-retry desk TOPOLOGY`` on a free loopback port with a SQLite store in
     ``workdir``, and a token when given, or the access file ``access`` (YAML; its API client
-    is the operator ``as_user``), never one from the environment otherwise."""
-    env = {TOKEN_ENV: token or "", ACCESS_ENV: ""}
+    is the operator ``as_user``), never one from the environment otherwise; with ``outbox``,
+    the application's outbox it shows (given as ``RABBIT_RETRY_OUTBOX_STORE``)."""
+    env = {TOKEN_ENV: token or "", ACCESS_ENV: "", OUTBOX_ENV: outbox or ""}
     if access is not None:
         path = workdir / "access.yml"
         path.write_text(access)

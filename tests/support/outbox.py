@@ -239,3 +239,33 @@ def out_of_order(bodies: list[bytes]) -> list[str]:
             wrong.append(f"{key}: {seq} after {last[key]}")
         last[key] = seq
     return wrong
+
+
+def refused_events(url: str, topology: Path, dead: Mapping[str, Mapping[str, Any]],
+                   failed: Mapping[str, Mapping[str, Any]] | None = None,
+                   reason: str = "unroutable: no queue is bound to 'order.lost'") -> dict[str, int]:
+    """Events added to the (migrated) outbox at ``url`` through ``Outbox.add``, then refused as a
+    relay would have them: those of ``dead`` (message id -> ``add``'s arguments) dead after one
+    publish, those of ``failed`` failed once (tried again later). Their ids by message id."""
+    from rabbit_retry.outbox import Outbox
+    from rabbit_retry.outbox.decide import RetryPolicy
+    from rabbit_retry.outbox.store import Failure
+
+    adder = Outbox(topology)
+    engine = sa.create_engine(_sqlalchemy(url))
+    try:
+        for group in (dead, failed or {}):
+            with engine.begin() as conn:
+                for message_id, arguments in group.items():
+                    adder.add(conn, message_id=message_id, **arguments)
+            store = OutboxStore(url)
+            try:
+                claim = store.claim(1000, on_failure="continue")
+                store.settle(claim, [], [Failure(r, reason) for r in claim.rows
+                                         if r.message_id in group],
+                             RetryPolicy(attempts=1 if group is dead else 10), "relay-test")
+            finally:
+                store.close()
+    finally:
+        engine.dispose()
+    return {str(r["message_id"]): int(r["id"]) for r in rows(url)}

@@ -1,6 +1,7 @@
 """Acting (the operator role): replay, discard, restore, edit and replay, cancel a replay, notes
-on a group, grouping rules. Each is recorded under the authenticated name; one that selects
-nothing it may act on answers 404 or 409 and records nothing."""
+on a group, grouping rules, an outbox's retry and discard. Each is recorded under the
+authenticated name; one that selects nothing it may act on answers 404 or 409 and records
+nothing."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ from rabbit_retry.desk.api.models import (
     DiscardBody,
     EditBody,
     NoteBody,
+    OutboxDiscardBody,
+    OutboxRetryBody,
     ReplayBody,
     RestoreBody,
     RuleBody,
     jsonable_times,
 )
-from rabbit_retry.desk.api.reading import replay_json
+from rabbit_retry.desk.api.reading import outbox_of, replay_json
 from rabbit_retry.desk.groups import Rule
 from rabbit_retry.desk.replay import Replay, ReplayResult
 
@@ -74,6 +77,27 @@ async def restore(request: Request, body: RestoreBody, who: Actor) -> dict[str, 
     """Discarded messages parked again (until ``--keep`` ends, a discard can be undone)."""
     count = await desk_of(request).actions.restore(body.selection(), who.name, body.reason)
     return {"restored": count}
+
+
+@router.post("/api/outbox/retry")
+async def outbox_retry(request: Request, body: OutboxRetryBody, who: Actor) -> dict[str, Any]:
+    """Dead or failed outbox events back to pending: the relay publishes them (the desk never
+    does). ``skipped``: listed ids that were neither."""
+    outbox, ledger = outbox_of(request), desk_of(request).actions.ledger
+    ids = body.unique()
+    reason = body.reason.strip() if body.reason and body.reason.strip() else None
+    count = await asyncio.to_thread(outbox.retry, ledger, ids, who.name, reason)
+    return {"retried": count, "skipped": len(ids) - count}
+
+
+@router.post("/api/outbox/discard")
+async def outbox_discard(request: Request, body: OutboxDiscardBody,
+                         who: Actor) -> dict[str, Any]:
+    """Dead or failed outbox events never to be published, with the reason."""
+    outbox, ledger = outbox_of(request), desk_of(request).actions.ledger
+    ids = body.unique()
+    count = await asyncio.to_thread(outbox.discard, ledger, ids, who.name, body.reason.strip())
+    return {"discarded": count, "skipped": len(ids) - count}
 
 
 @router.post("/api/messages/{row_id}/edit")

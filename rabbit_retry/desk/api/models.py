@@ -118,6 +118,30 @@ class RuleBody(_Body):
     queue: Annotated[str, Field(min_length=1, max_length=QUEUE_MAX)] | None = None
 
 
+class OutboxSelect(_Body):
+    """An operator's retry or discard of outbox events: ``{"ids": [...]}`` (the events' ids in
+    the outbox table)."""
+
+    ids: Annotated[list[RowId], Field(min_length=1, max_length=MAX_IDS)]
+
+    def unique(self) -> list[int]:
+        return list(dict.fromkeys(self.ids))
+
+
+class OutboxRetryBody(OutboxSelect):
+    reason: Annotated[str, Field(max_length=TEXT_MAX)] | None = None
+
+
+class OutboxDiscardBody(OutboxSelect):
+    reason: Annotated[str, Field(max_length=TEXT_MAX)]
+
+    @model_validator(mode="after")
+    def _reason(self) -> OutboxDiscardBody:
+        if not self.reason.strip():
+            raise ValueError('"reason": a discard needs a reason (text)')
+        return self
+
+
 class CancelBody(_Body):
     pass
 
@@ -150,6 +174,11 @@ def message_json(row: dict[str, Any]) -> dict[str, Any]:
         "replay_of": row.get("replay_of"),
         "edited": headers.get(contract.REPLAY_EDITED) is True,
         "discard_reason": row["discard_reason"], "changed_at": time_json(row["changed_at"]),
+        # A parked copy that holds its ordered key: the key (replaying or discarding it lets
+        # the key's later messages go on).
+        "holds_key": (_text(headers.get(contract.ORDERED_KEY))
+                      if row["status"] == "parked" and _text(headers.get(contract.ORDERED_HOLD))
+                      is not None else None),
     }
     text = body_text(body)
     if text is not None:
@@ -157,3 +186,7 @@ def message_json(row: dict[str, Any]) -> dict[str, Any]:
     else:
         out["body_base64"] = base64.b64encode(body).decode("ascii")
     return out
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None

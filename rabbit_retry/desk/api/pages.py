@@ -133,7 +133,7 @@ async def me(request: Request, identity: Who) -> dict[str, Any]:
     return {"name": identity.name, "role": identity.role, "mode": desk.access.mode,
             "may_act": identity.may_act,
             "logout": getattr(request.state, "session_id", None) is not None,
-            "loopback": desk.access.mode == LOOPBACK}
+            "loopback": desk.access.mode == LOOPBACK, "outbox": desk.outbox is not None}
 
 
 @router.get("/favicon.ico", include_in_schema=False)

@@ -25,6 +25,7 @@ from rabbit_retry.desk.api.models import (
 )
 from rabbit_retry.desk.edits import editable_headers
 from rabbit_retry.desk.errors import NotFound
+from rabbit_retry.desk.outbox import DEFAULT_SHOWN, DeskOutbox
 from rabbit_retry.desk.outcomes import outcome
 from rabbit_retry.desk.schema import SOURCES, STATUSES
 from rabbit_retry.desk.store import Query as Search
@@ -77,6 +78,8 @@ def overview(request: Request, _who: Reader) -> dict[str, Any]:
         "auth": desk.access.mode,
         "consuming": bool(desk.ingest_stats is not None
                           and not getattr(desk.ingest_stats, "missing", None)),
+        # With --outbox: its events dead and failed now; else null.
+        "outbox": desk.outbox.counts() if desk.outbox is not None else None,
     }
 
 
@@ -271,6 +274,52 @@ async def replay(request: Request, replay_id: ReplayPath, _who: Reader) -> dict[
         raise NotFound(f"no replay {replay_id}")
     results = await _results(desk, [entry])
     return replay_json(entry, results.get(replay_id))
+
+
+@router.get("/api/held")
+def held(request: Request, _who: Reader, queue: QueueName = None, limit: Limit = 100,
+         offset: Offset = 0) -> dict[str, Any]:
+    """Ordered keys a parked message holds (``on_park: hold``): per queue how many, and one page
+    of them (by queue, oldest first), each with the stored message holding it and since when
+    (its parked time). Replaying or discarding the message releases its key."""
+    by_queue, rows = desk_of(request).store.held(queue or None, limit, offset)
+    total = by_queue.get(queue, 0) if queue else sum(by_queue.values())
+    return {"total": total,
+            "queues": [{"queue": q, "held_keys": n} for q, n in sorted(by_queue.items())],
+            "items": [{"queue": r["queue"], "key": r["key"], "hold": r["hold"],
+                       "message": r["id"], "message_id": r["message_id"],
+                       "since": time_json(r["parked_at"]), "reason": r["reason"],
+                       "exception_type": r["exception_type"],
+                       "exception_message": r["exception_message"]} for r in rows]}
+
+
+def outbox_of(request: Request) -> DeskOutbox:
+    outbox = desk_of(request).outbox
+    if outbox is None:
+        raise NotFound("this desk reads no outbox (rabbit-retry desk FILE --outbox URL)")
+    return outbox
+
+
+OutboxStatus = Literal["dead", "failed", "discarded"]
+
+
+@router.get("/api/outbox")
+def outbox_events(request: Request, _who: Reader, status: OutboxStatus | None = None,
+                  destination: QueueName = None, q: Text = None, limit: Limit = 50,
+                  offset: Offset = 0) -> dict[str, Any]:
+    """The outbox's events an operator may act on: dead and failed (or one of them, or the
+    discarded), newest change first, a page at a time; ``q`` is a message id or order key."""
+    outbox = outbox_of(request)
+    total, items = outbox.events((status,) if status else DEFAULT_SHOWN, destination or None,
+                                 (q or "").strip() or None, limit, offset)
+    return {"total": total, "outbox": outbox.name, "items": items}
+
+
+@router.get("/api/outbox/{event_id}")
+def outbox_event(request: Request, event_id: RowIdPath, _who: Reader) -> dict[str, Any]:
+    """One outbox event, with its history: added, each failure with the broker's reason, dead,
+    operators' retries and discards (who, why), published."""
+    return outbox_of(request).event(int(event_id))
 
 
 @router.get("/api/rules")

@@ -1,5 +1,5 @@
-// The failure desk's page: a hash router over six views (overview, groups, one group, messages,
-// one message, audit), who is signed in (as the desk authenticated them: the page sends no name
+// The failure desk's page: a hash router over its views (overview, groups, one group, messages,
+// one message, held keys, an application's outbox and one of its events, audit), who is signed in (as the desk authenticated them: the page sends no name
 // of its own), and the lines that report what happened.
 
 import { call, withQuery } from "./api.js";
@@ -8,8 +8,10 @@ import { $, fill, h } from "./dom.js";
 import { renderAudit } from "./views/audit.js";
 import { renderGroup } from "./views/group.js";
 import { renderGroups } from "./views/groups.js";
+import { renderHeld } from "./views/held.js";
 import { renderMessage } from "./views/message.js";
 import { renderMessages } from "./views/messages.js";
+import { renderOutbox } from "./views/outbox.js";
 import { renderOverview } from "./views/overview.js";
 
 const VIEWS = {
@@ -18,6 +20,8 @@ const VIEWS = {
   group: renderGroup,
   messages: renderMessages,
   message: renderMessage,
+  held: renderHeld,
+  outbox: renderOutbox,
   audit: renderAudit,
 };
 const PARENT = { message: "messages", group: "groups" };
@@ -130,6 +134,7 @@ async function showWho() {
   document.body.dataset.role = me.role;
   $("#logout").hidden = !me.logout;
   $("#auth-banner").hidden = !me.loopback;
+  $('nav a[data-view="outbox"]').hidden = !me.outbox;
   try {
     const overview = await call("/api/overview");
     $("#consuming-banner").hidden = overview.consuming !== false;

@@ -325,10 +325,69 @@ export function edit(message, queues) {
   });
 }
 
+// Outbox events (dead or failed) as the dialogs describe them.
+function describeEvents(events) {
+  const where = [...new Set(events.map((e) => e.destination))];
+  return h("p", {}, plural(events.length, "outbox event", "outbox events"),
+    where.length === 1 ? [" to ", h("code", {}, where[0])] : ` to ${where.length} destinations`, ".");
+}
+
+// Retry outbox events: pending again, with a fresh count of attempts; the relay publishes them.
+// Resolves with {retried, skipped, outbox: true}, or null.
+export function outboxRetry(events) {
+  const reason = h("textarea", { id: "outbox-retry-reason", name: "reason", rows: "2",
+    maxlength: "1000", placeholder: "why (optional)" });
+  return ask({
+    title: events.length === 1 ? "Retry this outbox event?" : "Retry these outbox events?",
+    body: [
+      describeEvents(events),
+      h("p", {}, "They become pending again, with their attempts counted afresh: the relay "
+        + "publishes them (the desk does not). The audit keeps who retried them."),
+      h("label", {}, "Reason ", reason),
+    ],
+    confirm: `Retry ${plural(events.length, "event")}`,
+    validate() {
+      const payload = { ids: events.map((e) => e.id) };
+      if (reason.value.trim()) payload.reason = reason.value.trim();
+      return payload;
+    },
+    run: async (payload) => ({ ...(await call("/api/outbox/retry", payload)), outbox: true }),
+  });
+}
+
+// Discard outbox events: never to be published, with a reason. Resolves with
+// {discarded, skipped, outbox: true}, or null.
+export function outboxDiscard(events) {
+  const reason = h("textarea", { id: "outbox-discard-reason", name: "reason", required: true,
+    rows: "3", maxlength: "1000", placeholder: "why these events will never be published" });
+  return ask({
+    title: events.length === 1 ? "Discard this outbox event?" : "Discard these outbox events?",
+    danger: true,
+    body: [
+      describeEvents(events),
+      h("p", {}, "Discarded events are never published. The audit and each event's history keep "
+        + "who discarded them and why."),
+      h("label", {}, "Reason (required) ", reason),
+    ],
+    confirm: `Discard ${plural(events.length, "event")}`,
+    validate() {
+      const text = reason.value.trim();
+      if (!text) throw new Error("say why: the reason is recorded in the audit");
+      return { ids: events.map((e) => e.id), reason: text };
+    },
+    run: async (payload) => ({ ...(await call("/api/outbox/discard", payload)), outbox: true }),
+  });
+}
+
 // Tells the operator what an action did: the notice line, and the error line when a replay
 // stopped part way (the desk says how many it refused and why).
 export function report(ctx, result) {
-  if ("discarded" in result) {
+  if (result.outbox) {
+    const skipped = result.skipped ? `; ${count(result.skipped)} skipped (not dead or failed)` : "";
+    ctx.notify("retried" in result
+      ? `Retried ${plural(result.retried, "outbox event")}: pending again, for the relay${skipped}.`
+      : `Discarded ${plural(result.discarded, "outbox event")}${skipped}.`);
+  } else if ("discarded" in result) {
     ctx.notify(`Discarded ${plural(result.discarded, "message")}.`);
   } else if ("restored" in result) {
     ctx.notify(`Restored ${plural(result.restored, "message")}: parked again.`);

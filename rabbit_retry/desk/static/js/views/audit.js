@@ -14,7 +14,11 @@ function selectionText(selection) {
   if (typeof selection !== "object" || Array.isArray(selection)) return asText(selection);
   const parts = [];
   for (const [key, value] of Object.entries(selection)) {
-    if (key === "ids" && Array.isArray(value)) {
+    if (key === "outbox_ids" && Array.isArray(value)) {
+      const shown = value.slice(0, 5).map(String).join(", ");
+      const what = value.length === 1 ? "outbox event" : `${count(value.length)} outbox events:`;
+      parts.push(`${what} ${shown}${value.length > 5 ? ", …" : ""}`);
+    } else if (key === "ids" && Array.isArray(value)) {
       const shown = value.slice(0, 5).map(String).join(", ");
       const what = value.length === 1 ? "message" : `${count(value.length)} messages:`;
       parts.push(`${what} ${shown}${value.length > 5 ? ", …" : ""}`);
@@ -25,12 +29,17 @@ function selectionText(selection) {
   return parts.join(" · ") || "—";
 }
 
-// A group's selection links to the group; one message's to the message.
+// A group's selection links to the group; one message's to the message; one outbox event's
+// to the event.
 function selection(value) {
   const group = value && typeof value === "object" ? value.group : null;
   if (typeof group === "string" && Object.keys(value).length === 1) {
     return ["group ", h("a", { href: `#/group/${encodeURIComponent(group)}`, class: "group" },
       h("code", {}, group))];
+  }
+  const events = value && typeof value === "object" ? value.outbox_ids : null;
+  if (Array.isArray(events) && events.length === 1) {
+    return ["outbox event ", h("a", { href: `#/outbox/${encodeURIComponent(events[0])}` }, `#${events[0]}`)];
   }
   const ids = value && typeof value === "object" ? value.ids : null;
   if (Array.isArray(ids) && ids.length === 1) {

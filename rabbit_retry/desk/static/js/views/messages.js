@@ -146,6 +146,7 @@ export async function renderMessages(ctx) {
       m.message_id_generated ? h("span", { class: "chip generated", title: "made up by rabbit-retry: the publisher set no message_id" }, "generated") : null,
       m.message_id === null ? h("span", { class: "chip generated", title: "the publisher set no message_id" }, "no message id") : null,
       m.edited ? h("span", { class: "chip edited", title: "an operator edited this copy before replaying it" }, "edited") : null,
+      m.holds_key != null ? h("span", { class: "chip holds-key", title: "holds its ordered key: the key's later messages wait until this one is replayed or discarded" }, "holds key ", h("code", {}, m.holds_key)) : null,
       m.correlation_id ? h("div", { class: "correlation muted", title: "correlation id" }, "corr. ", m.correlation_id) : null),
       h("td", { class: "queue" }, m.queue),
       h("td", {}, h("span", { class: `status status-${m.status}` }, m.status)),

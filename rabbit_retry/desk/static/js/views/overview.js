@@ -32,7 +32,11 @@ export async function renderOverview(ctx) {
       card("Replayed", count(o.replayed),
         o.replaying ? `${count(o.replaying)} still being replayed` : "sent back to a queue",
         "card-replayed"),
-      card("Discarded", count(o.discarded), "never to be replayed", "card-discarded")),
+      card("Discarded", count(o.discarded), "never to be replayed", "card-discarded"),
+      o.outbox ? h("a", { href: ctx.link("outbox"), class: "card-link" },
+        card("Outbox dead", count(o.outbox.dead),
+          o.outbox.failed ? `${count(o.outbox.failed)} failed, tried again` : "events the broker refused",
+          "card-outbox")) : null),
     h("h3", {}, "Parked by queue and reason"),
     queues.length
       ? h("table", { class: "grid", id: "overview-queues" },
