@@ -47,7 +47,7 @@ queues:
     return str(path)
 
 
-POLICY = "    policy: {max_length: 5000}\n"
+POLICY = "    policy: {max_length: 5000}\n    on_full: park\n"
 
 
 def _as(base: Settings, user: str) -> Settings:
@@ -145,7 +145,9 @@ def test_a_management_user_runs_every_verb(
     # migrate rebuilds the queue and its tier as quorum queues and keeps the 2 messages.
     quorum = _file(tmp_path, "quorum")
     migrated = cli("migrate", quorum, "--yes")
-    assert f"migrated 2 queues in vhost {user.vhost!r}: {Q}, {Q}.retry.1h\n" in migrated.out
+    # The parking queue follows the main queue's type: rebuilt too.
+    assert (f"migrated 3 queues in vhost {user.vhost!r}: {Q}, {Q}.retry.1h, {Q}.parking\n"
+            in migrated.out)
     assert (management.queue(fresh_vhost.vhost, Q) or {}).get("type") == "quorum"
     assert depth_sync(user, Q) == 2
     cli("apply", quorum)  # the tiers and parking queue follow
@@ -271,7 +273,7 @@ def test_migrate_names_a_consumer_of_another_user_it_may_not_close_and_loses_not
     finally:
         other.close()  # its message goes back to the queue
     done = _ok(run_cli("migrate", quorum, "--yes", settings=user), "migrate")
-    assert f"migrated 2 queues in vhost {user.vhost!r}" in done.out, done
+    assert f"migrated 3 queues in vhost {user.vhost!r}" in done.out, done
     assert depth_sync(user, Q) == 4
 
 

@@ -162,11 +162,13 @@ def test_user_without_configure_permission(
     admin_api = Settings(amqp_url, fresh_vhost.management_url)
     before = management.definitions(fresh_vhost.vhost)
 
-    # apply must declare: refused, naming the object and the user.
+    # apply must declare (its lock first, a queue of the vhost): refused, naming the object
+    # and the user.
     changed = topology.parent / "more.yml"
     changed.write_text(TOPOLOGY + "  rel.more:\n    retry: {delays: [1s], max_attempts: 2}\n")
     line = _one_line(_run(admin_api, "apply", changed), password)
-    assert line.startswith("error: declaring ") and "ACCESS_REFUSED" in line, line
+    assert line.startswith("error: taking the lock of vhost ") and "ACCESS_REFUSED" in line, line
+    assert "configure access to queue 'rabbit-retry.lock'" in line
     assert f"refused for user '{name}'" in line
     assert management.definitions(fresh_vhost.vhost)["queues"] == before["queues"]
 
