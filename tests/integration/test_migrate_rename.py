@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from conftest import CliResult
 from support.amqp import blocking, depth_sync, drain_sync, persistent, publish_stream
 
@@ -27,6 +28,7 @@ exchanges:
   shop: {{type: topic}}
 queues:
   {name}:
+    queue_type: {kind}
 {extra}    bindings: [{{exchange: shop, routing_key: "order.*"}}]
     retry: {{delays: [1h], max_attempts: 3}}
 """
@@ -55,12 +57,14 @@ def _ids(settings: Settings, queue: str) -> Counter[str]:
     return Counter(str(m.message_id) for m in drain_sync(settings, queue))
 
 
+@pytest.mark.parametrize("kind", ["quorum", "classic"])
 def test_a_renamed_queue_moves_every_message_once_and_the_old_objects_go(
-    tmp_path: Path, fresh_vhost: Settings, management: Management,
+    kind: str, tmp_path: Path, fresh_vhost: Settings, management: Management,
     run_cli: Callable[..., CliResult],
 ) -> None:
-    old = _write(tmp_path, "old.yml", FILE.format(name=OLD, extra=""))
-    new = _write(tmp_path, "new.yml", FILE.format(name=NEW, extra=f"    renamed_from: {OLD}\n"))
+    old = _write(tmp_path, "old.yml", FILE.format(name=OLD, kind=kind, extra=""))
+    new = _write(tmp_path, "new.yml",
+                 FILE.format(name=NEW, kind=kind, extra=f"    renamed_from: {OLD}\n"))
     assert run_cli("apply", old, settings=fresh_vhost).code == 0
     _fill(fresh_vhost)
     assert depth_sync(fresh_vhost, OLD) == MAIN
