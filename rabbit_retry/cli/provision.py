@@ -544,8 +544,10 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
     if migrations:
         order = [f"{m.name} ({steps[0]}..{steps[-1]})" for m, steps in schedule(migrations)]
         click.echo("order: " + ", ".join(order) + (", then the renames" if renames else ""))
-    if why := _rename_unready(compiled, live, renames, file):
+    if (why := _rename_unready(compiled, live, renames, file)) and not dry_run:
         raise ConflictError(why)
+    if why:
+        click.echo(f"warning: migrate would refuse: {why}", err=True)
     hazards = hold_hazards(migrations, live.policies)
     if hazards:
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))

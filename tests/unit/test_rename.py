@@ -154,3 +154,20 @@ def test_a_resumed_rename_moves_only_what_is_left() -> None:
     assert rename.moves == (("orders.email.migrating", "orders.mail"),
                             ("orders.email", "orders.mail"))
     assert rename.policy == "rabbit-retry:orders.email"
+
+
+def test_migrate_waits_for_apply_to_make_the_new_queue_first() -> None:
+    from rabbit_retry.cli.provision import _rename_unready
+
+    plan = plan_of(RENAMED)
+    live = old_broker()
+    renames = plan_renames(diff(plan, live), live)
+    why = _rename_unready(plan, live, renames, "f.yml")
+    assert why is not None and why.startswith("queue audit.log -> audit.trail: ")
+    assert "run `rabbit-retry apply f.yml` first; nothing was changed" in why
+    applied = dataclasses.replace(
+        live, queues={**live.queues, **live_of(plan).queues},
+        exchanges={**live.exchanges, **live_of(plan).exchanges},
+        bindings=live.bindings + live_of(plan).bindings, policies=live_of(plan).policies)
+    assert _rename_unready(plan, applied, plan_renames(diff(plan, applied), applied),
+                           "f.yml") is None
