@@ -171,3 +171,12 @@ def test_migrate_waits_for_apply_to_make_the_new_queue_first() -> None:
         bindings=live.bindings + live_of(plan).bindings, policies=live_of(plan).policies)
     assert _rename_unready(plan, applied, plan_renames(diff(plan, applied), applied),
                            "f.yml") is None
+
+
+def test_status_counts_a_pending_rename_as_drift_of_the_new_queue() -> None:
+    from rabbit_retry.status import drift_of
+
+    plan = plan_of(RENAMED)
+    [drift] = [d for d in drift_of(diff(plan, old_broker()), plan)
+               if d.object == "queue" and " -> " in d.name]
+    assert (drift.kind, drift.owner, drift.role) == ("different", "audit.trail", "rename")
