@@ -84,6 +84,8 @@ def test_a_renamed_queue_moves_every_message_once_and_the_old_objects_go(
     # Still pending after apply: --detailed-exitcode does not say "in sync".
     assert run_cli("plan", new, "--detailed-exitcode", settings=fresh_vhost).code == EXIT_PENDING
 
+    status = run_cli("status", new, settings=fresh_vhost)
+    assert f"{OLD} -> {NEW}" in status.out, status.out + status.err
     # As a run stopped after these copies were confirmed, before their originals were acked.
     blocking(publish_stream(fresh_vhost, NEW, STOPPED,
                             lambda i: persistent(b'{"n": %d}' % i, message_id=f"main-{i}")))
@@ -97,6 +99,8 @@ def test_a_renamed_queue_moves_every_message_once_and_the_old_objects_go(
     after = run_cli("plan", new, "--detailed-exitcode", settings=fresh_vhost)
     assert after.code == 0, after.out + after.err
     assert OLD not in after.out
+    status = run_cli("status", new, settings=fresh_vhost)
+    assert status.code == 0 and OLD not in status.out, status.out + status.err
     for gone in (OLD, TIER_OF[OLD], naming.parking_queue(OLD), naming.migrating_queue(OLD)):
         assert management.queue(fresh_vhost.vhost, gone) is None, gone
     exchanges = {e["name"] for e in management.exchanges(fresh_vhost.vhost)}
