@@ -218,6 +218,8 @@ class Status:
 
 
 def _owner_and_role(change: Change, plan: Plan) -> tuple[str | None, str]:
+    if change.renamed_to is not None:  # a rename migrate has yet to carry out
+        return change.renamed_to, "rename"
     item = change.item
     if isinstance(item, Queue):
         return item.owner, item.role

@@ -63,10 +63,14 @@ class Change:
     type_only: bool = False
     # An object of a queue the file no longer declares (its ``item.owner``/``item.queue``).
     orphan: bool = False
+    # The ``migrate`` of a queue the file renamed (``renamed_from``): the file's new name.
+    renamed_to: str | None = None
 
     @property
     def owner(self) -> str | None:
         """The main queue of the file (or, for an orphan, of the live broker) it belongs to."""
+        if self.renamed_to is not None:
+            return self.renamed_to
         item = self.item
         if isinstance(item, Queue | Exchange):
             return item.owner
@@ -77,6 +81,8 @@ class Change:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "object": self.object, "name": self.name,
                                "orphan": self.orphan, "owner": self.owner}
+        if self.renamed_to is not None:
+            out["renamed_to"] = self.renamed_to
         if isinstance(self.item, Binding):
             out |= {
                 "source": self.item.source,
@@ -422,6 +428,11 @@ def _orphan_queues(owner: str, live: LiveState) -> list[tuple[LiveQueue, Role]]:
     return found
 
 
+def group_queues(owner: str, live: LiveState) -> list[tuple[LiveQueue, Role]]:
+    """The live queues of ``owner`` (a queue the file no longer declares), with their roles."""
+    return _orphan_queues(owner, live)
+
+
 def _delay(tier: str, owner: str) -> int:
     tier_label = naming.tier_label_of(tier, owner)
     return parse_duration(tier_label) if tier_label else 0
@@ -456,8 +467,11 @@ def orphans(plan: Plan, live: LiveState) -> list[Change]:
     queue still bound from an exchange is said so: it gets a copy of every message routed
     there."""
     out: list[Change] = []
+    renames = dict(plan.renames)
     for owner in _orphan_owners(plan, live):
         queues = _orphan_queues(owner, live)
+        if owner in renames:
+            out.append(rename_change(owner, renames[owner], queues))
         derived = {naming.retry_exchange(owner), naming.lanes_exchange(owner)}
         busy = any(q.messages or q.consumers for q, _ in queues)
         gone = f"not in the file (queue {owner})"
@@ -474,7 +488,7 @@ def orphans(plan: Plan, live: LiveState) -> list[Change]:
                 parts.append(f"still bound from {sources}: it gets a copy of every message "
                              "routed there")
                 renamed = _renamed_to(owner, fed, plan)
-                if renamed:
+                if renamed and owner not in renames:
                     parts.append(f"renamed to {renamed}? its messages stay here")
             if not queue.messages and not queue.consumers and busy:
                 parts.append("kept while its group holds messages")
@@ -502,6 +516,26 @@ def orphans(plan: Plan, live: LiveState) -> list[Change]:
         out += group
     return out
 
+
+
+def rename_change(old: str, new: str, queues: Iterable[tuple[LiveQueue, Role]]) -> Change:
+    """The rename the file declares (``renamed_from: old`` on ``new``) while objects of
+    ``old`` are still on the broker: ``migrate`` moves their messages and deletes them;
+    ``apply`` goes on without it (``deferred``)."""
+    held = {"main": 0, "parking": 0, "tier": 0}
+    for queue, role in queues:
+        if role in held:
+            held[role] += queue.messages
+    detail = f"migrate moves its {plural(held['main'], 'message')}"
+    extra = []
+    if held["parking"]:
+        extra.append(f"{naming.parking_queue(old)}: {held['parking']} parked")
+    if held["tier"]:
+        extra.append(f"tiers: {held['tier']} retrying")
+    if extra:
+        detail += f" ({', '.join(extra)})"
+    detail += f" into {new} and deletes the objects of {old}"
+    return Change("migrate", "queue", f"{old} -> {new}", detail, None, renamed_to=new)
 
 
 def _live_lanes(main: str, live: LiveState) -> set[str]:
@@ -712,6 +746,8 @@ def deferred(change: Change) -> bool:
     it. The live one keeps working as a parking queue meanwhile; only its replication differs
     from the file. A parking queue whose other arguments differ (a length limit, a TTL) blocks,
     as every other queue to rebuild does."""
+    if change.kind == "migrate" and change.renamed_to is not None:
+        return True  # a declared rename: apply makes the new queue, migrate moves the messages
     return change.kind == "migrate" and change.type_only and isinstance(change.item, Queue) and (
         change.item.role == "parking"
     )
@@ -725,6 +761,9 @@ def blocking(change: Change) -> bool:
 def deferred_notes(changes: Iterable[Change], file: str) -> list[str]:
     """What ``apply`` says of the parking queues it leaves for ``migrate``."""
     return [
+        f"note: queue {c.name}: renamed in the file; `rabbit-retry migrate {file}` "
+        f"{c.detail.removeprefix('migrate ')}"
+        if c.renamed_to is not None else
         f"note: {c.name} is left as it is ({c.detail}); `rabbit-retry migrate {file}` "
         "rebuilds it"
         for c in changes

@@ -35,6 +35,7 @@ from rabbit_retry.broker.migrate_plan import (
     MARKER_VALUE,
     Copies,
     Migration,
+    Rename,
     Step,
     hold_arguments,
     hold_queue,
@@ -47,6 +48,8 @@ from rabbit_retry.broker.requeue import REQUEUE_POLL_S, REQUEUE_WAIT_S, requeue_
 from rabbit_retry.contract import republish_properties
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
+from rabbit_retry.text import plural
+from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding
 
 TIMEOUT = 60.0
@@ -612,3 +615,119 @@ async def migrate(
     finally:
         await connection.close()
     return [outcomes[m.name] for m in migrations]
+
+
+# --- renames (``renamed_from``) ------------------------------------------------------------
+
+
+async def _run_rename(run: _Run, rename: Rename) -> Moved:
+    """Unbind the old queue from every exchange, move each of its queues' messages where
+    ``rename.moves`` says (``_Run.move``: each copy confirmed before its original is acked),
+    delete each queue once emptied, then its exchanges and policy. Run again after a stop at
+    any point, it finds what is left: the bindings are read again, the queues already deleted
+    are skipped, and a copy already in a destination nothing consumes is not moved twice."""
+    old, total = rename.old, Moved()
+    for source, _ in rename.moves:
+        state = await run.count(source)
+        if state is not None and state[1]:
+            raise BrokerError(
+                f"{source} has {plural(state[1], 'consumer')}: stop the workers still "
+                f"consuming the old name (their unacked messages go back to {source}), then "
+                "run migrate again; nothing more was moved"
+            )
+    own = {naming.retry_exchange(old), naming.lanes_exchange(old)}
+    for source in (old, naming.migrating_queue(old)):
+        # The default exchange's implicit binding cannot be removed; the old queue's own retry
+        # exchange still brings back what its tiers hold until they are moved.
+        feeding = [b for b in run.bindings_to(source) if b.source and b.source not in own]
+        await run.rebind(source, feeding, bind=False)
+        if feeding:
+            run.say(f"{source}: unbound from {', '.join(sorted({b.source for b in feeding}))}")
+    for source, target in rename.moves:
+        if await run.count(source) is None:
+            continue  # moved and deleted by an earlier run
+        there = await run.count(target)
+        if there is None:
+            raise BrokerError(
+                f"{target} is not on the broker; run apply first: the messages of {source} "
+                "stay where they are"
+            )
+        # What the destination holds already, when nothing consumes it: copies a stopped run
+        # confirmed but never acked the originals of. Not while workers consume it: then such
+        # a message may arrive twice (docs/migrations.md).
+        copies = await run.peek(target) if there[1] == 0 else Copies()
+        moved = await run.move(source, target, copies, marker=False)
+        total.moved += moved.moved
+        total.dropped += moved.dropped
+        await _delete_emptied(run, source)
+        run.say(
+            f"{source}: moved {plural(moved.moved, 'message')} into {target}"
+            + (f" ({moved.dropped} already there)" if moved.dropped else "")
+            + f"; {source} deleted"
+        )
+    channel = await run.channel()
+    for exchange in rename.exchanges:
+        await channel.exchange_delete(exchange, timeout=TIMEOUT)
+        run.say(f"exchange {exchange} deleted")
+    await channel.close()
+    if rename.policy:
+        path = f"/policies/{quote(run.vhost, safe='')}/{quote(rename.policy, safe='')}"
+        response = run.api.request("DELETE", path)
+        if response.status_code >= 400 and response.status_code != 404:
+            raise BrokerError(
+                f"deleting policy {rename.policy}: the broker answered {response.status_code}; "
+                "its queues are gone already, run migrate again"
+            )
+        run.say(f"policy {rename.policy} deleted")
+    return total
+
+
+async def _delete_emptied(run: _Run, queue: str) -> None:
+    """Delete ``queue`` now that its messages are moved: only while it is empty and unused (a
+    classic queue checks both as it deletes; a quorum queue cannot, so the exact count just
+    read decides)."""
+    classic = (run.api.queue(run.vhost, queue) or {}).get("type", "classic") == "classic"
+    state = await run.count(queue)
+    if state is None:
+        return
+    if state != (0, 0):
+        raise BrokerError(
+            f"{queue} got {plural(state[0], 'message')} or a consumer while its messages were "
+            "moved; nothing is lost, run migrate again"
+        )
+    channel = await run.channel()
+    try:
+        await channel.queue_delete(queue, if_unused=classic, if_empty=classic, timeout=TIMEOUT)
+    except aiormq.exceptions.ChannelPreconditionFailed:
+        raise BrokerError(
+            f"{queue} got messages or a consumer while its messages were moved; nothing is "
+            "lost, run migrate again"
+        ) from None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def rename(
+    settings: Settings, renames: Sequence[Rename], say: Say = lambda _: None
+) -> list[Moved]:
+    """Carry out every rename (``_run_rename``), in order."""
+    out = []
+    connection = await connect(settings, name="rabbit-retry migrate")
+    try:
+        with Management.for_settings(settings) as api:
+            run = _Run(connection, api, settings, say)
+            for one in renames:
+                try:
+                    out.append(await _run_rename(run, one))
+                except CONNECTION_ERRORS as exc:
+                    if isinstance(exc, BrokerError):
+                        raise
+                    raise BrokerError(
+                        f"renaming {one.old} to {one.new} stopped: "
+                        f"{mask(str(exc)) or type(exc).__name__}; nothing is lost, run migrate "
+                        "again to finish"
+                    ) from exc
+    finally:
+        await connection.close()
+    return out

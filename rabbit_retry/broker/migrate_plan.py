@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rabbit_retry.broker.diff import Change, queue_differences
+from rabbit_retry.broker.diff import Change, group_queues, queue_differences
 from rabbit_retry.broker.inspect import LivePolicy, LiveState
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
@@ -237,6 +237,63 @@ def describe(migration: Migration) -> list[str]:
         lines.append(
             f"  {step:<13} " + _WHAT[step].format(name=name, hold=hold_queue(name), summary=summary)
         )
+    return lines
+
+
+# --- renames: ``renamed_from`` ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rename:
+    """A queue the file renamed (``renamed_from: old`` on ``new``) whose objects are still on
+    the broker: ``migrate`` unbinds ``old`` from every exchange, moves the messages of its
+    tiers and of ``old`` (and of its holding queue, if a migration of it was interrupted) into
+    ``new`` and those of its parking queue into ``new``'s, then deletes them, its exchanges and
+    its policy."""
+
+    old: str
+    new: str
+    detail: str
+    moves: tuple[tuple[str, str], ...]  # (live queue of old, queue of the file), in order
+    exchanges: tuple[str, ...]  # old's retry and lanes exchanges, deleted last
+    policy: str | None  # old's ``rabbit-retry:`` policy
+
+
+def plan_renames(changes: Sequence[Change], live: LiveState) -> list[Rename]:
+    """The renames ``changes`` (``diff``) hold, with what to move where; pure. Tiers first
+    (a retrying message goes back early, to the new queue, rather than through the old one),
+    then the parking queue, then the holding queue and the old queue, which is deleted last of
+    its queues: while it exists, its objects are still found as its own."""
+    out = []
+    for change in changes:
+        if change.kind != "migrate" or change.renamed_to is None:
+            continue
+        old, new = change.name.split(" -> ")[0], change.renamed_to
+        found = group_queues(old, live)
+        moves = [(q.name, new) for q, role in found if role == "tier"]
+        for source, target in ((naming.parking_queue(old), naming.parking_queue(new)),
+                               (naming.migrating_queue(old), new), (old, new)):
+            if source in live.queues:
+                moves.append((source, target))
+        exchanges = tuple(n for n in (naming.lanes_exchange(old), naming.retry_exchange(old))
+                          if n in live.exchanges)
+        policy = next((p.name for p in live.policies
+                       if not p.operator and p.name == naming.policy_name(old)), None)
+        out.append(Rename(old, new, change.detail, tuple(moves), exchanges, policy))
+    return out
+
+
+def describe_rename(rename: Rename) -> list[str]:
+    """What ``migrate`` will do for one rename, one line per step."""
+    lines = [f"queue {rename.old} -> {rename.new}: renamed in the file; {rename.detail}",
+             f"  unbind        unbind {rename.old} from every exchange: no new copies arrive"]
+    for source, target in rename.moves:
+        lines.append(f"  move          the messages of {source} into {target}, each confirmed "
+                     f"before it is acked; delete {source}")
+    for name in rename.exchanges:
+        lines.append(f"  delete        exchange {name}")
+    if rename.policy:
+        lines.append(f"  delete        policy {rename.policy}")
     return lines
 
 

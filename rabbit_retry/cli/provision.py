@@ -62,6 +62,7 @@ from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 from rabbit_retry.topology.plan import Policy
 
 if TYPE_CHECKING:
+    from rabbit_retry.broker.migrate_plan import Rename
     from rabbit_retry.outbox.destinations import Destinations
 
 _STYLE = {
@@ -514,10 +515,13 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
 def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: bool,
              targets: Sequence[str], accept_evictions: bool) -> None:
     from rabbit_retry.broker.migrate import migrate as run_migrations
+    from rabbit_retry.broker.migrate import rename as run_renames
     from rabbit_retry.broker.migrate_plan import (
         describe,
+        describe_rename,
         hold_hazards,
         plan_migrations,
+        plan_renames,
         schedule,
     )
     from rabbit_retry.broker.migrate_plan import (
@@ -527,14 +531,23 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
     changes, live = _read(settings, compiled, targets, checked=not dry_run)
     selection = sorted(set(targets)) or None
     migrations = plan_migrations(changes, live, compiled.bindings)
-    if not migrations:
+    renames = plan_renames(changes, live)
+    if not migrations and not renames:
         click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
         return
     for migration in migrations:
         for line in describe(migration):
             click.echo(line)
-    order = [f"{m.name} ({steps[0]}..{steps[-1]})" for m, steps in schedule(migrations)]
-    click.echo("order: " + ", ".join(order))
+    for renamed in renames:
+        for line in describe_rename(renamed):
+            click.echo(line)
+    if migrations:
+        order = [f"{m.name} ({steps[0]}..{steps[-1]})" for m, steps in schedule(migrations)]
+        click.echo("order: " + ", ".join(order) + (", then the renames" if renames else ""))
+    if (why := _rename_unready(compiled, live, renames, file)) and not dry_run:
+        raise ConflictError(why)
+    if why:
+        click.echo(f"warning: migrate would refuse: {why}", err=True)
     hazards = hold_hazards(migrations, live.policies)
     if hazards:
         raise ConflictError("\n".join([*hazards, "nothing was changed"]))
@@ -566,15 +579,40 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
         for change in routes:
             click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
                        if change.object == "binding" else f"declared {change.name}")
-    outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
-    click.echo(
-        f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
-        + ", ".join(o.name for o in outcomes)
-    )
+    if migrations:
+        outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
+        click.echo(
+            f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
+            + ", ".join(o.name for o in outcomes)
+        )
+    if renames:
+        moved = asyncio.run(run_renames(settings, renames, say=click.echo))
+        click.echo(
+            f"renamed {plural(len(renames), 'queue')} in vhost {settings.vhost!r}: "
+            + ", ".join(f"{r.old} -> {r.new} ({plural(m.moved, 'message')} moved)"
+                        for r, m in zip(renames, moved, strict=True))
+        )
     left = [c for c in diff(compiled, read_live_of(settings), targets=selection)
             if c.kind != "unchanged" and not c.orphan]
     if left:
         click.echo(f"`rabbit-retry apply {file}` has {plural(len(left), 'change')} left to make")
+
+
+def _rename_unready(
+    compiled: Plan, live: LiveState, renames: Sequence[Rename], file: str
+) -> str | None:
+    """Why ``migrate`` cannot move a renamed queue's messages yet: the new queue's objects
+    (queue, tiers, parking, bindings, policy) are ``apply``'s to make first, so that nothing
+    routed to the new name meanwhile is lost; None when they are all there."""
+    for renamed in renames:
+        todo = [c for c in diff(compiled, live, targets=[renamed.new])
+                if c.kind in ("create", "update", "conflict", "unbind") and not c.orphan]
+        if todo:
+            return (f"queue {renamed.old} -> {renamed.new}: {plural(len(todo), 'object')} of "
+                    f"{renamed.new} not on the broker as the file says yet ({todo[0].object} "
+                    f"{todo[0].name}, ...); run `rabbit-retry apply {file}` first; nothing "
+                    "was changed")
+    return None
 
 
 def read_live_of(settings: Settings) -> LiveState:

@@ -117,6 +117,51 @@ def check(spec: TopologySpec) -> list[Problem]:
     for queue in queues.values():
         problems += _queue_problems(queue, queues, spec, owners)
     problems += _lane_problems(queues, spec)
+    problems += _rename_problems(queues, owners)
+    return problems
+
+
+def _rename_problems(queues: Mapping[str, QueueConfig], owners: _Owners) -> list[Problem]:
+    """``renamed_from``: a name the file no longer uses, neither as a queue nor as a name
+    derived from one, renamed into one queue only; not on an ordered queue (its lanes)."""
+    problems = []
+    taken: dict[str, str] = {}
+    derived: dict[str, str] = {}
+    for queue in queues.values():
+        derived[naming.migrating_queue(queue.name)] = queue.name
+        derived[naming.retry_exchange(queue.name)] = queue.name
+        derived[naming.lanes_exchange(queue.name)] = queue.name
+        for lane in range(queue.ordered.lanes if queue.ordered else 0):
+            derived[naming.lane_queue(queue.name, lane)] = queue.name
+            derived[naming.held_queue(queue.name, lane)] = queue.name
+    for name in owners[0]:
+        derived[name] = owners[0][name]
+    for name in owners[1]:
+        derived[name] = owners[1][name]
+    for queue in queues.values():
+        old = queue.renamed_from
+        if old is None:
+            continue
+        path: Path = ("queues", queue.name, "renamed_from")
+        name_problems = _name_problems(path, "queue", old)
+        if name_problems:
+            problems += name_problems
+        elif queue.ordered is not None:
+            problems.append(Problem(path, "not supported on an ordered queue (its lanes are not "
+                                    "moved); rename it by hand, or drop `ordered:` first"))
+        elif old == queue.name:
+            problems.append(Problem(path, f"{shorten(old)} is this queue's own name"))
+        elif old in queues:
+            problems.append(Problem(path, f"{shorten(old)} is a queue of the file; a queue "
+                                    "renamed from it must not be declared too"))
+        elif (owner := derived.get(old) or _tier_namespace_owner(old, queues)) is not None:
+            problems.append(Problem(path, f"{shorten(old)} is a name rabbit-retry derives from "
+                                    f"queue {shorten(owner)}"))
+        elif old in taken:
+            problems.append(Problem(path, f"queue {shorten(taken[old])} is renamed from "
+                                    f"{shorten(old)} already"))
+        else:
+            taken[old] = queue.name
     return problems
 
 

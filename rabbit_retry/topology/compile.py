@@ -192,4 +192,5 @@ def compile_topology(topology: Topology) -> Plan:
         for q in topology.queues
         if q.policy
     )
-    return Plan(tuple(exchanges), tuple(queues), tuple(bindings), policies)
+    renames = tuple((q.renamed_from, q.name) for q in topology.queues if q.renamed_from)
+    return Plan(tuple(exchanges), tuple(queues), tuple(bindings), policies, renames)

@@ -150,6 +150,8 @@ class QueueSpec(_Spec):
     ordered: OrderedSpec | None = None
     on_full: OnFull | None = None
     on_expire: OnExpire | None = None
+    # The name this queue had on the broker: ``migrate`` moves the old queue's messages here.
+    renamed_from: str | None = Field(default=None, min_length=1)
 
 
 class DefaultsSpec(_Spec):
@@ -220,6 +222,7 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
                 ),
                 on_full=queue.on_full,
                 on_expire=queue.on_expire,
+                renamed_from=queue.renamed_from,
             )
         )
     exchanges = tuple(

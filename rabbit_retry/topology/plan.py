@@ -75,6 +75,8 @@ class Plan:
     queues: tuple[Queue, ...]
     bindings: tuple[Binding, ...]
     policies: tuple[Policy, ...] = ()
+    # (old name, main queue of the file): ``renamed_from``, whose messages ``migrate`` moves.
+    renames: tuple[tuple[str, str], ...] = ()
 
     def queues_of(self, owner: str) -> tuple[Queue, ...]:
         return tuple(q for q in self.queues if q.owner == owner)

@@ -93,6 +93,7 @@ class QueueConfig:
     ordered: OrderedConfig | None = None
     on_full: OnFull | None = None
     on_expire: OnExpire | None = None
+    renamed_from: str | None = None  # the queue's earlier name, whose messages migrate moves
 
     @property
     def dead_letter_route(self) -> DeadLetterRoute:

@@ -154,7 +154,7 @@ queues:
         "t.yml:4: queues.b.retry.max_attempts: must be at least 1, got 0",
         "t.yml:6: queues.a.queue_type: expected 'quorum' or 'classic', got 'lazy'",
         "t.yml:7: queues.a.colour: unknown key 'colour' (allowed: queue_type, bindings, retry, "
-        "parking, replicas, arguments, policy, ordered, on_full, on_expire)",
+        "parking, replicas, arguments, policy, ordered, on_full, on_expire, renamed_from)",
     ]
 
 
@@ -169,7 +169,7 @@ def test_unknown_key_suggests_the_near_miss() -> None:
     assert problems(text) == [
         "t.yml:4: queues.q.retries: unknown key 'retries'; did you mean 'retry'? (allowed: "
         "queue_type, bindings, retry, parking, replicas, arguments, policy, ordered, on_full, "
-        "on_expire)"
+        "on_expire, renamed_from)"
     ]
 
 
@@ -273,7 +273,7 @@ queues:
 """
     assert problems(text) == [
         "t.yml:10: queues.c.bogus: unknown key 'bogus' (allowed: queue_type, bindings, retry, "
-        "parking, replicas, arguments, policy, ordered, on_full, on_expire)"
+        "parking, replicas, arguments, policy, ordered, on_full, on_expire, renamed_from)"
     ]
 
 

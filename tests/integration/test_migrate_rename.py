@@ -1,0 +1,122 @@
+"""``renamed_from`` on a real broker: a queue renamed in the file, whose old queue holds
+messages in itself, a retry tier and its parking queue; ``migrate`` moves every one of them to
+the new queue's objects exactly once and deletes the old ones."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from conftest import CliResult
+from support.amqp import blocking, depth_sync, drain_sync, persistent, publish_stream
+
+from rabbit_retry.broker.management import Management
+from rabbit_retry.errors import EXIT_PENDING
+from rabbit_retry.settings import Settings
+from rabbit_retry.topology import naming
+
+OLD, NEW = "ren.old", "ren.new"
+MAIN, RETRYING, PARKED = 300, 20, 10
+STOPPED = 5  # copies a stopped run left in the new queue
+TIER_OF = {q: naming.tier_queue(q, 3_600_000) for q in (OLD, NEW)}
+
+FILE = """\
+version: 1
+exchanges:
+  shop: {{type: topic}}
+queues:
+  {name}:
+    queue_type: {kind}
+{extra}    bindings: [{{exchange: shop, routing_key: "order.*"}}]
+    retry: {{delays: [1h], max_attempts: 3}}
+"""
+
+
+def _write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _fill(settings: Settings) -> None:
+    def make(prefix: str, **headers: object) -> Callable[[int], object]:
+        return lambda i: persistent(b'{"n": %d}' % i, message_id=f"{prefix}-{i}",
+                                    headers=dict(headers) or None)
+
+    blocking(publish_stream(settings, "order.created", MAIN, make("main"),  # type: ignore[arg-type]
+                            exchange="shop"))
+    blocking(publish_stream(settings, TIER_OF[OLD], RETRYING,  # as the worker sends a retry
+                            make("tier", **{"retry-count": 1})))  # type: ignore[arg-type]
+    blocking(publish_stream(settings, naming.parking_queue(OLD), PARKED,
+                            make("park", **{"parked-reason": "exhausted"})))  # type: ignore[arg-type]
+
+
+def _ids(settings: Settings, queue: str) -> Counter[str]:
+    return Counter(str(m.message_id) for m in drain_sync(settings, queue))
+
+
+@pytest.mark.parametrize("kind", ["quorum", "classic"])
+def test_a_renamed_queue_moves_every_message_once_and_the_old_objects_go(
+    kind: str, tmp_path: Path, fresh_vhost: Settings, management: Management,
+    run_cli: Callable[..., CliResult],
+) -> None:
+    old = _write(tmp_path, "old.yml", FILE.format(name=OLD, kind=kind, extra=""))
+    new = _write(tmp_path, "new.yml",
+                 FILE.format(name=NEW, kind=kind, extra=f"    renamed_from: {OLD}\n"))
+    assert run_cli("apply", old, settings=fresh_vhost).code == 0
+    _fill(fresh_vhost)
+    assert depth_sync(fresh_vhost, OLD) == MAIN
+    assert depth_sync(fresh_vhost, TIER_OF[OLD]) == RETRYING
+    assert depth_sync(fresh_vhost, naming.parking_queue(OLD)) == PARKED
+
+    plan = run_cli("plan", new, "--detailed-exitcode", settings=fresh_vhost)
+    assert plan.code == EXIT_PENDING, plan.out + plan.err
+    line = next(x for x in plan.out.splitlines() if x.startswith("migrate "))
+    assert f"queue    {OLD} -> {NEW}  (migrate moves its {MAIN} messages " in line
+    assert f"({OLD}.parking: {PARKED} parked, tiers: {RETRYING} retrying)" in line
+
+    applied = run_cli("apply", new, settings=fresh_vhost)
+    assert applied.code == 0, applied.err
+    assert f"note: queue {OLD} -> {NEW}: renamed in the file" in applied.err
+    assert depth_sync(fresh_vhost, NEW) == 0  # created, bound: the messages are migrate's
+    # Still pending after apply: --detailed-exitcode does not say "in sync".
+    assert run_cli("plan", new, "--detailed-exitcode", settings=fresh_vhost).code == EXIT_PENDING
+
+    status = run_cli("status", new, settings=fresh_vhost)
+    assert f"{OLD} -> {NEW}" in status.out, status.out + status.err
+    # As a run stopped after these copies were confirmed, before their originals were acked.
+    blocking(publish_stream(fresh_vhost, NEW, STOPPED,
+                            lambda i: persistent(b'{"n": %d}' % i, message_id=f"main-{i}")))
+    migrated = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert migrated.code == 0, migrated.out + migrated.err
+    assert f"{OLD}: moved {MAIN - STOPPED} messages into {NEW} ({STOPPED} already there)" \
+        in migrated.out
+    assert f"renamed 1 queue in vhost {fresh_vhost.vhost!r}: {OLD} -> {NEW} " \
+           f"({MAIN + RETRYING + PARKED - STOPPED} messages moved)" in migrated.out
+
+    after = run_cli("plan", new, "--detailed-exitcode", settings=fresh_vhost)
+    assert after.code == 0, after.out + after.err
+    assert OLD not in after.out
+    status = run_cli("status", new, settings=fresh_vhost)
+    assert status.code == 0 and OLD not in status.out, status.out + status.err
+    for gone in (OLD, TIER_OF[OLD], naming.parking_queue(OLD), naming.migrating_queue(OLD)):
+        assert management.queue(fresh_vhost.vhost, gone) is None, gone
+    exchanges = {e["name"] for e in management.exchanges(fresh_vhost.vhost)}
+    assert naming.retry_exchange(OLD) not in exchanges and "shop" in exchanges
+
+    # A message published afterwards reaches the new queue, once.
+    blocking(publish_stream(fresh_vhost, "order.created", 1,
+                            lambda i: persistent(b"{}", message_id="after-0"), exchange="shop"))
+    assert depth_sync(fresh_vhost, TIER_OF[NEW]) == 0
+    moved = [m for m in drain_sync(fresh_vhost, NEW)]
+    ids = Counter(str(m.message_id) for m in moved)
+    assert ids == Counter([*(f"main-{i}" for i in range(MAIN)),
+                           *(f"tier-{i}" for i in range(RETRYING)), "after-0"])
+    retried = next(m for m in moved if m.message_id == "tier-0")
+    assert retried.headers["retry-count"] == 1  # headers kept
+    parked = drain_sync(fresh_vhost, naming.parking_queue(NEW))
+    assert Counter(str(m.message_id) for m in parked) == Counter(
+        f"park-{i}" for i in range(PARKED))
+    assert all(m.headers["parked-reason"] in ("exhausted", b"exhausted") for m in parked)

@@ -1,0 +1,182 @@
+"""``renamed_from``: what the file may say, what ``plan`` shows and ``apply`` leaves for
+``migrate``, and what ``migrate`` moves where; no broker."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from test_check import found, queues
+from test_diff import plan_of
+from test_plan_selection import FILE, live_of
+
+from rabbit_retry.broker.diff import (
+    apply_work,
+    blocking,
+    deferred_notes,
+    diff,
+    nothing_to_do,
+    pending,
+    refusal,
+)
+from rabbit_retry.broker.inspect import LiveState
+from rabbit_retry.broker.migrate_plan import describe_rename, plan_migrations, plan_renames
+
+RENAMED = FILE.replace("audit.log:", "audit.trail:\n    renamed_from: audit.log")
+
+
+def old_broker(main: int = 300, tier: int = 20, parked: int = 10) -> LiveState:
+    """audit.log applied from FILE, holding messages in itself, a tier and its parking queue."""
+    live = live_of(plan_of(FILE))
+    counts = {"audit.log": main, "audit.log.retry.30s": tier, "audit.log.parking": parked}
+    held = {n: dataclasses.replace(q, messages=counts.get(n, q.messages))
+            for n, q in live.queues.items()}
+    return dataclasses.replace(live, queues=held)
+
+
+# --- the file -------------------------------------------------------------------------------
+
+
+def test_a_rename_from_a_name_the_file_no_longer_uses_is_valid() -> None:
+    assert found(queues({"b": {"renamed_from": "a"}})) == []
+    assert plan_of(RENAMED).renames == (("audit.log", "audit.trail"),)
+
+
+@pytest.mark.parametrize(("old", "why"), [
+    ("a", "'a' is a queue of the file"),
+    ("b", "'b' is this queue's own name"),
+    ("a.parking", "'a.parking' is a name rabbit-retry derives from queue 'a'"),
+    ("a.retry.5s", "'a.retry.5s' is a name rabbit-retry derives from queue 'a'"),
+    ("a.retry", "'a.retry' is a name rabbit-retry derives from queue 'a'"),
+    ("a.migrating", "'a.migrating' is a name rabbit-retry derives from queue 'a'"),
+    ("a.retry.anything", "'a.retry.anything' is a name rabbit-retry derives from queue 'a'"),
+])
+def test_a_rename_from_a_name_of_the_file_is_refused(old: str, why: str) -> None:
+    [problem] = found(queues({"a": {"retry": {"delays": ["5s"]}}, "b": {"renamed_from": old}}))
+    assert problem.path == ("queues", "b", "renamed_from")
+    assert why in problem.message
+
+
+def test_two_queues_renamed_from_one_and_an_ordered_queue_are_refused() -> None:
+    [problem] = found(queues({"b": {"renamed_from": "a"}, "c": {"renamed_from": "a"}}))
+    assert problem.path == ("queues", "c", "renamed_from")
+    assert "queue 'b' is renamed from 'a' already" in problem.message
+    [problem] = found(queues({"b": {"renamed_from": "a", "ordered": {"key": "routing_key"}}}))
+    assert "not supported on an ordered queue" in problem.message
+
+
+def test_a_rename_that_is_not_a_string_is_refused_with_its_line() -> None:
+    from rabbit_retry.errors import InputError
+    from rabbit_retry.topology import parse_topology
+
+    with pytest.raises(InputError) as raised:
+        parse_topology("version: 1\nqueues:\n  b:\n    renamed_from: 5\n", "t.yml")
+    assert "t.yml:4" in str(raised.value) and "renamed_from" in str(raised.value)
+
+
+# --- plan and apply -------------------------------------------------------------------------
+
+
+def test_plan_shows_the_rename_with_its_counts_and_apply_leaves_it_for_migrate() -> None:
+    plan = plan_of(RENAMED)
+    changes = diff(plan, old_broker())
+    [rename] = [c for c in changes if c.renamed_to]
+    assert (rename.kind, rename.name, rename.owner) == ("migrate", "audit.log -> audit.trail",
+                                                        "audit.trail")
+    assert rename.detail == (
+        "migrate moves its 300 messages (audit.log.parking: 10 parked, tiers: 20 retrying) "
+        "into audit.trail and deletes the objects of audit.log")
+    # The old queue is no longer said to be "renamed to ...?": the file says so.
+    assert "renamed to" not in next(c for c in changes if c.name == "audit.log").detail
+    assert json.loads(json.dumps(rename.to_json()))["renamed_to"] == "audit.trail"
+    # apply creates audit.trail and its objects, refuses nothing, and notes the rename.
+    work = apply_work(changes, targeted=False)
+    assert not refusal(changes, "/", "f.yml") and not any(blocking(c) for c in changes)
+    assert rename in work and pending(work)
+    [note] = deferred_notes(changes, "f.yml")
+    assert note.startswith("note: queue audit.log -> audit.trail: renamed in the file; "
+                           "`rabbit-retry migrate f.yml` moves its 300 messages")
+    # Once applied, only the rename is left: still pending, so --detailed-exitcode is not 0.
+    applied = old_broker()
+    applied = dataclasses.replace(
+        applied, queues={**applied.queues, **live_of(plan).queues},
+        exchanges={**applied.exchanges, **live_of(plan).exchanges},
+        bindings=applied.bindings + live_of(plan).bindings, policies=live_of(plan).policies)
+    left = apply_work(diff(plan, applied), targeted=False)
+    assert nothing_to_do(left) and pending(left)
+    # With the old queue gone, nothing is pending.
+    after = live_of(plan)
+    assert not any(c.renamed_to for c in diff(plan, after))
+    assert not pending(apply_work(diff(plan, after), targeted=False))
+
+
+def test_the_rename_is_listed_only_for_a_target_of_its_new_name() -> None:
+    plan = plan_of(RENAMED)
+    assert any(c.renamed_to for c in diff(plan, old_broker(), targets=["audit.trail"]))
+    assert not any(c.renamed_to for c in diff(plan, old_broker(), targets=["orders.email"]))
+
+
+# --- migrate --------------------------------------------------------------------------------
+
+
+def test_migrate_moves_tiers_then_parking_then_the_old_queue_and_deletes_the_rest() -> None:
+    plan = plan_of(RENAMED)
+    changes = diff(plan, old_broker())
+    assert plan_migrations(changes, old_broker(), plan.bindings) == []  # not a rebuild
+    [rename] = plan_renames(changes, old_broker())
+    assert (rename.old, rename.new) == ("audit.log", "audit.trail")
+    assert rename.moves == (
+        ("audit.log.retry.5s", "audit.trail"),
+        ("audit.log.retry.30s", "audit.trail"),
+        ("audit.log.retry.5m", "audit.trail"),
+        ("audit.log.parking", "audit.trail.parking"),
+        ("audit.log", "audit.trail"),
+    )
+    assert rename.exchanges == ("audit.log.retry",)
+    assert rename.policy is None  # audit.log has no policy block
+    lines = describe_rename(rename)
+    assert lines[0].startswith("queue audit.log -> audit.trail: renamed in the file; ")
+    assert "unbind audit.log from every exchange" in lines[1]
+
+
+def test_a_resumed_rename_moves_only_what_is_left() -> None:
+    """Stopped after the tiers and the parking queue were moved and deleted: the old queue,
+    its holding queue if a migration of it was interrupted, its exchange and policy are left."""
+    plan = plan_of(FILE.replace("orders.email:", "orders.mail:\n    renamed_from: orders.email"))
+    live = live_of(plan_of(FILE))
+    gone = {"orders.email.retry.10s", "orders.email.parking"}
+    queues_left = {n: q for n, q in live.queues.items() if n not in gone}
+    queues_left["orders.email.migrating"] = dataclasses.replace(
+        queues_left["orders.email"], name="orders.email.migrating", arguments={})
+    live = dataclasses.replace(live, queues=queues_left)
+    [rename] = plan_renames(diff(plan, live), live)
+    assert rename.moves == (("orders.email.migrating", "orders.mail"),
+                            ("orders.email", "orders.mail"))
+    assert rename.policy == "rabbit-retry:orders.email"
+
+
+def test_migrate_waits_for_apply_to_make_the_new_queue_first() -> None:
+    from rabbit_retry.cli.provision import _rename_unready
+
+    plan = plan_of(RENAMED)
+    live = old_broker()
+    renames = plan_renames(diff(plan, live), live)
+    why = _rename_unready(plan, live, renames, "f.yml")
+    assert why is not None and why.startswith("queue audit.log -> audit.trail: ")
+    assert "run `rabbit-retry apply f.yml` first; nothing was changed" in why
+    applied = dataclasses.replace(
+        live, queues={**live.queues, **live_of(plan).queues},
+        exchanges={**live.exchanges, **live_of(plan).exchanges},
+        bindings=live.bindings + live_of(plan).bindings, policies=live_of(plan).policies)
+    assert _rename_unready(plan, applied, plan_renames(diff(plan, applied), applied),
+                           "f.yml") is None
+
+
+def test_status_counts_a_pending_rename_as_drift_of_the_new_queue() -> None:
+    from rabbit_retry.status import drift_of
+
+    plan = plan_of(RENAMED)
+    [drift] = [d for d in drift_of(diff(plan, old_broker()), plan)
+               if d.object == "queue" and " -> " in d.name]
+    assert (drift.kind, drift.owner, drift.role) == ("different", "audit.trail", "rename")
