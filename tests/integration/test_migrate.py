@@ -213,8 +213,8 @@ def test_migrate_runs_the_open_file_guard_of_apply_before_anything_changes(
     old = _write(tmp_path, _file("classic"), "old.yml")
     assert run_cli("apply", old, settings=fresh_vhost).code == 0  # type: ignore[attr-defined]
     new = _write(tmp_path, _file("quorum"), "new.yml")
-    # A 3.x node whose open-file limit has room for two quorum queues, not the three this
-    # migration adds (the main queue and its two tiers; the parking queue stays classic).
+    # A 3.x node whose open-file limit has room for two quorum queues, not the four this
+    # migration adds (the main queue, its two tiers and its parking queue, which follows it).
     from rabbit_retry.broker.inspect import NodeCapacity
     from rabbit_retry.cli import provision
 
@@ -223,11 +223,11 @@ def test_migrate_runs_the_open_file_guard_of_apply_before_anything_changes(
     dry = run_cli("migrate", new, "--dry-run", settings=fresh_vhost)
     assert dry.code == 0  # type: ignore[attr-defined]
     assert dry.err.startswith(  # type: ignore[attr-defined]
-        "warning: migrate would refuse: refusing to declare 3 quorum queues")
+        "warning: migrate would refuse: refusing to declare 4 quorum queues")
     refused = run_cli("migrate", new, "--yes", settings=fresh_vhost)
     assert refused.code == 1  # type: ignore[attr-defined]
     assert refused.err.startswith(  # type: ignore[attr-defined]
-        "error: refusing to declare 3 quorum queues: the broker would hold 3, and RabbitMQ "
+        "error: refusing to declare 4 quorum queues: the broker would hold 4, and RabbitMQ "
         "3.10.8 with an open-file limit of 70 holds about 2")
     assert _type(management, fresh_vhost, Q) == "classic"
     assert management.queue(fresh_vhost.vhost, f"{Q}.migrating") is None

@@ -37,6 +37,7 @@ queues:
     bindings: [{exchange: audit}]
     retry: {delays: [1s, 5s], max_attempts: 3}
     policy: {max_length: 1000}
+    on_full: ONFULL
 """
 
 # The holder of a lock for the lock tests: the product's lock, held until stdin closes.
@@ -53,7 +54,9 @@ with VhostLock(settings, "apply", "holder.yml", 0, print):
 
 def topology(tmp_path: Path, queue_type: str = "quorum", name: str = "t.yml",
              text: str = FILE) -> str:
-    return write(tmp_path, text.replace("QTYPE", queue_type), name)
+    # A full quorum queue refuses publishes; a classic one parks its oldest message.
+    on_full = "reject" if queue_type == "quorum" else "park"
+    return write(tmp_path, text.replace("QTYPE", queue_type).replace("ONFULL", on_full), name)
 
 
 def queue_names(api: Management, settings: Settings) -> set[str]:
