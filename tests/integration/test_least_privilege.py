@@ -287,10 +287,10 @@ def test_the_open_file_guard_of_3x_says_it_cannot_read_the_limit(
     if major >= 4:  # 4.x holds quorum queues without a file handle each: nothing to check
         assert done.err == "", done
         return
-    # The queue and its tier are quorum queues (the parking queue here is classic).
+    # The queue, its tier and its parking queue (which follows the queue) are quorum queues.
     assert done.err.startswith(f"note: the open-file limit of RabbitMQ {major}.{minor}."), done
     assert done.err.endswith(
-        " for 2 new quorum queues is not checked: reading it needs the monitoring tag\n"
+        " for 3 new quorum queues is not checked: reading it needs the monitoring tag\n"
     ), done
     # With the monitoring tag it is read and checked: no note.
     watcher = ci_user("management,monitoring")

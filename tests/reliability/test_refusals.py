@@ -168,7 +168,7 @@ def test_user_without_configure_permission(
     changed.write_text(TOPOLOGY + "  rel.more:\n    retry: {delays: [1s], max_attempts: 2}\n")
     line = _one_line(_run(admin_api, "apply", changed), password)
     assert line.startswith("error: taking the lock of vhost ") and "ACCESS_REFUSED" in line, line
-    assert "configure access to queue 'rabbit-retry.lock'" in line
+    assert "access to queue 'rabbit-retry.lock'" in line  # 3.10 leaves out "configure"
     assert f"refused for user '{name}'" in line
     assert management.definitions(fresh_vhost.vhost)["queues"] == before["queues"]
 
