@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import CliResult
 from support.amqp import blocking, depth_sync, drain_sync, persistent, publish_stream
 
 from rabbit_retry.broker.management import Management
@@ -60,7 +60,7 @@ def _ids(settings: Settings, queue: str) -> Counter[str]:
 @pytest.mark.parametrize("kind", ["quorum", "classic"])
 def test_a_renamed_queue_moves_every_message_once_and_the_old_objects_go(
     kind: str, tmp_path: Path, fresh_vhost: Settings, management: Management,
-    run_cli: Callable[..., CliResult],
+    run_cli: Callable[..., Any],  # the run_cli fixture of tests/conftest.py
 ) -> None:
     old = _write(tmp_path, "old.yml", FILE.format(name=OLD, kind=kind, extra=""))
     new = _write(tmp_path, "new.yml",
