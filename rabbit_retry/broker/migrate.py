@@ -578,14 +578,17 @@ async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
     )
 
 
-async def _delete_when_empty(run: _Run, queue: str) -> None:
+async def _delete_when_empty(run: _Run, queue: str, *, checked: bool = True,
+                             refused: str = "is not empty after moving its messages back; run "
+                             "migrate again") -> None:
+    """Delete ``queue``; with ``checked`` only while the broker finds it empty and unused (a
+    classic queue checks both as it deletes; a quorum queue cannot). ``refused``: what to say
+    when the broker refuses."""
     channel = await run.channel()
     try:
-        await channel.queue_delete(queue, if_unused=True, if_empty=True, timeout=TIMEOUT)
+        await channel.queue_delete(queue, if_unused=checked, if_empty=checked, timeout=TIMEOUT)
     except aiormq.exceptions.ChannelPreconditionFailed:
-        raise BrokerError(
-            f"{queue} is not empty after moving its messages back; run migrate again"
-        ) from None
+        raise BrokerError(f"{queue} {refused}") from None
     finally:
         if not channel.is_closed:
             await channel.close()
@@ -695,17 +698,9 @@ async def _delete_emptied(run: _Run, queue: str) -> None:
             f"{queue} got {plural(state[0], 'message')} or a consumer while its messages were "
             "moved; nothing is lost, run migrate again"
         )
-    channel = await run.channel()
-    try:
-        await channel.queue_delete(queue, if_unused=classic, if_empty=classic, timeout=TIMEOUT)
-    except aiormq.exceptions.ChannelPreconditionFailed:
-        raise BrokerError(
-            f"{queue} got messages or a consumer while its messages were moved; nothing is "
-            "lost, run migrate again"
-        ) from None
-    finally:
-        if not channel.is_closed:
-            await channel.close()
+    await _delete_when_empty(run, queue, checked=classic, refused=(
+        "got messages or a consumer while its messages were moved; nothing is lost, run "
+        "migrate again"))
 
 
 async def rename(

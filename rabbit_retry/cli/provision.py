@@ -62,7 +62,7 @@ from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 from rabbit_retry.topology.plan import Policy
 
 if TYPE_CHECKING:
-    from rabbit_retry.broker.migrate_plan import Rename
+    from rabbit_retry.broker.migrate_plan import Migration, Rename
     from rabbit_retry.outbox.destinations import Destinations
 
 _STYLE = {
@@ -514,8 +514,6 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
 
 def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: bool,
              targets: Sequence[str], accept_evictions: bool) -> None:
-    from rabbit_retry.broker.migrate import migrate as run_migrations
-    from rabbit_retry.broker.migrate import rename as run_renames
     from rabbit_retry.broker.migrate_plan import (
         describe,
         describe_rename,
@@ -529,7 +527,6 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
     )
 
     changes, live = _read(settings, compiled, targets, checked=not dry_run)
-    selection = sorted(set(targets)) or None
     migrations = plan_migrations(changes, live, compiled.bindings)
     renames = plan_renames(changes, live)
     if not migrations and not renames:
@@ -579,6 +576,15 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
         for change in routes:
             click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
                        if change.object == "binding" else f"declared {change.name}")
+    _carry_out(settings, compiled, file, migrations, renames, sorted(set(targets)) or None)
+
+
+def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequence[Migration],
+               renames: Sequence[Rename], selection: list[str] | None) -> None:
+    """Run the confirmed migrations, then the renames, and say what ``apply`` has left."""
+    from rabbit_retry.broker.migrate import migrate as run_migrations
+    from rabbit_retry.broker.migrate import rename as run_renames
+
     if migrations:
         outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
         click.echo(
