@@ -59,6 +59,7 @@ VERBS = {
     "parking": "operate",
     "plan": "provision",
     "relay": "relay",
+    "rescue": "operate",
     "status": "operate",
     "validate": "provision",
     "worker": "worker",

@@ -10,11 +10,13 @@ is one looking could harm (parking/kinds.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import click
 from click.decorators import FC
@@ -22,11 +24,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rabbit_retry.cli import Group, confirm, pass_settings, stdin_is_terminal
-from rabbit_retry.errors import EXIT_RUNTIME, InputError
+from rabbit_retry.errors import EXIT_CONFLICT, EXIT_RUNTIME, InputError
 from rabbit_retry.parking import act, filters, peek, render
 from rabbit_retry.parking.message import group, summary_record
 from rabbit_retry.settings import Settings
 from rabbit_retry.text import plural
+
+if TYPE_CHECKING:
+    from rabbit_retry.broker.management import Management
+    from rabbit_retry.rescue import Work
+    from rabbit_retry.topology import Plan
 
 _PARKED = "parked message"  # the noun of every count below
 
@@ -275,4 +282,91 @@ def export(settings: Settings, queue: str, out: str) -> None:
     )
 
 
-COMMANDS = {"status": status, "parking": parking}
+def _rescue_interval(value: str) -> float:
+    from rabbit_retry.topology.durations import parse_duration
+
+    try:
+        return parse_duration(value, limit_ms=None) / 1000
+    except ValueError as exc:
+        raise InputError(f"--interval: {exc}") from None
+
+
+@click.command()
+@click.argument("file", type=click.Path(dir_okay=False), metavar="FILE")
+@click.argument("queues", nargs=-1, metavar="[QUEUE]...")
+@click.option("--dry-run", is_flag=True, help="Say what it would move and what it cannot.")
+@click.option("--interval", default="3m", show_default=True, metavar="DURATION",
+              help="How often the broker retries held dead letters (its "
+              "dead_letter_worker_publisher_confirm_timeout); each wait gives up after it.")
+@_yes
+@pass_settings
+def rescue(settings: Settings, file: str, queues: tuple[str, ...], dry_run: bool, interval: str,
+           yes: bool) -> None:
+    """Move the messages RabbitMQ's dead-letter cycle check holds in FILE's queues to parking.
+
+    A message that reached a quorum queue's delivery limit without a verdict from the worker
+    can be held for ever (docs/versions.md, "Stranded messages"). Those held in a main queue Q
+    are parked in Q.parking (reason stranded), through a queue Q.rescue bound to Q.retry for up
+    to two of the broker's retry intervals (6 minutes by default); Q.retry's bindings are put
+    back as FILE has them, also when interrupted, and a second run finishes what one left.
+    Those held in a tier cannot be moved: one line each, exit 3.
+    """
+    from rabbit_retry.broker.identity import check_same_broker
+    from rabbit_retry.broker.management import Management
+    from rabbit_retry.rescue import read_survey
+
+    seconds = _rescue_interval(interval)
+    plan, on_park = _rescue_plan(file, queues)
+    with Management.for_settings(settings) as api:
+        check_same_broker(settings, api)
+        found = read_survey(api, settings, plan, file, queues, on_park)
+        for line in found.cannot:
+            click.echo(f"cannot: {line}")
+        for work in found.work:
+            click.echo(("would move " if dry_run else "") + work.line)
+        if not found.work and not found.cannot:
+            click.echo(f"nothing stranded in the queues of {file} on vhost {settings.vhost!r}")
+        if found.work and not dry_run:
+            _confirm_rescue(yes, len(found.work))
+            _run_rescue(settings, api, found.work, file, seconds)
+    if found.cannot:
+        sys.exit(EXIT_CONFLICT)
+
+
+def _rescue_plan(file: str, queues: Sequence[str]) -> tuple[Plan, dict[str, str]]:
+    """FILE's plan and each ordered queue's ``on_park``; a QUEUE not in it is refused."""
+    from rabbit_retry.topology import compile_topology, load_topology
+
+    topology = load_topology(file)
+    plan = compile_topology(topology)
+    mains = {q.name for q in plan.main_queues}
+    for name in queues:
+        if name not in mains:
+            raise InputError(f"QUEUE {name!r}: not a queue of {file}")
+    return plan, {q.name: q.ordered.on_park for q in topology.queues if q.ordered is not None}
+
+
+def _confirm_rescue(yes: bool, queues: int) -> None:
+    if yes:
+        return
+    if not stdin_is_terminal():
+        raise InputError("refusing to rescue without confirmation: stdin is not a terminal; "
+                         "pass --yes")
+    confirm(f"Rescue the stranded messages of {plural(queues, 'queue')} above?")
+
+
+def _run_rescue(settings: Settings, api: Management, work: Sequence[Work], file: str,
+                seconds: float) -> None:
+    """One queue after the other, under the vhost's lock (no apply or migrate meanwhile)."""
+    from rabbit_retry.broker.lock import VhostLock
+    from rabbit_retry.rescue import rescue_queue
+
+    say = functools.partial(click.echo, err=True)
+    with VhostLock(settings, "rescue", file, 60.0, say):
+        for item in work:
+            outcome = asyncio.run(rescue_queue(settings, api, item, seconds, say))
+            for line in outcome.lines(file):
+                click.echo(line)
+
+
+COMMANDS = {"status": status, "parking": parking, "rescue": rescue}
