@@ -58,6 +58,12 @@ COPY_SPAN = "copy-span"
 # keeps both: a replayed holder is its key's next message.
 ORDERED_KEY = "ordered-key"
 ORDERED_HOLD = "ordered-hold"
+# On a copy that holds its key: the lane whose held queue has the hold, as "LANE/LANES" (lane 2
+# of 4: "2/4"). The copy goes back to that lane, not through the lanes exchange, whose
+# consistent-hash ring RabbitMQ 3.10 and 4.0 rebuild in another order when a node restarts
+# (docs/versions.md, "Ordered keys and a node restart"); a copy from another number of lanes
+# goes through the exchange.
+ORDERED_LANE = "ordered-lane"
 # In a lane's held queue: what an entry is (message | hold | release), its place in the lane's
 # order, and for a hold since when (epoch seconds), why (retry | parked) and whose.
 ORDERED_ENTRY = "ordered-entry"
@@ -209,10 +215,21 @@ def parked_reason(headers: Mapping[str, Any]) -> str | None:
     reason = header_text(headers.get(PARKED_REASON))
     if reason is not None:
         return reason
+    death = broker_parking(headers)
+    return None if death is None else BROKER_PARKED_REASONS[as_text(death.get("reason")) or ""]
+
+
+def broker_parking(headers: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``x-death`` entry of the broker's dead-lettering that parked this message (its newest
+    one, with a reason in ``BROKER_PARKED_REASONS``), or None: parked by rabbit-retry (a copy
+    has a ``parked-reason`` and no ``x-death``) or not parked."""
+    if header_text(headers.get(PARKED_REASON)) is not None:
+        return None
     deaths = headers.get(X_DEATH)
-    if isinstance(deaths, list | tuple) and deaths and isinstance(deaths[0], Mapping):
-        # Newest first on every version: 3.x moves the entry it updates to the front.
-        return BROKER_PARKED_REASONS.get(as_text(deaths[0].get("reason")) or "")
+    # Newest first on every version: 3.x moves the entry it updates to the front.
+    newest = deaths[0] if isinstance(deaths, list | tuple) and deaths else None
+    if isinstance(newest, Mapping) and as_text(newest.get("reason")) in BROKER_PARKED_REASONS:
+        return newest
     return None
 
 

@@ -556,24 +556,12 @@ class Memory:
                     ("x-delivery-count", frames.long(entry.returns))
                 ]), True
             return content.header, entry.redelivered or entry.returns > 0
-        added: frames.Entries = []
-        if content.deaths:
-            added.append(("x-death", frames.array([_death_table(d) for d in content.deaths])))
-        for prefix, death in (("first", content.first_death), ("last", content.last_death)):
-            if death is not None:
-                for name, text in zip(("reason", "queue", "exchange"), death, strict=True):
-                    added.append((f"x-{prefix}-death-{name}", frames.longstr(text)))
+        added = _death_annotations(content)
         redelivered = entry.redelivered
         if queue.quorum:
-            delivered = entry.returns or (
-                content.delivery_count if self.version.counting == "4.0" else 0
-            )
-            acquired = entry.acquired or content.acquired_count
-            if delivered:
-                added.append(("x-delivery-count", frames.long(delivered)))
-            if acquired and self.version.counting == "4.3":
-                added.append(("x-acquired-count", frames.long(acquired)))
-            redelivered = bool(delivered or (acquired and self.version.counting == "4.3"))
+            counts = self._return_counts(entry)
+            added += counts
+            redelivered = bool(counts)
         if not added:
             return content.header, redelivered
         names = {name for name, _ in added}
@@ -581,6 +569,20 @@ class Memory:
         # RabbitMQ 4.x adds its annotations to the table and then sorts it by name.
         return frames.rewrite(content.header, sorted(added + kept, key=lambda e: e[0])), \
             redelivered
+
+    def _return_counts(self, entry: Entry) -> frames.Entries:
+        """A quorum queue's annotations of how often ``entry`` came back (4.x)."""
+        content = entry.content
+        delivered = entry.returns or (
+            content.delivery_count if self.version.counting == "4.0" else 0
+        )
+        acquired = entry.acquired or content.acquired_count
+        counts: frames.Entries = []
+        if delivered:
+            counts.append(("x-delivery-count", frames.long(delivered)))
+        if acquired and self.version.counting == "4.3":
+            counts.append(("x-acquired-count", frames.long(acquired)))
+        return counts
 
     # --- settling ------------------------------------------------------------------------------
 
@@ -742,25 +744,10 @@ class Memory:
             entries[at] = ("x-death", frames.array([frames.table([("count", frames.long(1)),
                                                                   *info])]))
             return entries
-        tables = frames.items(raw[1:])
-        if any(t[:1] != b"F" for t in tables):
+        deaths = _counted_on(frames.items(raw[1:]), queue, reason, info)
+        if deaths is None:
             return None
-        parsed = [frames.entries(t[1:]) for t in tables]
-        others = []
-        updated: frames.Entries | None = None
-        for fields in parsed:
-            values = {name: frames.value(v) for name, v in fields}
-            count = values.get("count")
-            if not _is_int(count):
-                return None  # 3.x crashes counting on from it
-            if updated is None and (values.get("queue"), values.get("reason")) == (queue, reason):
-                assert isinstance(count, int)
-                updated = sorted([(n, frames.long(count + 1) if n == "count" else v)
-                                  for n, v in fields])
-            else:
-                others.append(frames.table(fields))
-        first_entry = updated if updated is not None else [("count", frames.long(1)), *info]
-        entries[at] = ("x-death", frames.array([frames.table(first_entry), *others]))
+        entries[at] = ("x-death", deaths)
         return entries
 
     def _is_cycle(self, target: str, content: Content) -> bool:
@@ -877,3 +864,39 @@ def _with_entries(header: bytes, added: frames.Entries) -> bytes:
     new = dict(added)
     entries = [(n, new.pop(n) if n in new else v) for n, v in frames.header_entries(header) or []]
     return frames.rewrite(header, entries + list(new.items()))
+
+
+def _death_annotations(content: Content) -> frames.Entries:
+    """``x-death`` and the ``x-first-death-*`` / ``x-last-death-*`` headers (4.x)."""
+    added: frames.Entries = []
+    if content.deaths:
+        added.append(("x-death", frames.array([_death_table(d) for d in content.deaths])))
+    for prefix, death in (("first", content.first_death), ("last", content.last_death)):
+        if death is not None:
+            for name, text in zip(("reason", "queue", "exchange"), death, strict=True):
+                added.append((f"x-{prefix}-death-{name}", frames.longstr(text)))
+    return added
+
+
+def _counted_on(tables: list[bytes], queue: str, reason: str,
+                info: frames.Entries) -> bytes | None:
+    """3.x's ``x-death`` array with this death counted: the entry of (``queue``, ``reason``)
+    counted on and moved first, or a new one first; None where 3.x would crash (an entry not a
+    table, a count not a number)."""
+    if any(t[:1] != b"F" for t in tables):
+        return None
+    others = []
+    updated: frames.Entries | None = None
+    for fields in (frames.entries(t[1:]) for t in tables):
+        values = {name: frames.value(v) for name, v in fields}
+        count = values.get("count")
+        if not _is_int(count):
+            return None  # 3.x crashes counting on from it
+        if updated is None and (values.get("queue"), values.get("reason")) == (queue, reason):
+            assert isinstance(count, int)
+            updated = sorted([(n, frames.long(count + 1) if n == "count" else v)
+                              for n, v in fields])
+        else:
+            others.append(frames.table(fields))
+    first_entry = updated if updated is not None else [("count", frames.long(1)), *info]
+    return frames.array([frames.table(first_entry), *others])

@@ -32,6 +32,7 @@ from aiormq.abc import AbstractChannel, DeliveredMessage
 from rabbit_retry.contract import (
     ORDERED_HOLD,
     ORDERED_KEY,
+    ORDERED_LANE,
     ORDERED_RELEASE,
     as_text,
     new_message_id,
@@ -40,7 +41,18 @@ from rabbit_retry.contract import (
 from rabbit_retry.topology.resolved import OrderedConfig
 from rabbit_retry.worker import shutdown
 from rabbit_retry.worker.history import History
-from rabbit_retry.worker.ordering import Entry, Hold, HoldWhy, fold, key_of, plan, read_entry
+from rabbit_retry.worker.ordering import (
+    Entry,
+    Hold,
+    HoldWhy,
+    Settled,
+    fingerprint,
+    fold,
+    key_of,
+    lane_mark,
+    plan,
+    read_entry,
+)
 from rabbit_retry.worker.publisher import Publisher
 from rabbit_retry.worker.settle import Settler
 
@@ -69,6 +81,7 @@ class OrderedLane:
         *,
         config: OrderedConfig,
         queue: str,
+        number: int,
         lane_queue: str,
         held_queue: str,
         lanes_exchange: str,
@@ -78,9 +91,11 @@ class OrderedLane:
         user: str,
         handle: Callable[[DeliveredMessage, str], Awaitable[None]],
         lost: Callable[[str], None],
+        settled: Settled,
     ) -> None:
         self.config = config
         self.queue = queue
+        self.number = number
         self.lane_queue = lane_queue
         self.held_queue = held_queue
         self.lanes_exchange = lanes_exchange
@@ -90,6 +105,7 @@ class OrderedLane:
         self.user = user
         self._handle = handle
         self._lost = lost
+        self.settled = settled  # this lane's, kept by the worker process across connections
         self.holds: dict[str, Hold] = {}
         self.backlog: dict[str, int] = {}  # per key: its messages waiting in the held queue
         self.turns: dict[Task, Turn] = {}  # the running deliveries' keys
@@ -108,16 +124,40 @@ class OrderedLane:
 
     # --- a delivery's way ----------------------------------------------------------------------
 
+    def done(self, message: DeliveredMessage) -> None:
+        """The delivery is settled (its ack is on its way): remembered, in case the broker
+        loses the ack and hands it back."""
+        props = message.header.properties
+        self.settled.add(fingerprint(props.message_id, message.body, props.headers))
+
+    def settled_before(self, message: DeliveredMessage) -> bool:
+        """Whether a delivery the broker handed back was settled by this process already (its
+        ack was lost with a broker restart or a dropped connection): then it is acked again,
+        not run after its key's later messages."""
+        if not message.delivery.redelivered:  # type: ignore[union-attr]
+            return False
+        props = message.header.properties
+        if fingerprint(props.message_id, message.body, props.headers) not in self.settled:
+            return False
+        log.info("queue=%s message_id=%s came back although it was settled here (the broker lost"
+                 " its ack); acked again, not handled again", self.lane_queue, props.message_id,
+                 extra={"queue": self.queue, "event": "settled_before"})
+        return True
+
     async def admit(
         self, task: Task, message: DeliveredMessage, history: History, ours: bool
     ) -> Turn | None:
         """Whether the delivery runs now (its ``Turn``), after its key's earlier delivery, or
-        was taken care of here (moved to the held queue, dropped, a release: acked; None)."""
+        was taken care of here (moved to the held queue, dropped, a release, settled here
+        before: acked; None)."""
         if not self._ready.is_set():
             self._start_passes()
             await self._ready.wait()
         headers = message.header.properties.headers
         tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
+        if self.settled_before(message):
+            await self._ack(tag)
+            return None
         routing_key = (history.source[1] if history.source
                        else message.delivery.routing_key or "")  # type: ignore[union-attr]
         key = key_of(self.config.header, headers, routing_key, ours)
@@ -153,21 +193,22 @@ class OrderedLane:
             except BaseException:
                 self.left(task)
                 raise
-            await self.leave(task, key)
+            await self.leave(task, tag, key)
             return None
         turn = self.turns[task] = Turn(key)
         return turn
 
-    async def leave(self, task: Task, key: str | None = None) -> None:
-        """The delivery is settled: once its ack is written, if the key's next delivery waits
-        for it, that one may run. (Acks go out in runs; a key's next message must not run, or
-        be moved, while a crash could still hand this one back to run again after it.)"""
+    async def leave(self, task: Task, tag: int, key: str | None = None) -> None:
+        """The delivery (``tag``) is settled: once its ack is written, if the key's next
+        delivery waits for it, that one may run. (Acks go out in runs; a key's next message
+        must not run, or be moved, while a crash could still hand this one back to run again
+        after it.)"""
         turn = self.turns.get(task)
         key = turn.key if turn is not None else key
         mine = self._mine.get(task)
         try:
             if mine is not None and key is not None and self._tails.get(key) is not mine:
-                await self.settle.flush()
+                await self.settle.send_now(tag)
         except Exception as exc:  # the channel closed: what it held comes back anyway
             log.debug("queue=%s: acks not written: %r", self.queue, exc)
         finally:
@@ -206,6 +247,7 @@ class OrderedLane:
                               lambda: not message.channel.is_closed)
         self.backlog[key] = self.backlog.get(key, 0) + 1
         await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
+        self.done(message)
 
     # --- holds ---------------------------------------------------------------------------------
 
@@ -222,7 +264,8 @@ class OrderedLane:
         self, turn: Turn, action: object, headers: dict[str, Any], holder: str | None
     ) -> Hold | None:
         """A copy of the delivery with ``turn`` is about to go out (a retry, a park, a send
-        back): it says its key, and holds it unless it parks on a queue that continues."""
+        back): it says its key, and holds it unless it parks on a queue that continues. A
+        holding copy also names this lane: it comes back here, where its hold is written."""
         from rabbit_retry.worker.decide import Park, Requeue
 
         headers[ORDERED_KEY] = turn.key
@@ -230,9 +273,11 @@ class OrderedLane:
                         else "sent-back" if isinstance(action, Requeue) else "retry")
         if why == "parked" and self.config.on_park != "hold":
             headers.pop(ORDERED_HOLD, None)
+            headers.pop(ORDERED_LANE, None)
             return None
         hold = self.hold(turn.key, why, holder)
         headers[ORDERED_HOLD] = hold.id
+        headers[ORDERED_LANE] = lane_mark(self.number, self.config.lanes)
         return hold
 
     async def after_copy(self, turn: Turn, hold: Hold | None) -> None:
@@ -284,8 +329,12 @@ class OrderedLane:
             if self._pending.get(key) is None:
                 self._pending.pop(key, None)
         self._garbage += 2
-        if self.backlog.get(key) or self._garbage >= len(self.holds) + sum(self.backlog.values()):
+        if self.backlog.get(key) or self._untidy():
             self._start_passes()
+
+    def _untidy(self) -> bool:
+        """Whether the held queue holds as many entries that say nothing as entries needed."""
+        return self._garbage > 0 and self._garbage >= len(self.holds) + sum(self.backlog.values())
 
     async def _ack(self, tag: int) -> None:
         """Ack with the lane's next run."""
@@ -320,9 +369,11 @@ class OrderedLane:
             while True:
                 self._again = False
                 await self._one_pass()
-                # Free keys whose messages were moved meanwhile (behind those handed back).
+                # Free keys whose messages were moved meanwhile (behind those handed back), or
+                # entries released while this pass handed back others: once those are gone,
+                # nothing else may come to tidy the held queue.
                 waiting = any(n and key not in self.holds for key, n in self.backlog.items())
-                if not (self._again or waiting):
+                if not (self._again or waiting or self._untidy()):
                     return
         except asyncio.CancelledError:
             raise
@@ -362,9 +413,13 @@ class OrderedLane:
             await asyncio.gather(*runs)
 
     async def _take_all(self) -> list[DeliveredMessage]:
-        declared = await self.channel.queue_declare(self.held_queue, passive=True)
+        """Every entry, taken until the held queue says it is empty, not as many as it counts:
+        a quorum queue counts what it has applied, and entries a dead owner had taken come
+        back with a command it may not have applied yet when this worker takes the lane over
+        (their takes queue behind that command). Only this lane's owner writes here, and not
+        while it reads."""
         taken: list[DeliveredMessage] = []
-        for _ in range(declared.message_count or 0):
+        while True:
             message = await self.channel.basic_get(self.held_queue, no_ack=False)
             if not isinstance(message.delivery, spec.Basic.GetOk):
                 break
@@ -392,7 +447,10 @@ class OrderedLane:
             if held:
                 await self._rewrite(message)
                 continue
-            await self._handle(message, key)
+            if self.settled_before(message):
+                await self._ack(_tag(message))
+            else:
+                await self._handle(message, key)
             self.backlog[key] = max(0, self.backlog.get(key, 0) - 1)
         if not self.backlog.get(key):
             self.backlog.pop(key, None)

@@ -31,6 +31,7 @@ sequence number and count once.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,6 +41,7 @@ from rabbit_retry.contract import (
     ORDERED_HOLD,
     ORDERED_HOLDER,
     ORDERED_KEY,
+    ORDERED_LANE,
     ORDERED_SEQ,
     ORDERED_SINCE,
     ORDERED_WHY,
@@ -66,6 +68,21 @@ def key_of(
     if header is None:
         return routing_key
     return header_text((headers or {}).get(header)) or ""
+
+
+def lane_mark(lane: int, lanes: int) -> str:
+    """``ORDERED_LANE`` of a holding copy from lane ``lane`` of ``lanes``."""
+    return f"{lane}/{lanes}"
+
+
+def holding_lane(headers: Mapping[str, Any], lanes: int) -> int | None:
+    """The lane a copy back at ``Q`` returns to: the one whose held queue has its hold (a
+    holder's copy, replayed or released, carries it), or None (through the lanes exchange):
+    none carried, garbled, or written when the queue had another number of lanes."""
+    lane, sep, count = (as_text(headers.get(ORDERED_LANE)) or "").partition("/")
+    if not (sep and lane.isdigit() and count.isdigit() and int(count) == lanes):
+        return None
+    return int(lane) if int(lane) < lanes else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,3 +218,47 @@ def plan(entries: Sequence[Entry | None], folded: Folded) -> PassPlan:
         if key not in folded.holds:
             out.handle[key] = list(indexes)
     return out
+
+
+# --- what a lane settled on an earlier connection ------------------------------------------------
+# A broker that restarts, or a connection that drops, can lose acks the worker had written: the
+# broker hands those deliveries back although they were handled, and a key's later messages may
+# have run since. The worker process remembers what each lane settled, so such a delivery is
+# acked again instead of being handled after its key's later messages.
+
+# What a quorum queue adds to a delivery it hands back (4.x: both; 3.x: the first).
+RETURN_COUNTS = frozenset({"x-delivery-count", "x-acquired-count"})
+
+
+def fingerprint(
+    message_id: str | None, body: bytes, headers: Mapping[str, Any] | None
+) -> bytes | None:
+    """What tells a delivery that comes back from every other message: its id, body and headers
+    (a retry's copy differs from its original by its headers); None without a message id (two
+    such messages may be alike: neither is ever taken for the other)."""
+    if not message_id:
+        return None
+    digest = hashlib.blake2b(body, digest_size=16)
+    digest.update(message_id.encode())
+    kept = sorted((k, v) for k, v in (headers or {}).items() if k not in RETURN_COUNTS)
+    digest.update(repr(kept).encode())
+    return digest.digest()
+
+
+class Settled:
+    """The fingerprints of the last ``size`` deliveries a lane settled in this process."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._seen: dict[bytes, None] = {}
+
+    def add(self, print_: bytes | None) -> None:
+        if print_ is None:
+            return
+        self._seen.pop(print_, None)
+        self._seen[print_] = None
+        if len(self._seen) > self.size:
+            del self._seen[next(iter(self._seen))]
+
+    def __contains__(self, print_: bytes | None) -> bool:
+        return print_ is not None and print_ in self._seen

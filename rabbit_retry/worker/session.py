@@ -76,6 +76,7 @@ from rabbit_retry.worker.history import FIRST, History, read
 from rabbit_retry.worker.lane import Lane
 from rabbit_retry.worker.metrics import QueueMetrics
 from rabbit_retry.worker.ordered import OrderedLane, Turn
+from rabbit_retry.worker.ordering import Settled, holding_lane
 from rabbit_retry.worker.pause import Breaker, Change
 from rabbit_retry.worker.pausing import Pausing
 from rabbit_retry.worker.publisher import DeliveryGone, Publisher
@@ -111,6 +112,8 @@ class Subscription:
     breaker: Breaker | None = None  # the consumer's Pause; lives as long as the runner
     deduper: Deduper | None = None  # the consumer's Idempotency, once its store is open
     deadlines: Deadlines = field(default_factory=Deadlines)  # its handlers' timeouts
+    # An ordered queue's lanes: what each settled lately, kept across connections.
+    settled: dict[int, Settled] = field(default_factory=dict)
 
     @property
     def queue(self) -> str:
@@ -226,7 +229,8 @@ class Session:
         self._watch(channel, queue)
         router = Stream(sub, rules)
         router.lane = Lane(channel, queue, prefetch(consumer), ack_run(consumer),
-                           partial(self._forward, router, lanes), self._set_lost, fixed=True)
+                           partial(self._forward, router, lanes, ordered.lanes), self._set_lost,
+                           fixed=True)
         self.streams.append(router)
         await router.lane.start()
         for number in range(ordered.lanes):
@@ -238,10 +242,12 @@ class Session:
             lane = stream.lane = Lane(channel, name, prefetch(consumer), ack_run(consumer),
                                       partial(deliver, stream), self._set_lost, fixed=True)
             stream.order = OrderedLane(
-                config=ordered, queue=queue, lane_queue=name, held_queue=held,
+                config=ordered, queue=queue, number=number, lane_queue=name, held_queue=held,
                 lanes_exchange=lanes, channel=channel, settle=lane.settle,
                 publisher=self.publisher, user=self.user,
                 handle=partial(self._released, stream), lost=self._set_lost,
+                # A lost ack is of a delivery still unacked to the broker: a prefetch's worth.
+                settled=sub.settled.setdefault(number, Settled(max(64, 4 * prefetch(consumer)))),
             )
             if consumer.batch is not None:
                 stream.batcher = Batcher(consumer.batch, partial(self._run_batch, sub),
@@ -262,9 +268,13 @@ class Session:
                  consumer.name, prefetch(consumer), ordered.lanes,
                  extra={"queue": queue, "event": "consuming"})
 
-    async def _forward(self, stream: Stream, lanes: str, message: DeliveredMessage) -> None:
+    async def _forward(
+        self, stream: Stream, lanes: str, count: int, message: DeliveredMessage
+    ) -> None:
         """A message back at an ordered queue's ``Q`` (from a tier, a replay, an operator's
-        release): on to its key's lane through the lanes exchange, confirmed, then acked."""
+        release): on to its key's lane, confirmed, then acked. A copy that holds its key (or
+        releases it) goes straight to the lane that wrote the hold (``ORDERED_LANE``); anything
+        else through the lanes exchange."""
         task = asyncio.current_task()
         assert task is not None
         self.tasks.add(task)
@@ -274,11 +284,16 @@ class Session:
         props = message.header.properties
         headers = dict(props.headers or {})
         try:
-            routing_key = (as_text(headers.get(ORDERED_KEY))
-                           or as_text(headers.get(ORIGINAL_ROUTING_KEY))
-                           or message.delivery.routing_key or "")  # type: ignore[union-attr]
+            lane = holding_lane(headers, count)
+            if lane is not None:
+                exchange, routing_key = "", naming.lane_queue(stream.sub.queue, lane)
+            else:
+                exchange = lanes
+                routing_key = (as_text(headers.get(ORDERED_KEY))
+                               or as_text(headers.get(ORIGINAL_ROUTING_KEY))
+                               or message.delivery.routing_key or "")  # type: ignore[union-attr]
             await self.publisher.publish_held(
-                lanes, routing_key, message.body,
+                exchange, routing_key, message.body,
                 republish_properties(props, headers, self.user),
                 delivery_alive=lambda: not message.channel.is_closed,
                 context={"queue": stream.sub.queue, "message_id": props.message_id},
@@ -357,7 +372,7 @@ class Session:
             if entered:
                 lane.left(task)
             if order is not None:
-                await order.leave(task)
+                await order.leave(task, message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
             sub.metrics.in_flight -= 1
             self.tasks.discard(task)
 
@@ -396,38 +411,18 @@ class Session:
         out. A batch consumer's delivery joins a batch for the call (``alone``: a batch of its
         own) and takes its own outcome from it."""
         sub, rules = stream.sub, stream.rules
-        props = message.header.properties
-        deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
-        error: BaseException | None = None
         payload: Any = NOT_DECODED
         if sub.adapter is not None:
-            from pydantic import ValidationError  # loaded already: the adapter is pydantic's
-
-            try:
-                payload = sub.adapter.validate_json(message.body)
-            except ValidationError as exc:
+            payload, invalid = _decode(sub.adapter, message.body)
+            if invalid is not None:
                 stream.lane.ran(task)
                 await self._carry_out(stream, message, history,
-                                      decide(history, Outcome.INVALID, rules), exc)
+                                      decide(history, Outcome.INVALID, rules), invalid)
                 return
-        exchange, routing_key = history.source or (deliver.exchange or "",
-                                                   deliver.routing_key or "")
-        headers = props.headers
-        delivery: Delivery[Any] = Delivery(
-            message.body,
-            MappingProxyType(headers) if headers else _NO_HEADERS,
-            props.message_id,
-            props.correlation_id,
-            routing_key,
-            exchange,
-            sub.queue,
-            history.failures + 1,  # attempt
-            rules.policy.max_attempts,
-            payload,
-        )
+        delivery = _delivery(message, history, sub.queue, rules.policy.max_attempts, payload)
         ticket: Ticket | None = None
         if sub.deduper is not None:
-            ticket = await sub.deduper.admit(delivery, props.user_id,
+            ticket = await sub.deduper.admit(delivery, message.header.properties.user_id,
                                              lambda: not message.channel.is_closed)
             if ticket.gone:
                 return
@@ -436,23 +431,7 @@ class Session:
                 sub.metrics.duplicates += 1
                 await self._carry_out(stream, message, history, ACK, None, duplicate=True)
                 return
-        try:
-            if stream.batcher is None:
-                outcome = await self._run(sub, task, delivery)
-            else:
-                outcome = await stream.batcher.join(delivery, alone=alone)
-        except asyncio.CancelledError:
-            if not self.stopping:
-                raise
-            # Stopped past its grace: back to the queue as a copy, so that the next start
-            # does not take it for a crash's return (run alone, counted toward the limit).
-            outcome = Outcome.HELD
-        if isinstance(outcome, BaseException):
-            error = outcome
-            outcome = classify(error, payload_invalid=payload_error(delivery) is not None,
-                               permanent_errors=sub.consumer.permanent_errors)
-            if outcome is Outcome.INVALID:
-                error = payload_error(delivery) or error
+        outcome, error = await self._outcome(stream, task, delivery, alone)
         stream.lane.ran(task)
         change = Change.NONE
         if stream.pausing is not None:  # told as the handler returns, before anything awaits
@@ -467,6 +446,32 @@ class Session:
         if change is not Change.NONE:
             assert stream.pausing is not None
             await stream.pausing.carry_out(change)
+
+    async def _outcome(
+        self, stream: Stream, task: asyncio.Task[Any], delivery: Delivery[Any], alone: bool
+    ) -> tuple[Outcome, BaseException | None]:
+        """The handler's outcome (through the batch, for a batch consumer), and the exception
+        it raised (None: none)."""
+        sub = stream.sub
+        try:
+            if stream.batcher is None:
+                result = await self._run(sub, task, delivery)
+            else:
+                result = await stream.batcher.join(delivery, alone=alone)
+        except asyncio.CancelledError:
+            if not self.stopping:
+                raise
+            # Stopped past its grace: back to the queue as a copy, so that the next start
+            # does not take it for a crash's return (run alone, counted toward the limit).
+            return Outcome.HELD, None
+        if not isinstance(result, BaseException):
+            return result, None
+        invalid = payload_error(delivery)
+        outcome = classify(result, payload_invalid=invalid is not None,
+                           permanent_errors=sub.consumer.permanent_errors)
+        if outcome is Outcome.INVALID:
+            return outcome, invalid or result
+        return outcome, result
 
     @staticmethod
     async def _run(
@@ -552,9 +557,12 @@ class Session:
     ) -> None:
         """Ack, nack, or publish a confirmed copy and then ack: ``action`` says which."""
         if action is ACK:  # most of the traffic: nothing else to build or say
-            if stream.order is not None:  # a holder handled: its key goes on
-                await stream.order.after_ack(stream.order.turn_of(asyncio.current_task()))  # type: ignore[arg-type]
+            order = stream.order
+            if order is not None:  # a holder handled: its key goes on
+                await order.after_ack(order.turn_of(asyncio.current_task()))  # type: ignore[arg-type]
             self._ack(stream, message, history, duplicate)
+            if order is not None:
+                order.done(message)
             return
         failure = self._failure(stream, history, action, error)
         copy = None if isinstance(action, NativeRetry) else self._copy(stream, message, history,
@@ -626,6 +634,8 @@ class Session:
         if turn is not None and order is not None:
             await order.after_copy(turn, hold)
         stream.lane.settle.done(message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
+        if order is not None:
+            order.done(message)
 
     @staticmethod
     def _count(metrics: QueueMetrics, action: Action) -> None:
@@ -771,3 +781,35 @@ class Session:
         except Exception as exc:
             log.debug("closing the connection: %r", exc)
 
+
+def _decode(adapter: Any, body: bytes) -> tuple[Any, Exception | None]:
+    """The body validated by the consumer's model, or the validation error."""
+    from pydantic import ValidationError  # loaded already: the adapter is pydantic's
+
+    try:
+        return adapter.validate_json(body), None
+    except ValidationError as exc:
+        return NOT_DECODED, exc
+
+
+def _delivery(
+    message: DeliveredMessage, history: History, queue: str, max_attempts: int, payload: Any
+) -> Delivery[Any]:
+    """What the handler is given: the message as first published (``history.source``)."""
+    props = message.header.properties
+    deliver: spec.Basic.Deliver = message.delivery  # type: ignore[assignment]
+    exchange, routing_key = history.source or (deliver.exchange or "",
+                                               deliver.routing_key or "")
+    headers = props.headers
+    return Delivery(
+        message.body,
+        MappingProxyType(headers) if headers else _NO_HEADERS,
+        props.message_id,
+        props.correlation_id,
+        routing_key,
+        exchange,
+        queue,
+        history.failures + 1,  # attempt
+        max_attempts,
+        payload,
+    )

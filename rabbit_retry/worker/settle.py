@@ -87,6 +87,20 @@ class Settler:
     async def flush(self) -> None:
         """Ack everything done now, and wait until the frames are written."""
         self._send(stragglers=True)
+        await self._written()
+
+    async def send_now(self, tag: int) -> None:
+        """Ack ``tag`` (if done) now, with the run when the run reaches it, else on its own, and
+        wait until its frame is written; the other done deliveries keep to their run."""
+        if tag in self._done:
+            self._send(stragglers=False)
+            if tag in self._done:  # behind an open one
+                self._done.discard(tag)
+                self._ack_alone(tag)
+        await self._written()
+
+    async def _written(self) -> None:
+        """Until every ack frame queued so far is written."""
         if self._writer is not None and not self._writer.done():
             await asyncio.shield(self._writer)
 
@@ -130,11 +144,14 @@ class Settler:
             return
         if stragglers:
             for tag in sorted(done):
-                elsewhere.add(tag)  # acked: the run skips it when it gets there
-                self._ack(tag, multiple=False)
+                self._ack_alone(tag)
             done.clear()
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(STRAGGLER_S, self._late)
+
+    def _ack_alone(self, tag: int) -> None:
+        self._elsewhere.add(tag)  # acked: the run skips it when it gets there
+        self._ack(tag, multiple=False)
 
     def _ack(self, tag: int, *, multiple: bool) -> None:
         """Queue an ack frame. One writer sends them in order: frames of separate tasks can

@@ -18,7 +18,7 @@ import pytest
 from rel_support import Worker, spec_body
 from rel_support import records as recorded
 from support.amqp import Outgoing, publish_sync, total_depth
-from support.broker import enable_plugin, restart_app, version
+from support.broker import enable_plugin, restart_app
 from support.poll import wait_for
 from support.process import apply, cli
 
@@ -110,7 +110,8 @@ def test_two_workers_one_killed_mid_stream_keep_every_keys_order(
     second.start()
     messages = _stream(queue_type)
     publish_sync(fresh_vhost, messages, exchange="rel", routing_key="points")
-    # A parked message holds its key: the key's later messages wait for its replay too.
+    # A parked message holds its key: the key's later messages wait for its replay too. (A
+    # SIGKILL between a park's confirm and its hold's may park a message twice: at least once.)
     blocked = sum(EVENTS - seq + 1 for _user, seq in PARKED)
     total = len(messages) - blocked
     kills = 0
@@ -122,7 +123,7 @@ def test_two_workers_one_killed_mid_stream_keep_every_keys_order(
         victim.start()
     ok = lambda: {m for m, _ in recorded(records, "ok")}  # noqa: E731
     wait_for(lambda: len(ok()) >= total, "every message but the parked ones handled")
-    wait_for(lambda: total_depth(fresh_vhost, [f"{Q}.parking"]) == len(PARKED),
+    wait_for(lambda: total_depth(fresh_vhost, [f"{Q}.parking"]) >= len(PARKED),
              "the two held keys' messages parked")
     assert len(ok()) == total  # the held keys' later messages wait for them
     (records / "fixed").touch()
@@ -147,12 +148,6 @@ def test_ordered_keys_survive_a_broker_restart(
     """The broker application stops mid-stream and starts again (``alone`` in
     tests/conftest.py: never beside other tests); the worker reconnects, reads its lanes' held
     queues again and goes on in order."""
-    if version(management) < (4, 3):
-        # Found 2026-11-28, on this session's code and on the landed d2601be alike: on 3.10.8
-        # and 4.0.5 a hold whose write to the held queue was cut by the shutdown leaves its
-        # key held after the restart (3 messages left in a lane's held queue, a returning copy
-        # of the hold dropped as stale); passes on 4.3. Open in the issue, not fixed yet.
-        pytest.xfail("ordered keys across a broker restart on 3.10/4.0: known open bug")
     topology = points / "points.yml"
     topology.write_text(TOPOLOGY % {"type": "quorum"})
     apply(fresh_vhost, topology)

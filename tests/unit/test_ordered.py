@@ -15,7 +15,7 @@ import pytest
 from rabbit_retry import Batch, BatchResult, Delivery, Permanent, RetryConsumer
 from rabbit_retry.contract import release_headers
 from rabbit_retry.parking.headers import replay_headers
-from rabbit_retry.testing import TestBroker, Verdict, frames
+from rabbit_retry.testing import TestBroker, Verdict, amqp, frames
 from rabbit_retry.topology import parse_topology
 
 Q = "rewards.points"
@@ -182,6 +182,45 @@ async def test_a_discarded_holder_releases_its_key_and_the_rest_follow() -> None
     assert ledger.applied["carol"] == [2, 3]
 
 
+async def test_a_worker_killed_between_a_park_and_its_hold_leaves_two_copies_handled_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The park's copy is confirmed, the worker dies before the hold is written: the message
+    comes back and parks again. Replaying both copies handles it once (the first copy's hold
+    is not the key's: dropped), then the key's later messages follow."""
+    from rabbit_retry.worker.ordered import OrderedLane
+
+    record, stuck = OrderedLane.record, asyncio.Event()
+
+    async def dies_first(self: OrderedLane, key: str, hold: Any) -> None:
+        stuck.set()
+        await asyncio.Event().wait()
+
+    async with broker_for(topology()) as broker:
+        for seq in (1, 2, 3):
+            publish(broker, "dan", seq)
+        monkeypatch.setattr(OrderedLane, "record", dies_first)
+        async with broker.worker(Ledger({("dan", 1): "park"})) as first:
+            await asyncio.wait_for(stuck.wait(), 5)
+            await first.crash()
+        monkeypatch.setattr(OrderedLane, "record", record)
+        ledger = Ledger({("dan", 1): "park"})
+        async with broker.worker(ledger):
+            await broker.settle(retries=True)
+            copies = broker.parked(Q)
+            assert [c.message_id for c in copies] == ["dan-1", "dan-1"]
+            assert len({c.headers["ordered-hold"] for c in copies}) == 2
+            assert ledger.applied["dan"] == [] and held(broker) == 3
+            broker.memory.queue(PARKING).ready = []
+            for copy in copies:
+                broker.publish(copy.body, queue=Q, headers=replay_headers(copy.headers),
+                               message_id=copy.message_id)
+            await broker.settle(retries=True)
+            assert held(broker) == 0 and broker.parked(Q) == []
+    assert ledger.applied["dan"] == [1, 2, 3]
+    assert ledger.calls["dan"] == [1, 1, 2, 3]
+
+
 async def test_on_park_continue_lets_the_key_move_on() -> None:
     ledger = Ledger({("dan", 1): "park"})
     async with broker_for(topology(on_park="continue")) as broker, broker.worker(ledger):
@@ -250,7 +289,14 @@ async def test_a_crash_mid_stream_and_a_second_worker_keep_every_keys_order(
         assert all(s >= handled_by_first for s in second.calls[user]), (user, calls[user])
 
 
-async def test_a_key_held_when_its_worker_dies_stays_held_for_the_next() -> None:
+@pytest.mark.parametrize("count_lags", [False, True])
+async def test_a_key_held_when_its_worker_dies_stays_held_for_the_next(
+    count_lags: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``count_lags`` the broker counts the held queue empty as the new worker takes the
+    lane over: a quorum queue counts what it has applied, and the entries a dead owner had
+    taken come back with a command applied after the lane moved on (the new owner's takes
+    queue behind it). The new owner must find eve held all the same."""
     ledger = Ledger({("eve", 1): 1})
     async with broker_for(topology()) as broker:
         async with broker.worker(ledger) as worker:
@@ -259,6 +305,16 @@ async def test_a_key_held_when_its_worker_dies_stays_held_for_the_next() -> None
             await broker.settle()
             await worker.crash()
         assert held(broker) == 3
+        if count_lags:
+            declare = amqp.Channel.queue_declare
+
+            async def lagging(self: amqp.Channel, queue: str = "", **kwargs: Any) -> Any:
+                declared = await declare(self, queue, **kwargs)
+                if queue.endswith(".held"):
+                    declared.message_count = 0
+                return declared
+
+            monkeypatch.setattr(amqp.Channel, "queue_declare", lagging)
         async with broker.worker(ledger):
             publish(broker, "eve", 4)  # the new worker learns eve is held from the held queue
             decisions = await broker.settle()
@@ -272,10 +328,121 @@ async def test_a_key_held_when_its_worker_dies_stays_held_for_the_next() -> None
     never_backwards(ledger.calls)
 
 
+@pytest.mark.parametrize(("value", "lane"), [
+    (f"1/{LANES}", 1), (f"0/{LANES}", 0), (f"{LANES - 1}/{LANES}", LANES - 1),
+    (f"1/{LANES}".encode(), 1),  # a client that sends strings as bytes
+    (f"{LANES}/{LANES}", None), (f"-1/{LANES}", None), (f"1/{LANES + 1}", None),  # other lanes
+    ("1", None), (1, None), (True, None), ("x/3", None), (None, None),
+])
+def test_only_a_lane_of_the_queue_is_taken_from_a_copy(value: object, lane: int | None) -> None:
+    from rabbit_retry.contract import ORDERED_LANE
+    from rabbit_retry.worker.ordering import holding_lane
+
+    assert holding_lane({ORDERED_LANE: value} if value is not None else {}, LANES) == lane
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_a_holder_comes_back_to_its_lane_when_the_lanes_ring_changes(version: str) -> None:
+    """RabbitMQ before 4.3 rebuilds the lanes exchange's consistent-hash ring in another order
+    when a node restarts (docs/versions.md): a held key's copy, back from its tier, must still
+    reach the lane whose held queue holds the key, or the key stays held and the copy is taken
+    for a stale one."""
+    ledger = Ledger({("alice", 1): 1})
+    async with broker_for(topology(), version) as broker, broker.worker(ledger):
+        for seq in (1, 2, 3):
+            publish(broker, "alice", seq)
+        await broker.settle()
+        [lane] = [n for n in range(LANES) if broker.messages(f"{Q}.lane.{n}.held")]
+        ring = broker.memory.bindings[f"{Q}.lanes"]
+        ring.append(ring.pop(0))  # every bucket to another lane, as a restart may do
+        assert ring[lane].queue != f"{Q}.lane.{lane}"  # positive control: alice's bucket moved
+        await broker.settle(retries=True)
+        assert held(broker) == 0 and broker.discarded == []
+    assert ledger.applied["alice"] == [1, 2, 3]
+    never_backwards(ledger.calls)
+
+
+async def test_a_key_released_while_a_pass_hands_back_another_leaves_its_lane_tidy() -> None:
+    """bob's holder is done and a pass hands bob's waiting messages back; alice's holder, in the
+    same lane, is done meanwhile. Her hold and release say nothing any more, and once bob's are
+    handed back nothing else comes to the lane: the pass must take them away itself."""
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    class Slow(Ledger):
+        async def handle(self, delivery: Delivery) -> None:
+            if (delivery.headers["user-id"], delivery.payload["seq"]) == (bob, 2):
+                entered.set()
+                await gate.wait()
+            await super().handle(delivery)
+
+    async with broker_for(topology()) as broker:
+        lanes = broker.memory.exchanges[f"{Q}.lanes"]
+        lane = {u: broker.memory.route(lanes, "", {"user-id": u})[0].name
+                for u in ("alice", *(f"u{i}" for i in range(50)))}
+        bob = next(u for u in lane if u != "alice" and lane[u] == lane["alice"])
+        ledger = Slow({("alice", 1): 2, (bob, 1): 1})
+        async with broker.worker(ledger):
+            publish(broker, "alice", 1)
+            for seq in (1, 2, 3, 4):
+                publish(broker, bob, seq)
+            await broker.settle()  # both keys held, bob's later three in the held queue
+            assert held(broker) == 5
+            for step in ("5s: alice fails again, bob's first done", "1m: alice's holder done"):
+                due = broker.memory.next_expiry()
+                assert due is not None, step
+                broker.memory.expire(due)
+                await asyncio.wait_for(entered.wait(), 5)  # bob's second runs, and waits
+            for _ in range(500):
+                if ledger.applied["alice"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert ledger.applied["alice"] == [1]
+            gate.set()
+            await broker.settle()
+            assert held(broker) == 0 and broker.discarded == []
+    assert ledger.applied[bob] == [1, 2, 3, 4]
+    never_backwards(ledger.calls)
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_deliveries_whose_acks_the_broker_lost_are_not_handled_again(
+    monkeypatch: pytest.MonkeyPatch, queue_type: str,
+) -> None:
+    """A broker that restarts can lose acks the worker wrote: it hands those deliveries back
+    after their key's later messages ran (seen on 3.10 under load). The worker remembers what
+    it settled: they are acked again, not handled again, and the key goes on in order."""
+    from rabbit_retry.testing.amqp import Channel
+
+    ack, lost = Channel.basic_ack, []
+
+    async def lose(self: Channel, delivery_tag: int, multiple: bool = False,
+                   wait: bool = True) -> None:
+        lost.append(delivery_tag)
+
+    ledger = Ledger({("erin", 2): 1})
+    async with broker_for(topology(queue_type)) as broker, broker.worker(ledger) as worker:
+        monkeypatch.setattr(Channel, "basic_ack", lose)
+        for seq in (1, 2, 3):
+            publish(broker, "erin", seq)
+        await broker.wait_for(lambda: ledger.calls["erin"] == [1, 2])  # erin-2 to its tier
+        due = broker.memory.next_expiry()
+        assert due is not None
+        broker.memory.expire(due)
+        await broker.wait_for(lambda: ledger.applied["erin"] == [1, 2, 3])
+        assert lost  # the broker has none of the acks (the harness cannot settle: it waits)
+        monkeypatch.setattr(Channel, "basic_ack", ack)
+        broker.disconnect()  # and goes away: it hands back what it holds unacked
+        publish(broker, "erin", 4)
+        await broker.settle(retries=True)
+        assert len(worker.connections) == 2 and held(broker) == 0
+        assert all(not broker.messages(f"{Q}.lane.{n}") for n in range(LANES))
+    assert ledger.calls["erin"] == [1, 2, 2, 3, 4], ledger.calls  # erin-2: failed, then ran
+
+
 async def test_routing_key_keys_keep_their_order_too() -> None:
     class ByRoute(Ledger):
         async def handle(self, delivery: Delivery) -> None:
-            delivery.headers = {"user-id": delivery.routing_key}  # type: ignore[misc]
+            delivery.headers = {"user-id": delivery.routing_key}
             await super().handle(delivery)
 
     ledger = ByRoute({("points.u1", 1): 2})
