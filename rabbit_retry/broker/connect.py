@@ -55,37 +55,52 @@ def refused_everywhere(exc: BaseException) -> bool:
 
 def describe_connect_error(exc: BaseException, settings: Settings) -> str:
     """One line for the user; never contains the password."""
-    from rabbit_retry.tls import cause_of, describe_tls_error, tls_cause  # a failure's path
+    from rabbit_retry.tls import describe_tls_error, tls_cause  # a failure's path
 
     where = settings.safe_url
     tls_error = tls_cause(exc)
     if tls_error is not None:
         return f"TLS handshake with {where} failed: {mask(describe_tls_error(tls_error))}"
-    closed = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, EOFError)
-    if settings.url.startswith("amqps:") and cause_of(exc, closed):
-        # A TLS 1.3 server refuses a client certificate (or its absence) after the client
-        # thinks the handshake is done; its alert is often lost to the reset that follows.
-        hint = (
-            "did it refuse the client certificate of --cert-file?"
-            if settings.cert_file
-            else "does it require a client certificate? give --cert-file and --key-file"
-        )
-        return f"broker at {where} closed the connection right after the TLS handshake: {hint}"
+    if (closed := _closed_after_tls(exc, settings)) is not None:
+        return closed
     if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
         return f"broker at {where} refused the credentials (wrong user or password)"
     text = mask(str(exc))
     refused = aiormq.exceptions.ChannelAccessRefused | aiormq.exceptions.ConnectionNotAllowed
     if isinstance(exc, refused):
         return f"broker at {where} refused access: {text}"
-    vhost_missing = "vhost" in text and "not found" in text
     # aiormq reports the broker's Connection.Close in answer to Connection.Open (which RabbitMQ
     # sends only to refuse the vhost) as an unexpected frame, without the broker's reason.
-    vhost_missing = vhost_missing or ("Connection.OpenOk" in text and "Connection.Close" in text)
-    if "NOT_ALLOWED" in text or "access to vhost" in text or vhost_missing:
+    if refused_everywhere(exc) or ("vhost" in text and "not found" in text):
         return (
             f"broker at {where} refused the vhost {settings.vhost!r}: it does not exist or the "
             "user has no access to it"
         )
+    return _unreachable(exc, text, settings)
+
+
+def _closed_after_tls(exc: BaseException, settings: Settings) -> str | None:
+    """A TLS 1.3 server refuses a client certificate (or its absence) after the client thinks
+    the handshake is done; its alert is often lost to the reset that follows."""
+    from rabbit_retry.tls import cause_of
+
+    closed = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, EOFError)
+    if not (settings.url.startswith("amqps:") and cause_of(exc, closed)):
+        return None
+    hint = (
+        "did it refuse the client certificate of --cert-file?"
+        if settings.cert_file
+        else "does it require a client certificate? give --cert-file and --key-file"
+    )
+    return (f"broker at {settings.safe_url} closed the connection right after the TLS "
+            f"handshake: {hint}")
+
+
+def _unreachable(exc: BaseException, text: str, settings: Settings) -> str:
+    """Nothing answered, or not in time, or something else went wrong."""
+    from rabbit_retry.tls import cause_of
+
+    where = settings.safe_url
     refused_port = cause_of(exc, OSError)
     if (
         isinstance(exc, ConnectionRefusedError)

@@ -244,55 +244,70 @@ async def apply_changes(
         raise InputError("\n".join(problems))
     connection = await connect(settings, name="rabbit-retry apply")
     try:
-        pool = ChannelPool(connection, concurrency)
-        objects: list[tuple[str, _Operation]] = []
-        for change in _with_kind(changes, "create", "exchange"):
-            assert isinstance(change.item, Exchange)
-            objects.append((f"declaring {_describe(change)}", _declare_exchange(change.item)))
-        for change in _with_kind(changes, "create", "queue"):
-            assert isinstance(change.item, Queue)
-            objects.append((f"declaring {_describe(change)}", _declare_queue(change.item)))
-        await pool.run(objects, progress)
-
-        binds = _with_kind(changes, "create", "binding")
-        await pool.run(
-            [(f"binding {c.name}", _binding(_binding_of(c), bind=True)) for c in binds], progress
-        )
-        report.created = [c for c in changes if c.kind == "create" and c.object != "policy"]
-
-        unbinds = _with_kind(changes, "unbind", "binding")
-        await pool.run(
-            [(f"unbinding {c.name}", _binding(_binding_of(c), bind=False)) for c in unbinds],
-            progress,
-        )
-        report.unbound = unbinds
-
+        await _declare_and_bind(ChannelPool(connection, concurrency), changes, report, progress)
         if prune:
             # A kept quorum tier gets back the bindings it had, but never one just removed.
-            gone = {_binding_of(c).key for c in unbinds}
+            gone = {_binding_of(c).key for c in report.unbound}
             remaining = [b for b in live_bindings if b.key not in gone]
-            for change in changes:
-                if change.kind not in ("prune", "keep") or change.orphan:
-                    continue
-                assert isinstance(change.item, Queue)
-                left = await _prune_one(connection, change.item, remaining)
-                if left is None:
-                    report.pruned.append(change.name)
-                else:
-                    report.kept.append((change.name, left))
-                if progress is not None:
-                    progress(1)
-            groups: dict[str | None, list[Change]] = {}
-            for change in changes:
-                if change.orphan:
-                    groups.setdefault(change.owner, []).append(change)
-            for group in groups.values():
-                await _prune_orphans(connection, group, remaining, report, discard=discard)
-                if progress is not None:
-                    progress(sum(1 for c in group if c.object != "policy"))
+            await _prune(connection, changes, remaining, report, discard, progress)
     finally:
         await connection.close()
     return report
+
+
+async def _declare_and_bind(
+    pool: ChannelPool, changes: Sequence[Change], report: ApplyReport,
+    progress: Progress | None,
+) -> None:
+    """Declare the exchanges, then the queues, then bind, then unbind what the file dropped."""
+    objects: list[tuple[str, _Operation]] = []
+    for change in _with_kind(changes, "create", "exchange"):
+        assert isinstance(change.item, Exchange)
+        objects.append((f"declaring {_describe(change)}", _declare_exchange(change.item)))
+    for change in _with_kind(changes, "create", "queue"):
+        assert isinstance(change.item, Queue)
+        objects.append((f"declaring {_describe(change)}", _declare_queue(change.item)))
+    await pool.run(objects, progress)
+
+    binds = _with_kind(changes, "create", "binding")
+    await pool.run(
+        [(f"binding {c.name}", _binding(_binding_of(c), bind=True)) for c in binds], progress
+    )
+    report.created = [c for c in changes if c.kind == "create" and c.object != "policy"]
+
+    unbinds = _with_kind(changes, "unbind", "binding")
+    await pool.run(
+        [(f"unbinding {c.name}", _binding(_binding_of(c), bind=False)) for c in unbinds],
+        progress,
+    )
+    report.unbound = unbinds
+
+
+async def _prune(
+    connection: AbstractConnection, changes: Sequence[Change], remaining: Sequence[Binding],
+    report: ApplyReport, discard: bool, progress: Progress | None,
+) -> None:
+    """The queues the file no longer wants (deleted if empty, else kept), then the orphans a
+    queue group at a time."""
+    for change in changes:
+        if change.kind not in ("prune", "keep") or change.orphan:
+            continue
+        assert isinstance(change.item, Queue)
+        left = await _prune_one(connection, change.item, remaining)
+        if left is None:
+            report.pruned.append(change.name)
+        else:
+            report.kept.append((change.name, left))
+        if progress is not None:
+            progress(1)
+    groups: dict[str | None, list[Change]] = {}
+    for change in changes:
+        if change.orphan:
+            groups.setdefault(change.owner, []).append(change)
+    for group in groups.values():
+        await _prune_orphans(connection, group, remaining, report, discard=discard)
+        if progress is not None:
+            progress(sum(1 for c in group if c.object != "policy"))
 
 
 async def _prune_orphans(

@@ -312,6 +312,9 @@ def _misrouting(plan: Plan, live: LiveState) -> Iterable[Change]:
                        "tier, from which the broker would drop it")
             elif binding.destination == naming.parking_queue(owner):
                 why = f"the file no longer parks what {owner} dead-letters"
+            elif binding.destination == naming.rescue_queue(owner):
+                why = (f"a `rabbit-retry rescue` of {owner} that runs or did not finish: it gets "
+                       f"a copy of every message {owner} dead-letters; run rescue again")
             else:
                 continue
             yield Change("unbind", "binding", binding_name(binding), why, binding)
@@ -472,50 +475,59 @@ def orphans(plan: Plan, live: LiveState) -> list[Change]:
         queues = _orphan_queues(owner, live)
         if owner in renames:
             out.append(rename_change(owner, renames[owner], queues))
-        derived = {naming.retry_exchange(owner), naming.lanes_exchange(owner)}
         busy = any(q.messages or q.consumers for q, _ in queues)
-        gone = f"not in the file (queue {owner})"
-        group: list[Change] = []
-        for queue, role in queues:
-            parts = [gone]
-            if queue.messages:
-                parts.append(f"{plural(queue.messages, 'message')} in it")
-            if queue.consumers:
-                parts.append(f"{plural(queue.consumers, 'consumer')}")
-            fed = _fed_by(queue.name, live, derived) if role in ("main", "lane") else []
-            if fed:
-                sources = ", ".join(sorted({f"{b.source} [{b.routing_key}]" for b in fed}))
-                parts.append(f"still bound from {sources}: it gets a copy of every message "
-                             "routed there")
-                renamed = _renamed_to(owner, fed, plan)
-                if renamed and owner not in renames:
-                    parts.append(f"renamed to {renamed}? its messages stay here")
-            if not queue.messages and not queue.consumers and busy:
-                parts.append("kept while its group holds messages")
-            item = Queue(queue.name, role, owner, dict(queue.arguments), queue.durable)
-            kind: ChangeKind = "keep" if busy else "prune"
-            group.append(Change(kind, "queue", queue.name, "; ".join(parts), item, orphan=True))
-        exchange_roles: tuple[tuple[str, Role], ...] = (
-            (naming.lanes_exchange(owner), "lanes-exchange"),
-            (naming.retry_exchange(owner), "retry-exchange"))
-        for name, role in exchange_roles:
-            exchange = live.exchanges.get(name)
-            if exchange is None:
-                continue
-            item_x = Exchange(name, exchange.type, exchange.durable, exchange.auto_delete,
-                              exchange.internal, dict(exchange.arguments), role, owner)
-            group.append(Change("keep" if busy else "prune", "exchange", name, gone, item_x,
-                                orphan=True))
-        policy = next((p for p in live.policies if not p.operator
-                       and p.name == naming.policy_name(owner)), None)
-        if policy is not None:
-            item_p = Policy(policy.name, policy.pattern, {}, policy.priority, owner,
-                            policy.apply_to)
-            group.append(Change("keep" if busy else "prune", "policy", policy.name, gone,
-                                item_p, orphan=True))
-        out += group
+        out += [_orphan_queue(plan, live, owner, queue, role, busy, owner in renames)
+                for queue, role in queues]
+        out += _orphan_rest(live, owner, busy)
     return out
 
+
+def _orphan_queue(plan: Plan, live: LiveState, owner: str, queue: LiveQueue, role: Role,
+                  busy: bool, renamed_in_file: bool) -> Change:
+    """One queue of an orphaned group, and why it is pruned or kept."""
+    parts = [f"not in the file (queue {owner})"]
+    if queue.messages:
+        parts.append(f"{plural(queue.messages, 'message')} in it")
+    if queue.consumers:
+        parts.append(f"{plural(queue.consumers, 'consumer')}")
+    derived = {naming.retry_exchange(owner), naming.lanes_exchange(owner)}
+    fed = _fed_by(queue.name, live, derived) if role in ("main", "lane") else []
+    if fed:
+        sources = ", ".join(sorted({f"{b.source} [{b.routing_key}]" for b in fed}))
+        parts.append(f"still bound from {sources}: it gets a copy of every message "
+                     "routed there")
+        renamed = _renamed_to(owner, fed, plan)
+        if renamed and not renamed_in_file:
+            parts.append(f"renamed to {renamed}? its messages stay here")
+    if not queue.messages and not queue.consumers and busy:
+        parts.append("kept while its group holds messages")
+    item = Queue(queue.name, role, owner, dict(queue.arguments), queue.durable)
+    kind: ChangeKind = "keep" if busy else "prune"
+    return Change(kind, "queue", queue.name, "; ".join(parts), item, orphan=True)
+
+
+def _orphan_rest(live: LiveState, owner: str, busy: bool) -> list[Change]:
+    """An orphaned group's lanes and retry exchanges and its policy."""
+    gone = f"not in the file (queue {owner})"
+    kind: ChangeKind = "keep" if busy else "prune"
+    out: list[Change] = []
+    exchange_roles: tuple[tuple[str, Role], ...] = (
+        (naming.lanes_exchange(owner), "lanes-exchange"),
+        (naming.retry_exchange(owner), "retry-exchange"))
+    for name, role in exchange_roles:
+        exchange = live.exchanges.get(name)
+        if exchange is None:
+            continue
+        item_x = Exchange(name, exchange.type, exchange.durable, exchange.auto_delete,
+                          exchange.internal, dict(exchange.arguments), role, owner)
+        out.append(Change(kind, "exchange", name, gone, item_x, orphan=True))
+    policy = next((p for p in live.policies if not p.operator
+                   and p.name == naming.policy_name(owner)), None)
+    if policy is not None:
+        item_p = Policy(policy.name, policy.pattern, {}, policy.priority, owner,
+                        policy.apply_to)
+        out.append(Change(kind, "policy", policy.name, gone, item_p, orphan=True))
+    return out
 
 
 def rename_change(old: str, new: str, queues: Iterable[tuple[LiveQueue, Role]]) -> Change:

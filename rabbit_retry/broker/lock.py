@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
@@ -28,8 +29,8 @@ from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.broker.management import Management
 from rabbit_retry.errors import BrokerError, RabbitRetryError
 from rabbit_retry.settings import Settings, mask
+from rabbit_retry.topology.naming import LOCK_QUEUE
 
-LOCK_QUEUE = "rabbit-retry.lock"
 # How often a waiting run tries again; the broker frees the lock the moment its holder's
 # connection ends, so this is only how soon the next one notices.
 RETRY_SECONDS = 0.5
@@ -76,6 +77,7 @@ class VhostLock:
         self._say = say
         self._acquired = threading.Event()
         self._release = threading.Event()
+        self._lost = threading.Event()  # the lock's connection ended while the run held it
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rabbit-retry lock", daemon=True)
 
@@ -91,6 +93,16 @@ class VhostLock:
                  tb: TracebackType | None) -> None:
         self._release.set()
         self._thread.join()
+
+    def check(self) -> None:
+        """Raise ``BrokerError`` when the lock's connection has ended (the broker restarted,
+        the network dropped it, an operator closed it): from then on another run may hold the
+        lock, so the run stops before its next change."""
+        if self._lost.is_set() and not self._release.is_set():
+            raise BrokerError(
+                f"lost the lock of vhost {self._settings.vhost!r}: its connection to the broker "
+                f"closed; stopped before the next change (run it again to finish)"
+            )
 
     def _run(self) -> None:
         try:
@@ -131,8 +143,14 @@ class VhostLock:
                               f"{self._settings.vhost!r}, held by {holder}")
                     told = True
                 await asyncio.sleep(RETRY_SECONDS)
+            connection.close_callbacks.add(lambda *_: self._lost.set())
             self._acquired.set()
             await asyncio.to_thread(self._release.wait)
+            if not self._lost.is_set():
+                # Deleted before the run ends, not when the broker gets round to the closed
+                # connection's exclusive queue: whatever comes next sees the lock free.
+                with suppress(*CONNECTION_ERRORS, aiormq.exceptions.AMQPError):
+                    await channel.queue_delete(LOCK_QUEUE)
         finally:
             await connection.close()
 

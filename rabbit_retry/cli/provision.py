@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -114,16 +114,26 @@ def _read(
     return changes, live
 
 
+# Checked before each change a locked run makes: raises once the vhost's lock is lost.
+Guard = Callable[[], None]
+
+
+def _unguarded() -> None:
+    """A run without the lock (a dry run) has nothing to check."""
+
+
 @contextmanager
-def _locked(settings: Settings, verb: str, file: str, timeout: float) -> Iterator[None]:
-    """The vhost's lock (broker/lock.py) for the block: one apply or migrate at a time. The
+def _locked(settings: Settings, verb: str, file: str, timeout: float) -> Iterator[Guard]:
+    """The vhost's lock (broker/lock.py) for the block: one apply or migrate at a time; it
+    gives the check the run makes before each change (the lock may be lost meanwhile). The
     URLs are checked first, so a wrong one is said as plan says it, not as a lock failure."""
     from rabbit_retry.broker.lock import VhostLock
 
     with Management.for_settings(settings) as api:
         check_same_broker(settings, api)  # a missing vhost is said here too
-    with VhostLock(settings, verb, file, timeout, lambda line: click.echo(line, err=True)):
-        yield
+    with VhostLock(settings, verb, file, timeout,
+                   lambda line: click.echo(line, err=True)) as lock:
+        yield lock.check
 
 
 def _notes(plan: Plan, live: LiveState) -> list[str]:
@@ -222,15 +232,22 @@ def _print_changes(changes: Sequence[Change], vhost: str, *, everything: bool = 
 
 
 @contextmanager
-def _progress(total: int) -> Iterator[Advance | None]:
+def _progress(total: int, guard: Guard) -> Iterator[Advance]:
+    """Told after each broker operation: checks the lock (``guard``) before the next one, and
+    on a terminal advances a bar."""
     console = Console(stderr=True)
     if not console.is_terminal or total < 20:
-        yield None
+        yield lambda _n: guard()
         return
     columns = (TextColumn("applying"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("apply", total=total)
-        yield lambda n: bar.advance(task, n)
+
+        def advance(n: int) -> None:
+            guard()
+            bar.advance(task, n)
+
+        yield advance
 
 
 def _report(report: ApplyReport, changes: Sequence[Change], vhost: str, prune: bool) -> None:
@@ -426,13 +443,14 @@ def apply(settings: Settings, file: str, prune: bool, discard_messages: bool, dr
         _apply(settings, compiled, file, prune, discard_messages, True, targets,
                accept_evictions)
         return
-    with _locked(settings, "apply", file, lock_timeout):
+    with _locked(settings, "apply", file, lock_timeout) as guard:
         _apply(settings, compiled, file, prune, discard_messages, False, targets,
-               accept_evictions)
+               accept_evictions, guard)
 
 
 def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: bool,
-           dry_run: bool, targets: Sequence[str], accept_evictions: bool) -> None:
+           dry_run: bool, targets: Sequence[str], accept_evictions: bool,
+           guard: Guard = _unguarded) -> None:
     changes, live = _read(settings, compiled, targets, checked=not dry_run)
     refused = refusal(changes, settings.vhost, file)
     if refused:
@@ -470,9 +488,10 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
         _report(ApplyReport(), changes, settings.vhost, prune)
         return
     before, after = around_routes(compiled, work)  # never a limit without its route
+    guard()
     with Management.for_settings(settings) as api:
         done = apply_policies(api, settings.vhost, before)
-    with _progress(work_count(work, prune=prune)) as advance:
+    with _progress(work_count(work, prune=prune), guard) as advance:
         report = asyncio.run(
             apply_changes(settings, work, live.bindings, prune=prune, discard=discard,
                           progress=advance)
@@ -480,6 +499,7 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
     _report(report, changes, settings.vhost, prune)
     # An orphan's policy goes once its queues are gone (a policy removal is an update).
     gone = [replace(c, kind="update") for c in report.policies]
+    guard()
     with Management.for_settings(settings) as api:
         for line in [*done, *apply_policies(api, settings.vhost, [*after, *gone])]:
             click.echo(line)
@@ -508,23 +528,13 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
     if dry_run:
         _migrate(settings, compiled, file, True, yes, targets, accept_evictions)
         return
-    with _locked(settings, "migrate", file, lock_timeout):
-        _migrate(settings, compiled, file, False, yes, targets, accept_evictions)
+    with _locked(settings, "migrate", file, lock_timeout) as guard:
+        _migrate(settings, compiled, file, False, yes, targets, accept_evictions, guard)
 
 
 def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: bool,
-             targets: Sequence[str], accept_evictions: bool) -> None:
-    from rabbit_retry.broker.migrate_plan import (
-        describe,
-        describe_rename,
-        hold_hazards,
-        plan_migrations,
-        plan_renames,
-        schedule,
-    )
-    from rabbit_retry.broker.migrate_plan import (
-        new_quorum_queues as migrated_quorum_queues,
-    )
+             targets: Sequence[str], accept_evictions: bool, guard: Guard = _unguarded) -> None:
+    from rabbit_retry.broker.migrate_plan import plan_migrations, plan_renames
 
     changes, live = _read(settings, compiled, targets, checked=not dry_run)
     migrations = plan_migrations(changes, live, compiled.bindings)
@@ -532,6 +542,30 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
     if not migrations and not renames:
         click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
         return
+    _say_migrations(migrations, renames)
+    if not _migrate_checked(settings, compiled, file, changes, live, migrations, renames,
+                            dry_run=dry_run, accept_evictions=accept_evictions):
+        return  # a dry run
+    if not yes:
+        if not stdin_is_terminal():
+            raise InputError(
+                "refusing to migrate without confirmation: stdin is not a terminal; pass --yes"
+            )
+        confirm(f"Migrate {plural(len(migrations), 'queue')} in vhost {settings.vhost!r}?")
+    routes = dead_letter_routes(compiled, changes, {m.name for m in migrations})
+    if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
+        asyncio.run(apply_changes(settings, routes, live.bindings))
+        for change in routes:
+            click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
+                       if change.object == "binding" else f"declared {change.name}")
+    _carry_out(settings, compiled, file, migrations, renames, sorted(set(targets)) or None,
+               guard)
+
+
+def _say_migrations(migrations: Sequence[Migration], renames: Sequence[Rename]) -> None:
+    """What each migration and rename will do, and in which order."""
+    from rabbit_retry.broker.migrate_plan import describe, describe_rename, schedule
+
     for migration in migrations:
         for line in describe(migration):
             click.echo(line)
@@ -541,6 +575,20 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
     if migrations:
         order = [f"{m.name} ({steps[0]}..{steps[-1]})" for m, steps in schedule(migrations)]
         click.echo("order: " + ", ".join(order) + (", then the renames" if renames else ""))
+
+
+def _migrate_checked(
+    settings: Settings, compiled: Plan, file: str, changes: Sequence[Change], live: LiveState,
+    migrations: Sequence[Migration], renames: Sequence[Rename], *, dry_run: bool,
+    accept_evictions: bool,
+) -> bool:
+    """Refuse (raise) what must not run; a dry run says what would be refused instead and
+    returns False. True: go on (the accepted evictions said)."""
+    from rabbit_retry.broker.migrate_plan import hold_hazards
+    from rabbit_retry.broker.migrate_plan import (
+        new_quorum_queues as migrated_quorum_queues,
+    )
+
     if (why := _rename_unready(compiled, live, renames, file)) and not dry_run:
         raise ConflictError(why)
     if why:
@@ -557,42 +605,36 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
         if problem:
             click.echo(f"warning: migrate would refuse: {problem}", err=True)
         click.echo("dry run: nothing was changed")
-        return
+        return False
     if problem:
         raise BrokerError(problem)
     if why := _evictions_refused(evicted, accept_evictions):
         raise ConflictError(why)
     for eviction in evicted:  # accepted
         click.echo(f"evicting from {eviction.queue}: {eviction.detail}")
-    if not yes:
-        if not stdin_is_terminal():
-            raise InputError(
-                "refusing to migrate without confirmation: stdin is not a terminal; pass --yes"
-            )
-        confirm(f"Migrate {plural(len(migrations), 'queue')} in vhost {settings.vhost!r}?")
-    routes = dead_letter_routes(compiled, changes, rebuilt)
-    if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
-        asyncio.run(apply_changes(settings, routes, live.bindings))
-        for change in routes:
-            click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
-                       if change.object == "binding" else f"declared {change.name}")
-    _carry_out(settings, compiled, file, migrations, renames, sorted(set(targets)) or None)
+    return True
 
 
 def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequence[Migration],
-               renames: Sequence[Rename], selection: list[str] | None) -> None:
-    """Run the confirmed migrations, then the renames, and say what ``apply`` has left."""
+               renames: Sequence[Rename], selection: list[str] | None, guard: Guard) -> None:
+    """Run the confirmed migrations, then the renames, and say what ``apply`` has left. Each
+    step is said as it starts: the lock is checked there (a migration stopped at any step is
+    finished by the next run)."""
     from rabbit_retry.broker.migrate import migrate as run_migrations
     from rabbit_retry.broker.migrate import rename as run_renames
 
+    def say(line: str) -> None:
+        guard()
+        click.echo(line)
+
     if migrations:
-        outcomes = asyncio.run(run_migrations(settings, migrations, say=click.echo))
+        outcomes = asyncio.run(run_migrations(settings, migrations, say=say))
         click.echo(
             f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
             + ", ".join(o.name for o in outcomes)
         )
     if renames:
-        moved = asyncio.run(run_renames(settings, renames, say=click.echo))
+        moved = asyncio.run(run_renames(settings, renames, say=say))
         click.echo(
             f"renamed {plural(len(renames), 'queue')} in vhost {settings.vhost!r}: "
             + ", ".join(f"{r.old} -> {r.new} ({plural(m.moved, 'message')} moved)"

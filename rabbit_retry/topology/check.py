@@ -350,6 +350,14 @@ def _name_problems(path: Path, kind: str, name: str) -> list[Problem]:
                 f"{kind} name {shorten(name)}: names starting with amq. are reserved by RabbitMQ",
             )
         ]
+    if kind == "queue" and name == naming.LOCK_QUEUE:
+        return [
+            Problem(
+                path,
+                f"queue name {name} is reserved: apply and migrate hold a queue of that name "
+                "while they change the vhost",
+            )
+        ]
     if kind == "exchange" and len(name) > MAX_EXCHANGE_NAME:
         return [
             Problem(

@@ -185,46 +185,7 @@ class TopologySpec(_Spec):
 
 def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
     """Merge ``defaults`` (and the built-in defaults under them) into every queue."""
-    default_retry = spec.defaults.retry or RetrySpec()
-    default_parking = spec.defaults.parking or ParkingSpec()
-    queues = []
-    for name, queue in spec.queues.items():
-        retry = queue.retry or RetrySpec()
-        delays = retry.delays or default_retry.delays or DEFAULT_DELAYS_MS
-        max_attempts = retry.max_attempts or default_retry.max_attempts or DEFAULT_MAX_ATTEMPTS
-        queue_type = queue.queue_type or spec.defaults.queue_type or DEFAULT_QUEUE_TYPE
-        queues.append(
-            QueueConfig(
-                name=name,
-                queue_type=queue_type,
-                bindings=tuple(
-                    BindingConfig(b.exchange, b.routing_key, dict(b.arguments))
-                    for b in queue.bindings
-                ),
-                retry=RetryPolicy(delays_ms=tuple(delays), max_attempts=max_attempts),
-                arguments=dict(queue.arguments),
-                # Parking follows the main queue (a quorum queue's parked messages are
-                # replicated like its others) unless the file says otherwise.
-                parking_type=(queue.parking or ParkingSpec()).queue_type
-                or default_parking.queue_type
-                or queue_type,
-                replicas=queue.replicas or spec.defaults.replicas,
-                policy=queue.policy.definition() if queue.policy else {},
-                policy_priority=(
-                    queue.policy.priority
-                    if queue.policy and queue.policy.priority is not None
-                    else DEFAULT_POLICY_PRIORITY
-                ),
-                ordered=None if queue.ordered is None else OrderedConfig(
-                    None if queue.ordered.key == "routing_key" else queue.ordered.key.header,
-                    queue.ordered.lanes,
-                    queue.ordered.on_park,
-                ),
-                on_full=queue.on_full,
-                on_expire=queue.on_expire,
-                renamed_from=queue.renamed_from,
-            )
-        )
+    queues = [_resolved_queue(name, queue, spec.defaults) for name, queue in spec.queues.items()]
     exchanges = tuple(
         ExchangeConfig(
             name=name,
@@ -237,3 +198,38 @@ def resolve(spec: TopologySpec, source: str = "<topology>") -> Topology:
         for name, ex in spec.exchanges.items()
     )
     return Topology(exchanges=exchanges, queues=tuple(queues), source=source)
+
+
+def _resolved_queue(name: str, queue: QueueSpec, defaults: DefaultsSpec) -> QueueConfig:
+    default_retry = defaults.retry or RetrySpec()
+    retry = queue.retry or RetrySpec()
+    delays = retry.delays or default_retry.delays or DEFAULT_DELAYS_MS
+    max_attempts = retry.max_attempts or default_retry.max_attempts or DEFAULT_MAX_ATTEMPTS
+    queue_type = queue.queue_type or defaults.queue_type or DEFAULT_QUEUE_TYPE
+    policy = queue.policy
+    return QueueConfig(
+        name=name,
+        queue_type=queue_type,
+        bindings=tuple(
+            BindingConfig(b.exchange, b.routing_key, dict(b.arguments)) for b in queue.bindings
+        ),
+        retry=RetryPolicy(delays_ms=tuple(delays), max_attempts=max_attempts),
+        arguments=dict(queue.arguments),
+        # Parking follows the main queue (a quorum queue's parked messages are replicated
+        # like its others) unless the file says otherwise.
+        parking_type=(queue.parking or ParkingSpec()).queue_type
+        or (defaults.parking or ParkingSpec()).queue_type
+        or queue_type,
+        replicas=queue.replicas or defaults.replicas,
+        policy=policy.definition() if policy else {},
+        policy_priority=(policy.priority if policy and policy.priority is not None
+                         else DEFAULT_POLICY_PRIORITY),
+        ordered=None if queue.ordered is None else OrderedConfig(
+            None if queue.ordered.key == "routing_key" else queue.ordered.key.header,
+            queue.ordered.lanes,
+            queue.ordered.on_park,
+        ),
+        on_full=queue.on_full,
+        on_expire=queue.on_expire,
+        renamed_from=queue.renamed_from,
+    )

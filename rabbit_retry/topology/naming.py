@@ -13,7 +13,10 @@ MIGRATING_SUFFIX = ".migrating"
 LANES_SUFFIX = ".lanes"
 LANE_INFIX = ".lane."
 HELD_SUFFIX = ".held"
+RESCUE_SUFFIX = ".rescue"
 POLICY_PREFIX = "rabbit-retry:"
+# The queue ``apply`` and ``migrate`` hold, exclusive, while they change a vhost (broker.lock).
+LOCK_QUEUE = "rabbit-retry.lock"
 
 
 def retry_exchange(queue: str) -> str:
@@ -57,6 +60,12 @@ def held_queue(queue: str, lane: int) -> str:
 def migrating_queue(queue: str) -> str:
     """The holding queue ``rabbit-retry migrate`` keeps ``queue``'s messages in meanwhile."""
     return queue + MIGRATING_SUFFIX
+
+
+def rescue_queue(queue: str) -> str:
+    """Where ``rabbit-retry rescue`` collects what the broker's dead-letter cycle check holds in
+    ``queue`` (docs/versions.md, "Stranded messages"); it exists only while a rescue runs."""
+    return queue + RESCUE_SUFFIX
 
 
 def policy_name(queue: str) -> str:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from support.amqp import blocking, depth
+from support.poll import wait_for
 from support.process import CLI, cli
 from test_provision import publish, write
 
@@ -132,6 +133,34 @@ def test_a_second_apply_refuses_or_waits_while_the_lock_is_held_and_a_killed_hol
 
 
 # --- --target -------------------------------------------------------------------------------
+
+
+def test_a_run_whose_lock_connection_closes_stops_before_its_next_change(
+    fresh_vhost: Settings, management: Management
+) -> None:
+    """The lock's connection can end while the run goes on (a broker restart, the network, an
+    operator closing it): from then on another run may take the lock, so the run's next check
+    before a change fails, in one line."""
+    from rabbit_retry.broker.lock import VhostLock
+    from rabbit_retry.errors import BrokerError
+
+    def lost(lock: VhostLock) -> str | None:
+        try:
+            lock.check()
+        except BrokerError as exc:
+            return str(exc)
+        return None
+
+    with VhostLock(fresh_vhost, "apply", "t.yml", 0, print) as lock:
+        assert lost(lock) is None  # held: the check passes
+        [mine] = wait_for(lambda: [c["name"] for c in management.connections(fresh_vhost.vhost)
+                                   if "(lock)" in c.get("user_provided_name", "")],
+                          "the lock's connection")
+        management.close_connection(mine, "test: the lock's connection goes")
+        said = wait_for(lambda: lost(lock), "the run to notice it lost the lock")
+    assert said == (f"lost the lock of vhost {fresh_vhost.vhost!r}: its connection to the broker "
+                    "closed; stopped before the next change (run it again to finish)")
+    assert LOCK_QUEUE not in queue_names(management, fresh_vhost)  # free for the next run
 
 
 def test_a_target_repairs_its_queue_while_another_object_conflicts(

@@ -109,6 +109,14 @@ def test_reserved_and_blank_names() -> None:
     ]
 
 
+def test_the_lock_queues_name_is_reserved() -> None:
+    problem = one(queues({"rabbit-retry.lock": {}}))
+    assert problem.path == ("queues", "rabbit-retry.lock")
+    assert problem.message == ("queue name rabbit-retry.lock is reserved: apply and migrate hold "
+                               "a queue of that name while they change the vhost")
+    assert found(queues({"rabbit-retry.locks": {}})) == []  # only that name
+
+
 def test_name_lengths_follow_the_amqp_client_limits() -> None:
     # Q.retry must fit AMQP's 127-character exchange names: queue names stop at 121.
     assert found(queues({"q" * 121: {}}, exchanges="{" + "e" * 127 + ": {type: topic}}")) == []

@@ -404,3 +404,16 @@ def test_names_amqp_clients_cannot_send_are_named_once_per_queue() -> None:
         f"for exchange); {hint}",
     ]
     assert unsendable(diff(plan_of(), LiveState.empty())) == []
+
+
+def test_a_rescue_queue_bound_to_the_retry_exchange_is_misrouted() -> None:
+    """What an unfinished ``rabbit-retry rescue`` leaves (it lost its connection): status says
+    so (drift), and apply takes the copies of every dead letter away from it."""
+    plan = plan_of()
+    left = Binding("orders.email.retry", "orders.email.rescue", "orders.email")
+    changes = diff(plan, live_of(plan, bindings=[left]))
+    assert not_unchanged(changes) == [
+        ("unbind", "binding", "orders.email.retry -> orders.email.rescue [orders.email]"),
+    ]
+    assert by_name(changes, "orders.email.retry -> orders.email.rescue [orders.email]").detail \
+        .startswith("a `rabbit-retry rescue` of orders.email that runs or did not finish")
