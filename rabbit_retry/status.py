@@ -424,52 +424,8 @@ def _policies_view(status: Status) -> list[RenderableType]:
 
 def status_view(status: Status) -> RenderableType:
     """What ``rabbit-retry status`` prints: drift first, then a row per main queue."""
-    parts: list[RenderableType] = []
-    if status.drift:
-        parts.append(
-            Text(
-                f"DRIFT: {plural(len(status.drift), 'object')} of {status.source} missing or "
-                f"different on the broker; `rabbit-retry plan {status.source}` shows the fix",
-                style="bold red",
-            )
-        )
-        for drift in status.drift:
-            style = "bold red" if drift.drops_messages else (
-                "red" if drift.kind == "missing" else "yellow"
-            )
-            parts.append(Text("  " + drift.line, style=style))
-        parts.append(Text(""))
-    if status.policy_hazards:
-        parts.append(
-            Text(
-                f"POLICIES: other policies on the broker drop, expire or limit the messages of "
-                f"{plural(len({h.queue for h in status.policy_hazards}), 'queue')} of "
-                f"{status.source}; change or narrow them (the file cannot)",
-                style="bold red",
-            )
-        )
-        parts.extend(Text("  " + line, style="red") for line in status.hazard_lines)
-        parts.append(Text(""))
-    table = new_table(title=f"vhost {status.vhost}")
-    table.add_column("queue")
-    ordered = any(row.held_keys is not None for row in status.queues)
-    columns = ("ready", "unacked", "consumers", "retrying", "parked")
-    for column in (*columns, *(("held keys", "held messages") if ordered else ())):
-        table.add_column(column, justify="right")
-    for row in status.queues:
-        cells: list[Text | str] = [
-            cell(row.queue),
-            cell(row.ready),
-            cell(row.unacked),
-            cell(row.consumers),
-            cell(row.retrying),
-            Text(str(row.parked), style="bold yellow") if row.parked else cell(row.parked),
-        ]
-        if ordered:
-            cells += [Text(str(row.held_keys), style="bold yellow") if row.held_keys
-                      else cell(row.held_keys), cell(row.held_messages)]
-        table.add_row(*cells)
-    parts.append(table)
+    parts: list[RenderableType] = [*_drift_view(status), *_hazards_view(status)]
+    parts.append(_queues_table(status))
     parts.append(Text(SAMPLED_NOTE, style="dim"))
     parts.extend(_replicas_view(status))
     parts.extend(_policies_view(status))
@@ -490,6 +446,62 @@ def status_view(status: Status) -> RenderableType:
         parts.append(Text(f"no drift: the broker has every object {status.source} derives",
                           style="green"))
     return Group(*parts)
+
+
+def _drift_view(status: Status) -> list[RenderableType]:
+    if not status.drift:
+        return []
+    parts: list[RenderableType] = [Text(
+        f"DRIFT: {plural(len(status.drift), 'object')} of {status.source} missing or "
+        f"different on the broker; `rabbit-retry plan {status.source}` shows the fix",
+        style="bold red",
+    )]
+    for drift in status.drift:
+        style = "bold red" if drift.drops_messages else (
+            "red" if drift.kind == "missing" else "yellow"
+        )
+        parts.append(Text("  " + drift.line, style=style))
+    parts.append(Text(""))
+    return parts
+
+
+def _hazards_view(status: Status) -> list[RenderableType]:
+    if not status.policy_hazards:
+        return []
+    return [
+        Text(
+            f"POLICIES: other policies on the broker drop, expire or limit the messages of "
+            f"{plural(len({h.queue for h in status.policy_hazards}), 'queue')} of "
+            f"{status.source}; change or narrow them (the file cannot)",
+            style="bold red",
+        ),
+        *(Text("  " + line, style="red") for line in status.hazard_lines),
+        Text(""),
+    ]
+
+
+def _queues_table(status: Status) -> RenderableType:
+    """A row per main queue (with its held keys, where a queue is ordered)."""
+    table = new_table(title=f"vhost {status.vhost}")
+    table.add_column("queue")
+    ordered = any(row.held_keys is not None for row in status.queues)
+    columns = ("ready", "unacked", "consumers", "retrying", "parked")
+    for column in (*columns, *(("held keys", "held messages") if ordered else ())):
+        table.add_column(column, justify="right")
+    for row in status.queues:
+        cells: list[Text | str] = [
+            cell(row.queue),
+            cell(row.ready),
+            cell(row.unacked),
+            cell(row.consumers),
+            cell(row.retrying),
+            Text(str(row.parked), style="bold yellow") if row.parked else cell(row.parked),
+        ]
+        if ordered:
+            cells += [Text(str(row.held_keys), style="bold yellow") if row.held_keys
+                      else cell(row.held_keys), cell(row.held_messages)]
+        table.add_row(*cells)
+    return table
 
 
 # --- messages the broker holds for dead-lettering -----------------------------------------------
@@ -519,8 +531,9 @@ def held_lines(row: QueueStatus, source: str) -> list[str]:
             )
             continue
         way_out = (
-            "they can be moved out by hand, bindings of its retry exchange changed for up to "
-            "6 minutes" if name == row.queue else "no command can move them out"
+            f"`rabbit-retry rescue {source} {row.queue}` parks them (it changes "
+            f"{naming.retry_exchange(row.queue)}'s bindings for up to 6 minutes)"
+            if name == row.queue else "no command can move them out"
         )
         lines.append(
             f"{name}: {messages} stranded by RabbitMQ's dead-letter cycle check: they reached "

@@ -246,74 +246,109 @@ def _timestamp(value: int) -> Any:
 
 def _value(raw: bytes, at: int, end: int) -> tuple[Any, int]:
     """The value whose type octet is at ``raw[at]``, and where the next one starts."""
-    kind = raw[at]
-    at += 1
-    if kind == 0x53:  # S
-        size = _U32.unpack_from(raw, at)[0]
-        at += 4
-        data = raw[at:at + size]
-        at += size
-        if at > end:
-            raise ValueError("a long string runs past its table")
-        try:
-            return data.decode("utf-8"), at
-        except UnicodeDecodeError:
-            return data, at
-    if kind == 0x62:  # b
-        return _I8.unpack_from(raw, at)[0], at + 1
-    if kind == 0x74:  # t
-        return raw[at] != 0, at + 1
-    if kind == 0x6C:  # l
-        number = _I64.unpack_from(raw, at)[0]
-        return (Int64(number) if -(2**31) <= number < 2**31 else number), at + 8
-    if kind == 0x49:  # I
-        number = _I32.unpack_from(raw, at)[0]
-        return (Int32(number) if -(2**15) <= number < 2**15 else number), at + 4
-    if kind == 0x73:  # s
-        number = _I16.unpack_from(raw, at)[0]
-        return (Int16(number) if -(2**7) <= number < 2**7 else number), at + 2
-    if kind == 0x46:  # F
-        size = _U32.unpack_from(raw, at)[0]
-        return _table(raw, at + 4, at + 4 + size, None), at + 4 + size
-    if kind == 0x41:  # A
-        size = _U32.unpack_from(raw, at)[0]
-        stop = at + 4 + size
-        if stop > end:
-            raise ValueError("an array runs past its table")
-        at += 4
-        items = []
-        while at < stop:
-            item, at = _value(raw, at, stop)
-            items.append(item)
-        if at != stop:
-            raise ValueError("an array's last value runs past it")
-        return items, stop
-    if kind == 0x64:  # d
-        return _F64.unpack_from(raw, at)[0], at + 8
-    if kind == 0x66:  # f
-        return Float32(_F32.unpack_from(raw, at)[0]), at + 4
-    if kind == 0x56 or kind == 0x00:  # V, and the \x00 void pamqp accepts
-        return None, at
-    if kind == 0x54:  # T
-        return _timestamp(_U64.unpack_from(raw, at)[0]), at + 8
-    if kind == 0x44:  # D
-        scale, unscaled = _DECIMAL.unpack_from(raw, at)
-        return Decimal(unscaled).scaleb(-scale), at + 5
-    if kind == 0x78:  # x
-        size = _U32.unpack_from(raw, at)[0]
-        at += 4
-        if at + size > end:
-            raise ValueError("a byte array runs past its table")
-        return bytearray(raw[at:at + size]), at + size
-    if kind == 0x42:  # B
-        return UInt8(raw[at]), at + 1
-    if kind == 0x75:  # u
-        return UInt16(_U16.unpack_from(raw, at)[0]), at + 2
-    if kind == 0x69:  # i
-        return UInt32(_U32.unpack_from(raw, at)[0]), at + 4
-    if kind == 0x4C:  # L
-        return UInt64(_U64.unpack_from(raw, at)[0]), at + 8
-    raise ValueError(f"unknown field type {bytes((kind,))!r}")
+    return _DECODERS[raw[at]](raw, at + 1, end)
+
+
+# One decoder per type octet: (raw, where its payload starts, the end of its table) -> (value,
+# where the next one starts).
+_Decoder = Callable[[bytes, int, int], tuple[Any, int]]
+
+
+def _long_string(raw: bytes, at: int, end: int) -> tuple[Any, int]:  # S
+    size = _U32.unpack_from(raw, at)[0]
+    stop = at + 4 + size
+    if stop > end:
+        raise ValueError("a long string runs past its table")
+    data = raw[at + 4:stop]
+    try:
+        return data.decode("utf-8"), stop
+    except UnicodeDecodeError:
+        return data, stop
+
+
+def _array(raw: bytes, at: int, end: int) -> tuple[Any, int]:  # A
+    size = _U32.unpack_from(raw, at)[0]
+    stop = at + 4 + size
+    if stop > end:
+        raise ValueError("an array runs past its table")
+    at += 4
+    items = []
+    while at < stop:
+        item, at = _value(raw, at, stop)
+        items.append(item)
+    if at != stop:
+        raise ValueError("an array's last value runs past it")
+    return items, stop
+
+
+def _byte_array(raw: bytes, at: int, end: int) -> tuple[Any, int]:  # x
+    size = _U32.unpack_from(raw, at)[0]
+    at += 4
+    if at + size > end:
+        raise ValueError("a byte array runs past its table")
+    return bytearray(raw[at:at + size]), at + size
+
+
+def _nested(raw: bytes, at: int, end: int) -> tuple[Any, int]:  # F
+    size = _U32.unpack_from(raw, at)[0]
+    return _table(raw, at + 4, at + 4 + size, None), at + 4 + size
+
+
+def _signed(unpack: struct.Struct, typed: type[int], bits: int) -> _Decoder:
+    """A signed integer: plain when the smallest type that holds it is this one (what
+    ``encode_value`` would write), else typed."""
+    size, low = unpack.size, -(2 ** (bits - 1))
+
+    def decode(raw: bytes, at: int, end: int) -> tuple[Any, int]:
+        number = unpack.unpack_from(raw, at)[0]
+        return (typed(number) if low <= number < -low else number), at + size
+    return decode
+
+
+def _fixed(unpack: struct.Struct, make: Callable[[Any], Any]) -> _Decoder:
+    size = unpack.size
+
+    def decode(raw: bytes, at: int, end: int) -> tuple[Any, int]:
+        return make(unpack.unpack_from(raw, at)[0]), at + size
+    return decode
+
+
+def _decimal(raw: bytes, at: int, end: int) -> tuple[Any, int]:  # D
+    scale, unscaled = _DECIMAL.unpack_from(raw, at)
+    return Decimal(unscaled).scaleb(-scale), at + 5
+
+
+def _unknown(raw: bytes, at: int, end: int) -> tuple[Any, int]:
+    raise ValueError(f"unknown field type {raw[at - 1:at]!r}")
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+_DECODERS: list[_Decoder] = [_unknown] * 256
+for _kind, _decoder in (
+    (b"S", _long_string),
+    (b"b", _fixed(_I8, _same)),
+    (b"t", lambda raw, at, end: (raw[at] != 0, at + 1)),
+    (b"l", _signed(_I64, Int64, 32)),  # plain above 32 bits: encode_value writes those as l
+    (b"I", _signed(_I32, Int32, 16)),
+    (b"s", _signed(_I16, Int16, 8)),
+    (b"F", _nested),
+    (b"A", _array),
+    (b"d", _fixed(_F64, _same)),
+    (b"f", _fixed(_F32, Float32)),
+    (b"V", lambda raw, at, end: (None, at)),
+    (b"\x00", lambda raw, at, end: (None, at)),  # the void pamqp accepts
+    (b"T", _fixed(_U64, _timestamp)),
+    (b"D", _decimal),
+    (b"x", _byte_array),
+    (b"B", _fixed(_U8, UInt8)),
+    (b"u", _fixed(_U16, UInt16)),
+    (b"i", _fixed(_U32, UInt32)),
+    (b"L", _fixed(_U64, UInt64)),
+):
+    _DECODERS[_kind[0]] = _decoder
 
 
 # Payload size of each type octet, for stepping over a value unread: a fixed size, or _SIZED (a

@@ -287,6 +287,17 @@ def load_access(path: str | Path | None, token: str | None, *,
         return Access(TOKEN, token=Secret(plain=token), hosts=frozenset(extra_hosts))
     spec = _read(Path(path))
     source = str(path)
+    operators = _operators(spec, source, env)
+    metrics = spec.metrics.resolve(f"{source}: metrics", env) if spec.metrics else None
+    proxy = None if spec.proxy is None else _proxy(spec.proxy, source)
+    if not operators and proxy is None:
+        raise InputError(f"{source}: names no operator and no proxy: nobody could use the desk")
+    named = {h.strip().lower() for h in spec.hosts if h.strip()}
+    return Access(OPERATORS, operators=operators, metrics=metrics, proxy=proxy,
+                  hosts=frozenset(named | extra_hosts), session_hours=spec.session_hours)
+
+
+def _operators(spec: _AccessSpec, source: str, env: Mapping[str, str]) -> dict[str, Operator]:
     operators: dict[str, Operator] = {}
     for name, operator in spec.operators.items():
         if not NAME.fullmatch(name):
@@ -297,22 +308,18 @@ def load_access(path: str | Path | None, token: str | None, *,
             raise InputError(f"{source}: operators.{name}: needs a secret (or secret_env), or "
                              "a proxy: section that vouches for the name")
         operators[name] = Operator(name, operator.role, secret)
-    metrics = spec.metrics.resolve(f"{source}: metrics", env) if spec.metrics else None
-    proxy = None
-    if spec.proxy is not None:
-        networks = []
-        for entry in spec.proxy.trusted:
-            try:
-                networks.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                raise InputError(f"{source}: proxy.trusted: {entry!r} is not an IP address or "
-                                 "network") from None
-        proxy = Proxy(spec.proxy.header, tuple(networks), spec.proxy.role)
-    if not operators and proxy is None:
-        raise InputError(f"{source}: names no operator and no proxy: nobody could use the desk")
-    named = {h.strip().lower() for h in spec.hosts if h.strip()}
-    return Access(OPERATORS, operators=operators, metrics=metrics, proxy=proxy,
-                  hosts=frozenset(named | extra_hosts), session_hours=spec.session_hours)
+    return operators
+
+
+def _proxy(spec: _ProxySpec, source: str) -> Proxy:
+    networks = []
+    for entry in spec.trusted:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise InputError(f"{source}: proxy.trusted: {entry!r} is not an IP address or "
+                             "network") from None
+    return Proxy(spec.header, tuple(networks), spec.role)
 
 
 def _read(path: Path) -> _AccessSpec:

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -148,91 +149,20 @@ class Sender:
     async def send(self, rows: list[Row], messages: dict[int, Message]) -> Sent:
         """Publish ``rows`` (a claim's, in id order): each key's one at a time, the rest
         together; returns when every one is confirmed, refused or unknown."""
-        sent = Sent()
-        gone = await self.missing({r.exchange for r in rows})
-        chains: dict[object, deque[Row]] = {}
-        for row in rows:
-            chains.setdefault(("key", row.order_key) if row.order_key is not None else row.id,
-                              deque()).append(row)
-        ready = [chain[0] for chain in chains.values()]
-        mine: dict[int, Row] = {}
-        done: list[tuple[Row, asyncio.Future[object]]] = []
-        woke = asyncio.Event()
-        self.wakers.add(woke)
-
-        def advance(row: Row, ok: bool) -> None:
-            chain = chains[("key", row.order_key) if row.order_key is not None else row.id]
-            chain.popleft()
-            if not ok and self.hold:
-                chain.clear()  # a key's failed event holds the key's later ones back
-            if chain:
-                ready.append(chain[0])
-
-        def settled(row: Row) -> Callable[[asyncio.Future[object]], None]:
-            def note(future: asyncio.Future[object]) -> None:
-                if self.in_flight.get(row.message_id) is future:
-                    del self.in_flight[row.message_id]
-                self.last_confirm = time.monotonic()
-                done.append((row, future))
-                for waker in self.wakers:  # other claims may wait for this message id
-                    waker.set()
-
-            return note
-
+        sending = _Sending(self, rows, messages, await self.missing({r.exchange for r in rows}))
+        self.wakers.add(sending.woke)
         try:
             while True:
-                while refused := [r for r in ready if r.exchange in gone]:
-                    for row in refused:
-                        ready.remove(row)
-                        sent.failed.append(Failure(row, missing_exchange(row.exchange,
-                                                                         self.vhost)))
-                        advance(row, False)
-                if sent.broken is None and ready:
-                    batch, later, ids = [], [], set()
-                    for row in sorted(ready, key=lambda r: r.id):
-                        if row.message_id in self.in_flight or row.message_id in ids:
-                            later.append(row)
-                        else:
-                            batch.append(row)
-                            ids.add(row.message_id)
-                    ready[:] = later
-                    if batch:
-                        try:
-                            channel = await self.main_channel()
-                            assert isinstance(channel, aiormq.Channel)
-                            futures = await publish_many(channel, [
-                                (r.exchange, r.routing_key, *messages[r.id]) for r in batch])
-                        except CONNECTION_ERRORS as exc:
-                            sent.broken = exc
-                            sent.suspects += batch  # perhaps written, perhaps not
-                        else:
-                            for row, future in zip(batch, futures, strict=True):
-                                self.in_flight[row.message_id] = future
-                                mine[row.id] = row
-                                future.add_done_callback(settled(row))
-                if not mine and (not ready or sent.broken is not None):
-                    return sent
-                await woke.wait()
-                woke.clear()
-                at = datetime.now(UTC)
-                while done:
-                    row, future = done.pop(0)
-                    if row.id not in mine:
-                        continue  # another claim's
-                    del mine[row.id]
-                    error = (asyncio.CancelledError() if future.cancelled()
-                             else future.exception())
-                    if error is None:
-                        sent.published.append((row, at))
-                        advance(row, True)
-                    elif (reason := refusal(error, row.exchange, row.routing_key)) is not None:
-                        sent.failed.append(Failure(row, reason))
-                        advance(row, False)
-                    else:
-                        sent.broken = sent.broken or error
-                        sent.suspects.append(row)
+                sending.refuse_gone()
+                if sending.sent.broken is None and sending.ready:
+                    await sending.publish_ready()
+                if not sending.mine and (not sending.ready or sending.sent.broken is not None):
+                    return sending.sent
+                await sending.woke.wait()
+                sending.woke.clear()
+                sending.take_confirms()
         finally:
-            self.wakers.discard(woke)
+            self.wakers.discard(sending.woke)
 
     async def isolate(self, rows: list[Row], messages: dict[int, Message]) -> Sent:
         """Publish ``rows`` one at a time, each alone on a channel of its own: the broker's
@@ -638,3 +568,100 @@ async def run_relay(store: str, topology: str | os.PathLike[str] | Topology,
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+
+
+class _Sending:
+    """One ``Sender.send``: per order key a chain of rows, each chain's head ready to go; the
+    rows published and not confirmed yet (``mine``); the confirms that came back (``done``)."""
+
+    def __init__(self, sender: Sender, rows: list[Row], messages: dict[int, Message],
+                 gone: set[str]) -> None:
+        self.sender, self.messages, self.gone = sender, messages, gone
+        self.sent = Sent()
+        self.chains: dict[object, deque[Row]] = {}
+        for row in rows:
+            self.chains.setdefault(_chain(row), deque()).append(row)
+        self.ready = [chain[0] for chain in self.chains.values()]
+        self.mine: dict[int, Row] = {}
+        self.done: list[tuple[Row, asyncio.Future[object]]] = []
+        self.woke = asyncio.Event()
+
+    def advance(self, row: Row, ok: bool) -> None:
+        """``row`` is settled: its chain's next row is ready (none after a failure, with
+        ``hold``: a key's failed event holds the key's later ones back)."""
+        chain = self.chains[_chain(row)]
+        chain.popleft()
+        if not ok and self.sender.hold:
+            chain.clear()
+        if chain:
+            self.ready.append(chain[0])
+
+    def refuse_gone(self) -> None:
+        """Rows for an exchange that is not there fail at once (their chains go on)."""
+        while refused := [r for r in self.ready if r.exchange in self.gone]:
+            for row in refused:
+                self.ready.remove(row)
+                self.sent.failed.append(Failure(row, missing_exchange(row.exchange,
+                                                                      self.sender.vhost)))
+                self.advance(row, False)
+
+    async def publish_ready(self) -> None:
+        """Publish the ready rows in id order, but a message id already in flight (here or
+        in another claim) waits for its confirm."""
+        sender = self.sender
+        batch, later, ids = [], [], set()
+        for row in sorted(self.ready, key=lambda r: r.id):
+            if row.message_id in sender.in_flight or row.message_id in ids:
+                later.append(row)
+            else:
+                batch.append(row)
+                ids.add(row.message_id)
+        self.ready[:] = later
+        if not batch:
+            return
+        try:
+            channel = await sender.main_channel()
+            assert isinstance(channel, aiormq.Channel)
+            futures = await publish_many(channel, [
+                (r.exchange, r.routing_key, *self.messages[r.id]) for r in batch])
+        except CONNECTION_ERRORS as exc:
+            self.sent.broken = exc
+            self.sent.suspects += batch  # perhaps written, perhaps not
+            return
+        for row, future in zip(batch, futures, strict=True):
+            sender.in_flight[row.message_id] = future
+            self.mine[row.id] = row
+            future.add_done_callback(partial(self.settled, row))
+
+    def settled(self, row: Row, future: asyncio.Future[object]) -> None:
+        sender = self.sender
+        if sender.in_flight.get(row.message_id) is future:
+            del sender.in_flight[row.message_id]
+        sender.last_confirm = time.monotonic()
+        self.done.append((row, future))
+        for waker in sender.wakers:  # other claims may wait for this message id
+            waker.set()
+
+    def take_confirms(self) -> None:
+        """What the confirms that came back say about this claim's rows."""
+        at = datetime.now(UTC)
+        while self.done:
+            row, future = self.done.pop(0)
+            if row.id not in self.mine:
+                continue  # another claim's
+            del self.mine[row.id]
+            error = asyncio.CancelledError() if future.cancelled() else future.exception()
+            if error is None:
+                self.sent.published.append((row, at))
+                self.advance(row, True)
+            elif (reason := refusal(error, row.exchange, row.routing_key)) is not None:
+                self.sent.failed.append(Failure(row, reason))
+                self.advance(row, False)
+            else:
+                self.sent.broken = self.sent.broken or error
+                self.sent.suspects.append(row)
+
+
+def _chain(row: Row) -> object:
+    """The chain a row goes in: its order key's, or one of its own."""
+    return ("key", row.order_key) if row.order_key is not None else row.id

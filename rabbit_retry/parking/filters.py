@@ -8,14 +8,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from rabbit_retry.contract import header_text
+from rabbit_retry.contract import PARKED_REASON, header_text, parked_reason
 from rabbit_retry.parking.headers import parked_at
 from rabbit_retry.topology.durations import label
 
 
 @dataclass(frozen=True)
 class Where:
-    """``header`` equals ``value``, both compared as text (``retry-count=3`` matches int 3)."""
+    """``header`` equals ``value``, both compared as text (``retry-count=3`` matches int 3);
+    ``parked-reason`` is the reason ``parking show`` gives (the broker's, from ``x-death``)."""
 
     header: str
     value: str
@@ -56,7 +57,10 @@ class Selection:
 
     def matches(self, headers: Mapping[str, Any]) -> bool:
         for where in self.wheres:
-            if header_text(headers.get(where.header)) != where.value:
+            # A message the broker parked says why in its x-death, as `parking show` reads it.
+            value = (parked_reason(headers) if where.header == PARKED_REASON
+                     else header_text(headers.get(where.header)))
+            if value != where.value:
                 return False
         cutoff = self.cutoff
         if cutoff is not None:

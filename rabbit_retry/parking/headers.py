@@ -16,6 +16,7 @@ from rabbit_retry.contract import (
     REPLAY_COUNT,
     as_count,
     as_text,
+    broker_parking,
     header_text,
     kept_on_replay,
     republish_properties,
@@ -24,8 +25,11 @@ from rabbit_retry.wire import CopyProperties
 
 
 def parked_at(headers: Mapping[str, Any]) -> datetime | None:
-    """When the message was parked, as an aware UTC datetime; None if absent or unreadable."""
+    """When the message was parked, as an aware UTC datetime (parked by the broker: the time of
+    that dead-lettering in ``x-death``); None if absent or unreadable."""
     value = headers.get(PARKED_AT)
+    if value is None and (death := broker_parking(headers)) is not None:
+        value = death.get("time")
     if isinstance(value, datetime):
         moment = value
     else:

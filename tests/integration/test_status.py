@@ -19,6 +19,7 @@ from support.amqp import on_channel, publish
 from support.broker import version
 from support.parked import Parked, park
 from support.provision import provision
+from support.stranding import return_until_dead_lettered, stuck_topology
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
@@ -208,52 +209,7 @@ def test_status_of_a_bad_file_is_exit_2(fresh_vhost: Settings, run_cli: Run,
     assert result.err.startswith(f"error: {path}:2: ")
 
 
-STUCK_TOPOLOGY = """
-version: 1
-queues:
-  stuck:
-    retry: {delays: [200ms], max_attempts: 3}
-    arguments: {x-delivery-limit: 1}
-"""
-
-
-MAX_RETURNS = 50  # far above the test's x-delivery-limit of 1: the broker must have acted
-
-
-async def _return_until_dead_lettered(
-    settings: Settings, queue: str, *, through_the_tier_first: bool = False
-) -> int:
-    """Publish one message to ``queue`` and requeue it (reject, requeue) until the broker's
-    delivery limit dead-letters it; the number of deliveries seen. A reject, because since 4.3
-    a nack(requeue) no longer counts towards the limit (docs/versions.md). With
-    ``through_the_tier_first``, it is first nacked through the tier and back (once retried)."""
-    connection = await aio_pika.connect(settings.url)
-    async with connection:
-        channel = await connection.channel()
-        await channel.default_exchange.publish(
-            aio_pika.Message(b"poison", delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
-            routing_key=queue,
-        )
-        q = await channel.get_queue(queue, ensure=False)
-        if through_the_tier_first:
-            first = await q.get(no_ack=False)
-            await first.nack(requeue=False)
-        deliveries = 0
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline and deliveries < MAX_RETURNS:
-            message = await q.get(no_ack=False, fail=False)
-            if message is None:
-                if deliveries:
-                    return deliveries
-                await asyncio.sleep(0.05)
-                continue
-            deliveries += 1
-            await message.reject(requeue=True)
-        raise AssertionError(
-            f"{queue}: still deliverable after {deliveries} deliveries, each rejected with "
-            f"requeue: the broker's delivery limit never dead-lettered it (gave up at "
-            f"{MAX_RETURNS} or after {DEADLINE_S}s)"
-        )
+STUCK_TOPOLOGY = stuck_topology(1)
 
 
 def test_messages_stuck_in_dead_lettering_are_reported(
@@ -264,7 +220,7 @@ def test_messages_stuck_in_dead_lettering_are_reported(
     path = tmp_path / "stuck.yml"
     path.write_text(STUCK_TOPOLOGY, encoding="utf-8")
     asyncio.run(provision(fresh_vhost, STUCK_TOPOLOGY))
-    assert asyncio.run(_return_until_dead_lettered(fresh_vhost, "stuck")) == 2
+    assert asyncio.run(return_until_dead_lettered(fresh_vhost, "stuck")) == 2
     deadline = time.monotonic() + DEADLINE_S
     while True:
         code, data = status_json(run_cli, fresh_vhost, path)
@@ -289,7 +245,7 @@ def test_messages_stranded_in_the_main_queue_are_reported_with_their_way_out(
     path = tmp_path / "stuck.yml"
     path.write_text(STUCK_TOPOLOGY, encoding="utf-8")
     asyncio.run(provision(fresh_vhost, STUCK_TOPOLOGY))
-    asyncio.run(_return_until_dead_lettered(fresh_vhost, "stuck", through_the_tier_first=True))
+    asyncio.run(return_until_dead_lettered(fresh_vhost, "stuck", through_the_tier_first=True))
     deadline = time.monotonic() + DEADLINE_S
     while True:
         code, data = status_json(run_cli, fresh_vhost, path)
@@ -301,4 +257,4 @@ def test_messages_stranded_in_the_main_queue_are_reported_with_their_way_out(
     result = run_cli("status", str(path), settings=fresh_vhost)
     assert "stuck: 1 message stranded by RabbitMQ's dead-letter cycle check" in " ".join(
         result.out.split())
-    assert "can be moved out by hand" in " ".join(result.out.split())
+    assert f"`rabbit-retry rescue {path} stuck` parks them" in " ".join(result.out.split())

@@ -34,6 +34,8 @@ def test_the_broker_restarted_under_a_publishing_relay_loses_nothing(
         wait_for(lambda: published(url) == committed, "every committed event published",
                  within=600, interval=0.5)
         assert relay.stop() == 0
+    except AssertionError as exc:  # what the relay said, for the failure's reader
+        raise AssertionError(f"{exc}\nthe relay's log:\n{relay.log()[-3000:]}") from None
     finally:
         relay.ensure_dead()
     log = relay.log()

@@ -128,17 +128,18 @@ async def publish_raw(
     exchange: str = "",
 ) -> None:
     """(body, properties) pairs sent with exactly these wire properties (aio-pika's Message
-    would normalise them), in order, in confirmed batches."""
+    would normalise them), in order, in confirmed batches; a batch the broker does not confirm
+    within ``AMQP_TIMEOUT_S`` fails the call (a long stream on a loaded machine does not)."""
     pending = list(messages)
     connection = await aiormq.connect(settings.url)
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         for start in range(0, len(pending), 50):
-            confirms = await asyncio.gather(*(
+            confirms = await asyncio.wait_for(asyncio.gather(*(
                 channel.basic_publish(body, exchange=exchange, routing_key=routing_key,
                                       mandatory=True, properties=properties)
                 for body, properties in pending[start : start + 50]
-            ))
+            )), AMQP_TIMEOUT_S)
             assert all(isinstance(c, spec.Basic.Ack) for c in confirms), confirms
     finally:
         await connection.close()
@@ -257,7 +258,7 @@ async def on_channel(
 def publish_sync(settings: Settings, messages: Sequence[Outgoing], *, routing_key: str,
                  exchange: str = "") -> None:
     blocking(publish_raw(settings, [m.wire() for m in messages], routing_key=routing_key,
-                         exchange=exchange))
+                         exchange=exchange), timeout=None)  # each batch has its own bound
 
 
 def publish_stream_sync(settings: Settings, routing_key: str, count: int,

@@ -129,6 +129,31 @@ def test_older_than_uses_parked_at_and_never_matches_an_undated_message() -> Non
     assert not older.matches({k: v for k, v in PARKED.items() if k != "parked-at"})
 
 
+# Parked by the broker (on_full / on_expire: park): no parking headers, the reason and the time
+# in the newest x-death entry.
+BROKER_PARKED = {
+    "x-death": [
+        {"count": 1, "reason": "maxlen", "queue": "orders",
+         "time": dt.datetime(2024, 5, 1, 9, 0, tzinfo=dt.UTC)},
+        {"count": 1, "reason": "expired", "queue": "orders.retry.5s",
+         "time": dt.datetime(2024, 5, 1, 8, 0, tzinfo=dt.UTC)},
+    ],
+    "tenant": "acme",
+}
+
+
+def test_a_message_the_broker_parked_is_selected_by_its_reason_and_dated_by_its_death() -> None:
+    assert selection(["parked-reason=queue-full"]).matches(BROKER_PARKED)
+    assert not selection(["parked-reason=expired"]).matches(BROKER_PARKED)  # the newest counts
+    assert selection(older_than="2h", now=NOW).matches(BROKER_PARKED)  # parked 9:00
+    assert not selection(older_than="4h", now=NOW).matches(BROKER_PARKED)
+    # rabbit-retry's own parked copy: its parked-reason and parked-at, whatever x-death says.
+    assert selection(["parked-reason=exhausted"]).matches(PARKED)
+    assert not selection(["parked-reason=rejected"]).matches(PARKED)
+    assert parking_headers.parked_at({**BROKER_PARKED, "x-death": [
+        {"reason": "rejected-by-someone", "time": NOW}]}) is None  # not a parking death
+
+
 def test_older_than_exactly_at_the_cutoff_is_not_older() -> None:
     assert not selection(older_than="2h", now=NOW).matches(PARKED)
 

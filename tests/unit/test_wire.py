@@ -53,6 +53,8 @@ def test_values_are_those_pamqp_gave(raw: bytes) -> None:
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and a != a:
         return isinstance(b, float) and b != b
+    if isinstance(a, wire.UInt64) and a >= 2**63:  # pamqp reads ``L`` as signed: its mistake
+        return isinstance(b, int) and b == a - 2**64
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list):

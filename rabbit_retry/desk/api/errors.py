@@ -4,6 +4,7 @@ many failed logins 429. Never a 5xx for anything a client sent."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -49,6 +50,51 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 42 else text[:40] + "…"
 
 
+_BOUNDS = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
+           "greater_than": ("above", "gt"), "less_than": ("below", "lt")}
+# What a field must be, per pydantic error type: from the input given, the error's context and
+# the field's name.
+_Describe = Callable[[Any, Mapping[str, Any], str], str]
+_WHAT: dict[str, _Describe] = {
+    "missing": lambda given, ctx, field: "required",
+    "extra_forbidden": lambda given, ctx, field: "unknown field",
+    "literal_error": lambda given, ctx, field:
+        f"{_shown(given)} is not {ctx.get('expected', 'allowed')}",
+    "string_pattern_mismatch": lambda given, ctx, field:
+        f"not a {_NOUNS.get(field, 'valid value')}: {_shown(given)}",
+    "list_type": lambda given, ctx, field: f"a list, not {_shown(given)}",
+    "too_long": lambda given, ctx, field: f"at most {ctx.get('max_length', '?'):,} items",
+    "too_short": lambda given, ctx, field: f"at least {ctx.get('min_length', '?')} item(s)",
+    "string_too_long": lambda given, ctx, field:
+        f"at most {ctx.get('max_length', '?'):,} characters",
+    "string_too_short": lambda given, ctx, field:
+        f"at least {ctx.get('min_length', '?')} character(s)",
+}
+
+
+def _a(noun: str) -> _Describe:
+    return lambda given, ctx, field: f"{noun}, not {_shown(given)}"
+
+
+for _kinds, _noun in ((("int_type", "int_parsing", "int_from_float"), "a whole number"),
+                      (("float_type", "float_parsing", "finite_number"), "a finite number"),
+                      (("string_type", "string_unicode"), "text")):
+    _WHAT.update(dict.fromkeys(_kinds, _a(_noun)))
+
+
+def _what(kind: str, given: Any, ctx: Mapping[str, Any], field: str) -> str | None:
+    """What the field must be, or None for a kind without words of ours."""
+    if kind in _BOUNDS:
+        phrase, key = _BOUNDS[kind]
+        limit = ctx.get(key)
+        limit_text = f"{limit:,}" if isinstance(limit, int) else str(limit)
+        return f"{phrase} {limit_text}, not {_shown(given)}"
+    if kind.startswith(("datetime", "date_")):
+        return f"not an ISO-8601 time: {_shown(given)}"
+    describe = _WHAT.get(kind)
+    return None if describe is None else describe(given, ctx, field)
+
+
 def validation_message(errors: list[Any]) -> str:
     """The first problem pydantic found, in the words of the field: ``where: what``."""
     if not errors:
@@ -56,49 +102,15 @@ def validation_message(errors: list[Any]) -> str:
     first = errors[0]
     kind = str(first.get("type", ""))
     loc = tuple(first.get("loc", ()))
-    where = _where(loc)
-    field = str(loc[-1]) if loc and not isinstance(loc[-1], int) else str(loc[-2] if len(loc) > 1
-                                                                             else "")
-    given = first.get("input")
-    ctx = first.get("ctx") or {}
     if kind == "json_invalid":
         return "the request body is not JSON"
     if kind in ("model_attributes_type", "dict_type", "model_type") and len(loc) <= 1:
         return "the request body must be a JSON object"
-    bounds = {"greater_than_equal": ("at least", "ge"), "less_than_equal": ("at most", "le"),
-              "greater_than": ("above", "gt"), "less_than": ("below", "lt")}
-    if kind in bounds:
-        phrase, key = bounds[kind]
-        limit = ctx.get(key)
-        limit_text = f"{limit:,}" if isinstance(limit, int) else str(limit)
-        what = f"{phrase} {limit_text}, not {_shown(given)}"
-    elif kind == "missing":
-        what = "required"
-    elif kind == "extra_forbidden":
-        what = "unknown field"
-    elif kind == "literal_error":
-        what = f"{_shown(given)} is not {ctx.get('expected', 'allowed')}"
-    elif kind.startswith(("datetime", "date_")):
-        what = f"not an ISO-8601 time: {_shown(given)}"
-    elif kind == "string_pattern_mismatch":
-        what = f"not a {_NOUNS.get(field, 'valid value')}: {_shown(given)}"
-    elif kind in ("int_type", "int_parsing", "int_from_float"):
-        what = f"a whole number, not {_shown(given)}"
-    elif kind in ("float_type", "float_parsing", "finite_number"):
-        what = f"a finite number, not {_shown(given)}"
-    elif kind in ("string_type", "string_unicode"):
-        what = f"text, not {_shown(given)}"
-    elif kind in ("list_type",):
-        what = f"a list, not {_shown(given)}"
-    elif kind == "too_long":
-        what = f"at most {ctx.get('max_length', '?'):,} items"
-    elif kind == "too_short":
-        what = f"at least {ctx.get('min_length', '?')} item(s)"
-    elif kind == "string_too_long":
-        what = f"at most {ctx.get('max_length', '?'):,} characters"
-    elif kind == "string_too_short":
-        what = f"at least {ctx.get('min_length', '?')} character(s)"
-    else:
+    where = _where(loc)
+    field = str(loc[-1]) if loc and not isinstance(loc[-1], int) else str(loc[-2] if len(loc) > 1
+                                                                             else "")
+    what = _what(kind, first.get("input"), first.get("ctx") or {}, field)
+    if what is None:
         what = str(first.get("msg", "invalid")).removeprefix("Value error, ")
         return f"{where}: {what}" if where and kind != "value_error" else what
     return f"{where}: {what}" if where else what

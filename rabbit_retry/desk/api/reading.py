@@ -173,25 +173,30 @@ async def history(request: Request, row_id: RowIdPath, _who: Reader) -> dict[str
                                  "reason": done["reason"], "audit": done["id"]})
         entry = by_replay.get(row["replay_id"])
         if entry is not None:
-            result = results.get(entry["replay_id"])
-            if row["replay_id"] in again:
-                became = "parked again"
-            elif row["status"] == "replaying":
-                became = "on its way"
-            elif result is not None and result["pending"] == 0:
-                became = "succeeded"
-            else:
-                became = "not parked since"
-            timeline.append({
-                "at": time_json(entry["at"]),
-                "event": "edited and replayed" if entry["action"] == "edit" else "replayed",
-                "row": row["id"], "actor": entry["actor"], "replay_id": entry["replay_id"],
-                "to": row["replayed_to"] or row["queue"], "state": entry["state"],
-                "then": became, "next_row": again.get(row["replay_id"]),
-                "detail": entry["detail"], "audit": entry["id"]})
+            timeline.append(_replayed(row, entry, results.get(entry["replay_id"]), again))
     timeline.sort(key=lambda e: (e["at"] or "", e["row"]))
     return {"message_id": rows[-1]["message_id"], "rows": [message_json(r) for r in rows],
             "events": timeline}
+
+
+def _replayed(row: dict[str, Any], entry: dict[str, Any], result: dict[str, Any] | None,
+              again: dict[Any, Any]) -> dict[str, Any]:
+    """The replay of ``row`` (its audit ``entry``) on the timeline, and what became of it."""
+    if row["replay_id"] in again:
+        became = "parked again"
+    elif row["status"] == "replaying":
+        became = "on its way"
+    elif result is not None and result["pending"] == 0:
+        became = "succeeded"
+    else:
+        became = "not parked since"
+    return {
+        "at": time_json(entry["at"]),
+        "event": "edited and replayed" if entry["action"] == "edit" else "replayed",
+        "row": row["id"], "actor": entry["actor"], "replay_id": entry["replay_id"],
+        "to": row["replayed_to"] or row["queue"], "state": entry["state"],
+        "then": became, "next_row": again.get(row["replay_id"]),
+        "detail": entry["detail"], "audit": entry["id"]}
 
 
 async def _results(desk: Any, entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
