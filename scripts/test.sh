@@ -10,12 +10,13 @@
 #   4.0                 the version-dependent ones   (Debian trixie's, in a chroot)
 #   a 3-node 4.3 cluster (scripts/cluster.sh): the cluster tests, with the node lists
 #
-# Within a stage the tests run in parallel (pytest-xdist: each test has a vhost of its own), 4 at
-# a time on 4.3 (RABBIT_RETRY_TEST_WORKERS); the few marked `alone` (they stop the broker) run
-# after, one at a time. ruff, mypy and the wheel run beside the first stages; the two older
-# versions (2 at a time each, RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side by
-# side after 4.3, on nodes and ports of their own; RABBIT_RETRY_TEST_SERIAL=1 runs every stage
-# after the other. Every stage prints its time, and the run ends with all of them.
+# Within a stage the tests run in parallel (pytest-xdist: each test has a vhost of its own), the
+# slowest first (tests/conftest.py's SLOW), 4 at a time on 4.3 (RABBIT_RETRY_TEST_WORKERS); the
+# few marked `alone` (they restart their stage's broker) run after, one at a time. ruff, mypy and
+# the wheel run beside the first stages; the two older versions (2 at a time each,
+# RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side by side after 4.3, on nodes
+# and ports of their own; RABBIT_RETRY_TEST_SERIAL=1 runs every stage after the other. Every
+# stage prints its time, and the run ends with all of them.
 #
 #   ./scripts/test.sh                        the matrix above
 #   ./scripts/test.sh --broker 4.3 [ARGS]    one version (every broker test); ARGS go to pytest
@@ -303,7 +304,9 @@ run_pytest() {
 
 # broker_stage LABEL SELECT TARGET... -- ARGS: the tests SELECTed (a -m expression) against the
 # broker of the environment: in parallel, then those marked `alone` one at a time. Together they
-# must collect tests; either failing fails the stage.
+# must collect tests; either failing fails the stage. The parallel run takes the tests in
+# tests/conftest.py's order, the slowest first (--no-loadscope-reorder keeps that order;
+# loadgroup keeps an xdist_group's tests on one worker).
 broker_stage() {
     local label="$1" select="$2" began=$SECONDS parallel_rc alone_rc workers="${STAGE_WORKERS:-$WORKERS}"
     shift 2
@@ -311,7 +314,7 @@ broker_stage() {
     while [ "$1" != -- ]; do run_targets+=("$1") && shift; done
     shift
     pytest_run "$label: in parallel" ${run_targets[@]+"${run_targets[@]}"} -- \
-        -m "($select) and not alone" -n "$workers" --dist loadgroup "$@"
+        -m "($select) and not alone" -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
     parallel_rc=$PYTEST_RC
     pytest_run "$label: the tests that need the broker alone" ${run_targets[@]+"${run_targets[@]}"} \
         -- -m "($select) and alone" "$@"
@@ -472,7 +475,8 @@ else
         cluster_running || started_cluster=1
     fi
     # The others (the version-dependent tests only) and the cluster side by side: their own
-    # nodes and ports.
+    # nodes and ports. (All stages at once was tried: on 2 cores the load reached 15-19 and
+    # tests with bounded waits failed.)
     if [ -n "$serial" ]; then
         for version in "${versions[@]:1}"; do version_stage "$version" "" "$@"; done
         [ -z "$with_cluster" ] || cluster_stage "$@"
@@ -483,7 +487,7 @@ else
         [ -z "$with_cluster" ] || apart "the cluster" cluster_stage "$@"
         gather
         # Stopped by its stage already, unless that stage was stopped early.
-        cluster_running || started_cluster=""
+        [ -z "$with_cluster" ] || cluster_running || started_cluster=""
     fi
 fi
 

@@ -26,6 +26,10 @@ it (``classify`` below):
 A new test in a new file of ``tests/integration/`` or ``tests/reliability/`` runs on every
 version: to say otherwise, add its file (or ``file::test``) to the tables below, or write
 ``pytestmark = pytest.mark.any_version`` (or ``alone``, ...) in it.
+
+Order: every stage starts with the tests of ``SLOW`` (the slowest, slowest first), then the other
+fault-injection tests, so a stage does not end waiting on one long test. A test that ``pytest
+--durations`` shows among the slowest (half a minute or more) belongs in ``SLOW``.
 """
 
 from __future__ import annotations
@@ -96,8 +100,39 @@ NEEDS_CLUSTER = (
     "reliability/test_outbox_cluster.py",
     "integration/test_cluster_urls.py::test_amqp_and_management_on_different_nodes_*",
 )
-# Files whose tests share a costly module fixture (the TLS node) run on one xdist worker.
-ONE_WORKER = ("reliability/test_tls.py",)
+# Files whose tests share a costly module fixture (the TLS node) or a setting of the broker's
+# they change for a moment (rescue's retry interval: two at once would put back each other's)
+# run on one xdist worker.
+ONE_WORKER = ("reliability/test_tls.py", "integration/test_rescue.py")
+# The slowest tests, slowest first (per-test durations on 4.3 at 4 workers, `--durations`): a
+# stage starts them first, so its parallel workers do not end waiting on one long test. Order
+# only; a test missing here runs after them (the fault-injection ones first), as before.
+SLOW = (
+    "test_bench_smoke.py",
+    "reliability/test_outbox_killed.py::*",
+    "reliability/test_desk_killed.py::*",
+    "integration/test_parking.py::test_a_replay_right_after_an_export_and_a_show_*",
+    "reliability/test_crash_loop.py::*",
+    "integration/test_quickstart.py",
+    "reliability/test_migrate_killed.py::*",
+    "integration/test_provision_ci.py::test_a_renamed_queue_is_reported_and_pruned_*",
+    "reliability/test_missing_objects.py::*",
+    "reliability/test_coalesced_acks.py::*",
+    "reliability/test_bad_topology.py",
+    "integration/test_worker_cancel.py::test_entering_probation_while_busy_*",
+    "integration/test_desk.py::test_a_parking_queue_deleted_under_the_desk_*",
+    "reliability/test_worker_faults.py::*",
+    "integration/test_provision_ci.py::test_a_target_repairs_*",
+    "integration/test_outbox.py::test_two_relays_on_one_postgresql_outbox_*",
+    "integration/test_provision_ci.py::test_a_second_apply_refuses_or_waits_*",
+    "integration/test_desk_operations.py::test_a_thousand_sku_key_errors_*",
+    "integration/test_worker_resilience.py::test_a_paused_queue_rides_out_an_outage_*",
+    "integration/test_migrate_move.py::test_a_refill_larger_than_the_window_*",
+    "integration/test_worker.py::test_crash_loops_on_a_delivery_limited_quorum_queue_*",
+    "reliability/test_idempotent_workers.py::*",
+    "reliability/test_replay_killed.py::*",
+    "integration/test_provision_ci.py::test_discard_messages_deletes_an_orphan_*",
+)
 
 
 def _matches(patterns: tuple[str, ...], path: str, test: str) -> bool:
@@ -106,8 +141,7 @@ def _matches(patterns: tuple[str, ...], path: str, test: str) -> bool:
 
 def classify(item: pytest.Item) -> list[pytest.MarkDecorator]:
     """The marks of ``item`` from where it lives (see the module's docstring)."""
-    path = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
-    test = f"{path}::{item.name}"
+    path, test = _where(item)
     if path.startswith("unit/"):
         return [pytest.mark.unit]
     marks = [pytest.mark.integration]
@@ -128,8 +162,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         for mark in classify(item):
             item.add_marker(mark)
-    # The long fault-injection tests first, so parallel workers do not end on them one by one.
-    items.sort(key=lambda item: not item.get_closest_marker("reliability"))
+    # The slowest tests first (SLOW), then the other fault-injection tests, so parallel workers
+    # do not end on long tests one by one. A stable sort: the rest keep their order.
+    items.sort(key=_start_rank)
+
+
+def _where(item: pytest.Item) -> tuple[str, str]:
+    """``item``'s file under tests/ and its ``file::test[id]``, as the tables name them."""
+    path = Path(str(item.path)).resolve().relative_to(TESTS).as_posix()
+    return path, f"{path}::{item.name}"
+
+
+def _start_rank(item: pytest.Item) -> tuple[int, bool]:
+    path, test = _where(item)
+    rank = next((n for n, p in enumerate(SLOW) if _matches((p,), path, test)), len(SLOW))
+    return rank, not item.get_closest_marker("reliability")
 
 
 @dataclass
