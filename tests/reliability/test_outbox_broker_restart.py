@@ -23,12 +23,22 @@ def test_the_broker_restarted_under_a_publishing_relay_loses_nothing(
     topology = events_topology(fresh_vhost, tmp_path, "quorum")
     url = f"sqlite:///{tmp_path / 'app.db'}"
     relay = RelayProcess(fresh_vhost, topology, url, tmp_path / "relay.log")
-    writer = Writer(url, Outbox(topology), 20_000, exchange="rel", routing_key="event.new")
+    # The application writes until told to stop: events are committed while the broker is down
+    # and after it is back, whatever the relay had caught up with when the broker stopped (a
+    # fixed 20,000 were all published before the broker went down on a quiet machine: the
+    # relay then stopped before it had reconnected).
+    writer = Writer(url, Outbox(topology), 500_000, exchange="rel", routing_key="event.new",
+                    pause=0.01)
     try:
         relay.start()
         writer.start()
         wait_for(lambda: published(url) >= 3_000, "3,000 published", interval=0.05)
         restart_app(management)
+        wait_for(lambda: "broker back after" in relay.log(), "the relay back on the broker",
+                 within=120, interval=0.2)
+        back = writer.written
+        wait_for(lambda: writer.written >= back + 1_000, "1,000 more events written")
+        writer.stop()
         writer.join()
         committed = len(writer.committed)
         wait_for(lambda: published(url) == committed, "every committed event published",

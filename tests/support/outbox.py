@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import subprocess
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
@@ -161,29 +162,34 @@ class Writer:
     """An application adding events in transactions of ``per`` from a thread: every
     ``rollback_every``-th transaction is rolled back. Event ``i`` has message id ``e-{i:06d}``,
     body ``{"seq": i, "key": ...}`` and order key ``k{i % keys}`` (every ``unkeyed_every``-th
-    none)."""
+    none). It writes ``total`` events, ``pause`` seconds between two transactions, unless
+    ``stop`` ends it sooner."""
 
     def __init__(self, url: str, outbox: Any, total: int, *, exchange: str, routing_key: str,
                  per: int = 25, rollback_every: int = 7, keys: int = 100,
-                 unkeyed_every: int = 4) -> None:
+                 unkeyed_every: int = 4, pause: float = 0.0) -> None:
         self.url, self.outbox, self.total = url, outbox, total
         self.exchange, self.routing_key = exchange, routing_key
         self.per, self.rollback_every = per, rollback_every
         self.keys, self.unkeyed_every = keys, unkeyed_every
+        self.pause = pause  # seconds between two transactions
         self.committed: set[str] = set()
         self.rolled_back: set[str] = set()
         self.error: BaseException | None = None
         self._thread: Any = None
+        self._stop = threading.Event()
 
     def key(self, i: int) -> str | None:
         return None if i % self.unkeyed_every == 0 else f"k{i % self.keys}"
 
     def start(self) -> Writer:
-        import threading
-
         self._thread = threading.Thread(target=self._write, name="outbox writer", daemon=True)
         self._thread.start()
         return self
+
+    def stop(self) -> None:
+        """End after the transaction under way, short of ``total``."""
+        self._stop.set()
 
     def join(self, timeout: float = 600) -> None:
         self._thread.join(timeout)
@@ -201,6 +207,8 @@ class Writer:
             engine = sa.create_engine(_sqlalchemy(self.url))
             try:
                 for n, start in enumerate(range(0, self.total, self.per)):
+                    if self._stop.wait(self.pause) if self.pause else self._stop.is_set():
+                        break
                     ids = []
                     with engine.connect() as conn:
                         for i in range(start, min(self.total, start + self.per)):
