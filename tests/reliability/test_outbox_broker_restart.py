@@ -47,6 +47,7 @@ def test_the_broker_restarted_under_a_publishing_relay_loses_nothing(
     except AssertionError as exc:  # what the relay said, for the failure's reader
         raise AssertionError(f"{exc}\nthe relay's log:\n{relay.log()[-3000:]}") from None
     finally:
+        writer.stop()  # a failure above leaves it writing otherwise
         relay.ensure_dead()
     log = relay.log()
     assert log.count("lost the broker") == 1 and log.count("broker back after") == 1, log[-3000:]
