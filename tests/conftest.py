@@ -107,6 +107,11 @@ ALONE = (
     "reliability/test_worker_faults.py::test_broker_app_stopped_and_started_mid_stream_*",
     "reliability/test_outbox_broker_restart.py",
     "reliability/test_ordered_faults.py::test_ordered_keys_survive_a_broker_restart",
+    # Shortens the broker's retry interval for held dead letters (a broker-wide setting that
+    # every quorum queue declared meanwhile keeps): a test beside it that holds dead letters
+    # for the default 3 minutes saw them retried early (rel.payments of test_missing_objects,
+    # 4.3).
+    "integration/test_rescue.py",
 )
 CLUSTER = (
     "integration/test_cluster_urls.py",
@@ -118,10 +123,8 @@ NEEDS_CLUSTER = (
     "reliability/test_outbox_cluster.py",
     "integration/test_cluster_urls.py::test_amqp_and_management_on_different_nodes_*",
 )
-# Files whose tests share a costly module fixture (the TLS node) or a setting of the broker's
-# they change for a moment (rescue's retry interval: two at once would put back each other's)
-# run on one xdist worker.
-ONE_WORKER = ("reliability/test_tls.py", "integration/test_rescue.py")
+# Files whose tests share a costly module fixture (the TLS node) run on one xdist worker.
+ONE_WORKER = ("reliability/test_tls.py",)
 # The slowest tests, slowest first (per-test durations on 4.3 at 4 workers, `--durations`): a
 # stage starts them first, so its parallel workers do not end waiting on one long test. Order
 # only; a test missing here runs after them (the fault-injection ones first), as before.

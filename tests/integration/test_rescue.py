@@ -5,8 +5,9 @@ nothing else moves (docs/versions.md, "Stranded messages").
 The broker retries what it holds every ``dead_letter_worker_publisher_confirm_timeout`` (180 s),
 read by a queue's dead-letter worker when it starts. The test shortens it with ``rabbitmqctl
 eval`` (``RABBIT_RETRY_TEST_CTL``) only while its own queues are declared and their messages
-stranded, and puts it back at once: queues declared meanwhile by other tests retry held dead
-letters sooner, nothing else changes. Without rabbitmqctl the test takes about six minutes.
+stranded, and puts it back at once: queues declared meanwhile by other tests would retry held
+dead letters sooner (a test that holds them for the default 3 minutes failed so), so these
+tests run ``alone`` (tests/conftest.py). Without rabbitmqctl the test takes about six minutes.
 """
 
 from __future__ import annotations
