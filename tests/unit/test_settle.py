@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
-from rabbit_retry.worker.settle import LINGER_S, STRAGGLER_S, Settler
+from rabbit_retry.worker.settle import STRAGGLER_S, Settler
 
 
 class Channel:
@@ -21,24 +19,9 @@ class Channel:
 
 
 async def spin() -> None:
-    """Let the channel go quiet: the run that is not full goes, then its frame is written."""
-    await asyncio.sleep(LINGER_S * 3)
+    """Let the loop go round: the idle flush, then the ack it sends."""
     for _ in range(3):
         await asyncio.sleep(0)
-
-
-class Clock:
-    """The event loop's clock, moved by hand: its timers fire when the test says time passed."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        loop = asyncio.get_running_loop()
-        self.now = loop.time()
-        monkeypatch.setattr(loop, "time", lambda: self.now)
-
-    async def advance(self, seconds: float) -> None:
-        self.now += seconds
-        for _ in range(3):  # the timers now due, then the frames they queued
-            await asyncio.sleep(0)
 
 
 def acked(acks: list[tuple[int, bool]]) -> set[int]:
@@ -68,43 +51,6 @@ async def settle(run: int, received: list[int], done: list[int], elsewhere: list
 async def test_deliveries_finishing_together_share_one_frame() -> None:
     channel, _ = await settle(100, list(range(1, 51)), list(range(1, 51)))
     assert channel.acks == [(50, True)]
-
-
-async def test_a_run_grows_while_deliveries_keep_coming_and_goes_once_the_channel_is_quiet(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Sent at the first turn of the loop without a delivery finishing, a run ended between
-    two reads of the socket (under 7 deliveries a frame); it waits for a quiet channel now."""
-    clock = Clock(monkeypatch)
-    channel = Channel()
-    settler = Settler(channel, 1000)  # type: ignore[arg-type]
-    for tag in range(1, 31):  # one arriving and finishing every 0.6 of LINGER_S: 18 linger
-        settler.received(tag)
-        await clock.advance(LINGER_S * 0.3)
-        settler.done(tag)
-        await clock.advance(LINGER_S * 0.3)
-    assert channel.acks == []
-    await clock.advance(LINGER_S)  # quiet for a linger: the check may have looked just before
-    await clock.advance(LINGER_S)
-    assert channel.acks == [(30, True)]
-
-
-async def test_a_run_that_never_goes_quiet_goes_all_the_same(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    clock = Clock(monkeypatch)
-    channel = Channel()
-    settler = Settler(channel, 1000)  # type: ignore[arg-type]
-    tag = 0
-    while not channel.acks:  # one arriving and finishing every half LINGER_S
-        tag += 1
-        assert tag * LINGER_S / 2 <= STRAGGLER_S + 2 * LINGER_S, "no frame within STRAGGLER_S"
-        settler.received(tag)
-        settler.done(tag)
-        await clock.advance(LINGER_S / 2)
-    # It went after STRAGGLER_S (the channel never went quiet), acking every delivery so far.
-    assert tag * LINGER_S / 2 >= STRAGGLER_S - LINGER_S
-    assert channel.acks == [(tag, True)]
 
 
 async def test_a_full_run_goes_at_once() -> None:
