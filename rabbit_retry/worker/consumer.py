@@ -168,8 +168,8 @@ class RetryConsumer(Generic[PayloadT]):
     pause: Pause | None = None
     # Handle each message key once within a window.
     idempotency: Idempotency | None = None
-    # Deliveries acknowledged at most in one ``basic.ack`` frame (``multiple``); None: a tenth of
-    # ``prefetch``. 1 acks each delivery on its own.
+    # Deliveries acknowledged at most in one ``basic.ack`` frame (``multiple``); None: a quarter
+    # of ``prefetch``. 1 acks each delivery on its own.
     ack_run: int | None = None
     # Around every handler call, outermost first: ``async def mw(delivery, call_next)`` (timing,
     # tracing, a context variable); under the handler's timeout, before any decision.
@@ -228,7 +228,7 @@ def ack_run(consumer: RetryConsumer[Any]) -> int:
         return consumer.ack_run
     if consumer.batch is not None:
         return consumer.batch.size
-    return max(1, consumer.prefetch // 10)
+    return max(1, consumer.prefetch // 4)
 
 
 def handler_call(

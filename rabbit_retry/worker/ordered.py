@@ -110,11 +110,20 @@ class OrderedLane:
         self.backlog: dict[str, int] = {}  # per key: its messages waiting in the held queue
         self.turns: dict[Task, Turn] = {}  # the running deliveries' keys
         self._tails: dict[str, asyncio.Future[None]] = {}  # per key: its last admitted delivery
+        # Per key: the tag of its last delivery that left while none of its key waited, so its
+        # ack may still wait in a run; written before the key's next delivery runs or moves.
+        self._unacked: dict[str, int] = {}
+        self._unacked_cap = 64
         self._mine: dict[Task, asyncio.Future[None]] = {}
         self._seq = 0
         self._pending: dict[str, Hold | None] = {}  # holds set or ended, not yet written
         self._writes = asyncio.Lock()  # a pass's read sees every write that went before it
         self._ready = asyncio.Event()  # the held queue was read: deliveries may be admitted
+        # Deliveries waiting for a read of the held queue, let through in the order they came.
+        # Counted, not read from the lock: between a release and the woken waiter's acquire the
+        # lock says unlocked, and a delivery arriving then must still queue behind that waiter.
+        self._gate = asyncio.Lock()
+        self._at_gate = 0
         self._passes: asyncio.Task[None] | None = None
         self._again = False
         # Entries written that no longer say anything (a release, the hold it ended, a hold
@@ -150,9 +159,8 @@ class OrderedLane:
         """Whether the delivery runs now (its ``Turn``), after its key's earlier delivery, or
         was taken care of here (moved to the held queue, dropped, a release, settled here
         before: acked; None)."""
-        if not self._ready.is_set():
-            self._start_passes()
-            await self._ready.wait()
+        if not self._ready.is_set() or self._at_gate:
+            await self._after_the_read()
         headers = message.header.properties.headers
         tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
         if self.settled_before(message):
@@ -177,26 +185,45 @@ class OrderedLane:
                      hold, extra={"queue": self.queue, "event": "stale_holder"})
             await self._ack(tag)
             return None
+        try:
+            await self._behind(task, key)
+            if key in self.holds or self.backlog.get(key):
+                await self._defer(key, message, history)
+            else:
+                turn = self.turns[task] = Turn(key)
+                return turn
+        except BaseException:  # cancelled or failed: the key's next one must not wait on it
+            self.left(task)
+            raise
+        await self.leave(task, tag, key)
+        return None
+
+    async def _after_the_read(self) -> None:
+        """Until the held queue was read, behind every delivery that came before and waits for
+        it too: one that arrives as a read ends must not take its key's turn before an earlier
+        one of the key that waited for the read has woken (a kill test on 4.0 ran a key's
+        second message before its first so)."""
+        self._at_gate += 1
+        try:
+            async with self._gate:
+                if not self._ready.is_set():
+                    self._start_passes()
+                    await self._ready.wait()
+        finally:
+            self._at_gate -= 1
+
+    async def _behind(self, task: Task, key: str) -> None:
+        """Until the key's earlier delivery is settled and its ack written: it waits in a run
+        when that one left before this one arrived."""
         mine = asyncio.get_running_loop().create_future()
         earlier = self._tails.get(key)
         self._tails[key] = mine
         self._mine[task] = mine
         if earlier is not None and not earlier.done():
-            try:
-                await asyncio.shield(earlier)
-            except BaseException:  # cancelled while it waited: the next one must not wait on it
-                self.left(task)
-                raise
-        if key in self.holds or self.backlog.get(key):
-            try:
-                await self._defer(key, message, history)
-            except BaseException:
-                self.left(task)
-                raise
-            await self.leave(task, tag, key)
-            return None
-        turn = self.turns[task] = Turn(key)
-        return turn
+            await asyncio.shield(earlier)
+        before = self._unacked.pop(key, None)
+        if before is not None:
+            await self.settle.send_now(before)
 
     async def leave(self, task: Task, tag: int, key: str | None = None) -> None:
         """The delivery (``tag``) is settled: once its ack is written, if the key's next
@@ -207,12 +234,21 @@ class OrderedLane:
         key = turn.key if turn is not None else key
         mine = self._mine.get(task)
         try:
-            if mine is not None and key is not None and self._tails.get(key) is not mine:
-                await self.settle.send_now(tag)
+            if mine is not None and key is not None:
+                if self._tails.get(key) is not mine:  # the key's next delivery waits
+                    await self.settle.send_now(tag)
+                else:  # one that comes later writes this ack first (``admit``)
+                    self._remember(key, tag)
         except Exception as exc:  # the channel closed: what it held comes back anyway
             log.debug("queue=%s: acks not written: %r", self.queue, exc)
         finally:
             self.left(task)
+
+    def _remember(self, key: str, tag: int) -> None:
+        self._unacked[key] = tag
+        if len(self._unacked) > self._unacked_cap:  # forget the ones whose run went out
+            self._unacked = {k: t for k, t in self._unacked.items() if self.settle.waiting(t)}
+            self._unacked_cap = max(64, 2 * len(self._unacked))
 
     def left(self, task: Task) -> None:
         """The delivery is settled (or gone): its key's next delivery may run."""
