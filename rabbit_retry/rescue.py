@@ -50,6 +50,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiormq.exceptions
+from aio_pika.abc import AbstractConnection
 from aiormq.abc import AbstractChannel
 from pamqp import commands as spec
 
@@ -425,7 +426,7 @@ async def rescue_queue(settings: Settings, api: Management, work: Work, interval
         try:
             return await run.run()
         except BaseException:
-            say(await _stopped(run))
+            say(await _stopped(run, connection))
             raise
     except aiormq.exceptions.AMQPError as exc:
         raise BrokerError(f"{work.queue}: broker at {settings.safe_url} failed: "
@@ -439,16 +440,20 @@ async def rescue_queue(settings: Settings, api: Management, work: Work, interval
             await connection.close()
 
 
-async def _stopped(run: _Run) -> str:
+async def _stopped(run: _Run, connection: AbstractConnection) -> str:
     """Puts the file's bindings back; what to tell the operator of a run that stopped."""
     work = run.work
     waiting = (f"{plural(len(run.held), 'stranded message')} wait in {work.rescue} (with what it "
                "held before)") if run.held else f"what {work.rescue} holds stays there"
     try:
+        # On a channel of its own: a Ctrl-C cancels the call under way, and aiormq closes the
+        # channel of a cancelled call (it refuses every call at once, before the broker has
+        # answered the close).
+        run.channel = await (await connection.channel()).get_underlay_channel()
         await run.restore()
-    except Exception:
+    except Exception as exc:
         return (f"{work.queue}: stopped, and {naming.retry_exchange(work.queue)}'s bindings could "
-                f"not be put back (the connection is gone); {waiting}: run rescue again, it "
-                "puts them back and finishes")
+                f"not be put back ({mask(str(exc)) or type(exc).__name__}); {waiting}: run "
+                "rescue again, it puts them back and finishes")
     return (f"{work.queue}: stopped; {naming.retry_exchange(work.queue)}'s bindings are as the "
             f"file has them; {waiting}: run rescue again to finish")

@@ -4,6 +4,7 @@ node or the first of a cluster's nodes that answers."""
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -11,6 +12,7 @@ from urllib.parse import quote, urlunsplit
 
 import httpx
 
+from rabbit_retry.backoff import Backoff
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask, parse_url
 from rabbit_retry.tls import describe_tls_error, tls_cause
@@ -27,6 +29,8 @@ _HINTS = {
 }
 # Tags whose users see every vhost in ``GET /api/vhosts``, not only their own.
 _SEE_ALL_VHOSTS = frozenset({"administrator", "monitoring"})
+# Times a GET the broker answered with a server error (5xx) is asked again.
+GET_AGAIN = 2
 
 
 class Management:
@@ -164,7 +168,15 @@ class Management:
         return f"management API at {self.safe_url} refused the credentials (401)"
 
     def get(self, path: str, **params: Any) -> Any:
-        response = self.request("GET", path, params=params or None)
+        """``path``'s JSON. A server error is asked again (``GET_AGAIN`` times, a moment
+        apart): RabbitMQ 4.0 answered ``GET /vhosts`` with a bare 500 while another vhost was
+        being deleted (a CI run, many vhosts made and deleted side by side)."""
+        backoff = Backoff(0.2, 1.0)
+        while True:
+            response = self.request("GET", path, params=params or None)
+            if response.status_code < 500 or backoff.failures >= GET_AGAIN:
+                break
+            time.sleep(backoff.failed())
         if response.status_code == 404:
             raise NotFound(path)
         self._raise_for(response, "GET", path)

@@ -324,7 +324,7 @@ class Relay:
             try:
                 await self._publish(connection)
             except CONNECTION_ERRORS as exc:
-                why = self._lost or mask(str(exc)) or type(exc).__name__
+                why = self._lost or _first_line(await _lost_with(connection, exc))
                 self._lost = None
                 down_since = time.monotonic()
                 log.warning("relay: lost the broker (%s); publishing stopped, reconnecting "
@@ -540,14 +540,27 @@ class Relay:
             await asyncio.sleep(5.0)
 
 
-def _why_closed(connection: AbstractConnection) -> BaseException:
+def _close_error(connection: AbstractConnection) -> Exception | None:
     """The error a closed connection ended with (the broker's reason, when it gave one)."""
     closing = connection.closing
     if closing.done() and not closing.cancelled():
         error = closing.exception()
         if isinstance(error, Exception):
             return error
-    return ConnectionError("the connection closed")
+    return None
+
+
+def _why_closed(connection: AbstractConnection) -> BaseException:
+    return _close_error(connection) or ConnectionError("the connection closed")
+
+
+async def _lost_with(connection: AbstractConnection, exc: BaseException) -> BaseException:
+    """What the connection ended with, else ``exc``. A publish on it can fail first with a bare
+    "closed", before the broker's ``connection.close`` (and its reason) is read, so that is
+    waited for a moment."""
+    with suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(connection.closing), 1.0)
+    return _close_error(connection) or exc
 
 
 def _first_line(exc: BaseException) -> str:

@@ -116,3 +116,34 @@ def test_encoded_credentials_are_decoded_for_basic_auth() -> None:
         httpx.Request("GET", "http://h")))
     assert request.headers["Authorization"] == expected.headers["Authorization"]
     assert api.user == "ci/team"
+
+
+@pytest.mark.parametrize(("errors", "ok"), [(1, True), (2, True), (3, False)])
+def test_a_get_the_broker_answers_with_a_server_error_is_asked_again_twice(
+    errors: int, ok: bool, seen: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RabbitMQ 4.0 answered ``GET /vhosts`` with a bare 500 while another vhost was being
+    deleted: the same GET a moment later is answered."""
+    monkeypatch.setattr("rabbit_retry.broker.management.time.sleep", lambda _: None)
+    answers = iter([httpx.Response(500, text="")] * errors)
+
+    class Flaky(dict[str, Any]):
+        def get(self, path: str, default: Any = None) -> Any:
+            if path == "/vhosts":
+                return next(answers, [{"name": "orders"}])
+            return super().get(path, default)
+
+    api = _api(Flaky(), seen)
+    if ok:
+        assert api.vhost_exists("orders")
+    else:
+        with pytest.raises(BrokerError, match=r"^management API GET /vhosts failed: 500"):
+            api.vhost_exists("orders")
+    assert seen == ["GET /vhosts"] * min(errors + 1, 3)
+
+
+def test_a_client_error_is_not_asked_again(seen: list[str]) -> None:
+    api = _api({"/vhosts": httpx.Response(401, json={"reason": "Not management user"})}, seen)
+    with pytest.raises(BrokerError):
+        api.vhost_exists("orders")
+    assert seen == ["GET /vhosts"]

@@ -65,3 +65,24 @@ async def test_on_sqlite_a_second_relay_waits_for_the_first_ones_lease(tmp_path:
     assert store.take_lease("second", 60)
     assert store.take_lease("third", -1) is False  # still the second's
     store.close()
+
+
+async def test_a_lost_connection_is_said_with_the_brokers_reason() -> None:
+    """A publish on a connection the broker closes can fail with a bare "closed" before the
+    broker's ``connection.close`` (and its reason) is read: the relay waits a moment for it, so
+    its one line says why (seen on 3.10 under load: the reason was missing)."""
+    import aiormq.exceptions
+
+    class Closing:
+        def __init__(self) -> None:
+            self.closing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    reason = aiormq.exceptions.ConnectionClosed(320, "CONNECTION_FORCED - outbox test")
+    bare = aiormq.exceptions.ChannelInvalidStateError("<Connection> closed")
+    late = Closing()
+    asyncio.get_running_loop().call_later(0.05, late.closing.set_exception, reason)
+    said = relay_module._first_line(await relay_module._lost_with(late, bare))  # type: ignore[arg-type]
+    assert "outbox test" in said, said
+    clean = Closing()
+    clean.closing.set_result(None)  # closed without a reason: the error itself is said
+    assert await relay_module._lost_with(clean, bare) is bare  # type: ignore[arg-type]

@@ -166,3 +166,52 @@ def test_a_queue_whose_tier_has_a_replica_offline_is_not_rescued() -> None:
                             "rescue again once it is online",)
     fine = dataclasses.replace(stuck, replicas=(elsewhere,))  # not on the way: no matter
     assert [w.queue for w in survey(status(fine), PLAN, []).work] == ["stuck"]
+
+
+class _Channel:
+    """Records the bindings a channel is asked for; one whose call was cancelled refuses every
+    call, as aiormq's does, though it does not say it is closed until the broker answered."""
+
+    def __init__(self, calls: list[tuple[str, str]], *, closing: bool = False) -> None:
+        self.calls, self.closing, self.is_closed = calls, closing, False
+
+    async def queue_bind(self, queue: str, exchange: str, **_: Any) -> None:
+        self._call("bind", queue)
+
+    async def queue_unbind(self, queue: str, exchange: str, **_: Any) -> None:
+        self._call("unbind", queue)
+
+    def _call(self, what: str, queue: str) -> None:
+        if self.closing:
+            raise RuntimeError("Channel closed by RPC timeout")
+        self.calls.append((what, queue))
+
+
+class _Connection:
+    def __init__(self, calls: list[tuple[str, str]]) -> None:
+        self.calls = calls
+
+    async def channel(self) -> _Connection:
+        return self
+
+    async def get_underlay_channel(self) -> _Channel:
+        return _Channel(self.calls)
+
+
+def test_a_run_stopped_in_the_middle_of_a_call_puts_the_bindings_back_on_a_new_channel() -> None:
+    """Ctrl-C cancels the call under way, and aiormq closes a channel whose call was cancelled
+    (CI runs on 4.0 and 4.3 under load stopped rescue so): the bindings go back on a channel of
+    their own, and the operator is told they are as the file has them."""
+    import asyncio
+
+    from rabbit_retry.rescue import Work, _Run, _stopped
+    from rabbit_retry.settings import Settings
+    from rabbit_retry.topology.plan import Binding
+
+    calls: list[tuple[str, str]] = []
+    work = Work("stuck", Binding("stuck.retry", TIER, "stuck"), stranded=1)
+    run = _Run(_Channel(calls, closing=True), None, Settings("amqp://127.0.0.1/"),  # type: ignore[arg-type]
+               work, 1.0, print)
+    said = asyncio.run(_stopped(run, _Connection(calls)))  # type: ignore[arg-type]
+    assert calls == [("bind", TIER), ("unbind", "stuck.rescue")]
+    assert "stuck: stopped; stuck.retry's bindings are as the file has them" in said
