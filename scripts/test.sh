@@ -11,12 +11,14 @@
 #   a 3-node 4.3 cluster (scripts/cluster.sh): the cluster tests, with the node lists
 #
 # Within a stage the tests run in parallel (pytest-xdist: each test has a vhost of its own), the
-# slowest first (tests/conftest.py's SLOW), 4 at a time on 4.3 (RABBIT_RETRY_TEST_WORKERS); the
-# few marked `alone` (they restart their stage's broker) run after, one at a time. ruff, mypy and
-# the wheel run beside the first stages; the two older versions (2 at a time each,
-# RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side by side after 4.3, on nodes
-# and ports of their own; RABBIT_RETRY_TEST_SERIAL=1 runs every stage after the other. Every
-# stage prints its time, and the run ends with all of them.
+# slowest first (tests/conftest.py's SLOW), 5 at a time on 4.3 (RABBIT_RETRY_TEST_WORKERS); the
+# few marked `alone` (they restart their stage's broker) run after, one at a time (4.3's beside
+# the later stages). ruff, mypy and the wheel run beside the first stages, the unit tests (in
+# the whole matrix) after the cluster stage, beside the older versions' tests; the two older
+# versions (3 at a time each, RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side
+# by side after 4.3, on nodes and ports of their own; RABBIT_RETRY_TEST_SERIAL=1 runs every
+# stage after the other. Every stage prints its time, and the run ends with all of them;
+# RABBIT_RETRY_TEST_DURATIONS=0 lists every test's time (default: the 10 slowest per run).
 #
 #   ./scripts/test.sh                        the matrix above
 #   ./scripts/test.sh --broker 4.3 [ARGS]    one version (every broker test); ARGS go to pytest
@@ -35,13 +37,17 @@ cd "$ROOT"
 # shellcheck source=scripts/lib.sh
 source "$ROOT/scripts/lib.sh"
 
+# Bytecode is written (a machine may say PYTHONDONTWRITEBYTECODE=1): pytest rewrites the asserts
+# of every test module it collects and keeps the result beside it only then; without, each of
+# the run's 20 or so pytest processes spent 3 of its 6 s collecting on rewriting them again.
+unset PYTHONDONTWRITEBYTECODE
 # A hung test fails alone after pyproject's per-test timeout; this bounds a whole pytest run.
 PYTEST_TIMEOUT="${RABBIT_RETRY_PYTEST_TIMEOUT:-1800}"
 # Broker tests at a time in the first version's stage (alone on the machine): they mostly wait
 # on the broker, so more than the cores; and in each of the older versions' stages, which run
 # side by side with each other and with the cluster's (whose tests run one at a time).
-WORKERS="${RABBIT_RETRY_TEST_WORKERS:-4}"
-WORKERS_BESIDE="${RABBIT_RETRY_TEST_WORKERS_BESIDE:-2}"
+WORKERS="${RABBIT_RETRY_TEST_WORKERS:-5}"
+WORKERS_BESIDE="${RABBIT_RETRY_TEST_WORKERS_BESIDE:-3}"
 START=$SECONDS
 FAILED=()
 TIMES=()
@@ -55,6 +61,7 @@ took() {
 
 finish() {
     local took=$((SECONDS - START))
+    rm -f ${PREPARED_LOGS[@]+"${PREPARED_LOGS[@]}"}
     stage "stage times"
     printf '    %s\n' "${TIMES[@]}"
     if [ "${#FAILED[@]}" -eq 0 ]; then
@@ -96,9 +103,10 @@ apart() {
     dir="$(mktemp -d "${TMPDIR:-/tmp}/rabbit-retry-stage.XXXXXX")"
     (
         trap - EXIT INT TERM
-        FAILED=() TIMES=() PASSED=0 FAILED_TESTS=0
+        FAILED=() TIMES=() PASSED=0 FAILED_TESTS=0 FAILED_NAMES=()
         "$@" >"$dir/log" 2>&1 </dev/null
         printf '%s\n' ${FAILED[@]+"${FAILED[@]}"} >"$dir/failed"
+        printf '%s\n' ${FAILED_NAMES[@]+"${FAILED_NAMES[@]}"} >"$dir/failed-tests"
         printf '%s\n' ${TIMES[@]+"${TIMES[@]}"} >"$dir/times"
         echo "$PASSED $FAILED_TESTS" >"$dir/counts"
     ) &
@@ -127,9 +135,16 @@ stop_apart() {
     APART=()
 }
 
+# append_lines ARRAY FILE: each line of FILE that is not empty, added to the array named ARRAY.
+append_lines() {
+    local -n into="$1"
+    local line
+    while IFS= read -r line; do [ -z "$line" ] || into+=("$line"); done <"$2"
+}
+
 # gather: waits for every stage started by `apart`, shows its output and counts its results.
 gather() {
-    local job pid dir name line passed failed
+    local job pid dir name passed failed
     for job in ${APART[@]+"${APART[@]}"}; do
         IFS='|' read -r pid dir name <<<"$job"
         wait "$pid" || true
@@ -139,8 +154,9 @@ gather() {
             read -r passed failed <"$dir/counts"
             PASSED=$((PASSED + passed))
             FAILED_TESTS=$((FAILED_TESTS + failed))
-            while IFS= read -r line; do [ -z "$line" ] || FAILED+=("$line"); done <"$dir/failed"
-            while IFS= read -r line; do [ -z "$line" ] || TIMES+=("$line"); done <"$dir/times"
+            append_lines FAILED "$dir/failed"
+            append_lines TIMES "$dir/times"
+            append_lines FAILED_NAMES "$dir/failed-tests"
         else
             FAILED+=("$name (stopped before it finished)")
         fi
@@ -249,6 +265,9 @@ esac
 
 PASSED=0
 FAILED_TESTS=0
+# Each failed test's line from pytest's summary, with its stage: shown again at the very end, so
+# the last lines of a long run name what failed.
+FAILED_NAMES=()
 # pytest_run LABEL TARGET... -- ARGS: one pytest run, its counts added to the totals and its
 # exit code left in PYTEST_RC (5: it collected no tests; the caller judges whether that may be).
 pytest_run() {
@@ -262,7 +281,8 @@ pytest_run() {
     # SIGINT first, so a timed-out pytest still tears down (deleting its vhosts) and reports.
     # pytest's own exit code, through the pipe to tee (PIPESTATUS would be lost to `|| true`).
     { timeout --signal=INT --kill-after=60 "$PYTEST_TIMEOUT" \
-        pytest ${run_targets[@]+"${run_targets[@]}"} "$verbosity" -ra --durations=10 \
+        pytest ${run_targets[@]+"${run_targets[@]}"} "$verbosity" -ra \
+        --durations="${RABBIT_RETRY_TEST_DURATIONS:-10}" \
         -p no:cacheprovider "$@" </dev/null 2>&1 && echo 0 >"$log.rc" || echo $? >"$log.rc"; } |
         tee "$log"
     PYTEST_RC="$(cat "$log.rc")"
@@ -274,6 +294,9 @@ pytest_run() {
     for n in $(grep -oE '[0-9]+ (failed|errors?)' <<<"$line" | grep -oE '[0-9]+' || true); do
         FAILED_TESTS=$((FAILED_TESTS + n))
     done
+    while IFS= read -r line; do
+        FAILED_NAMES+=("$label: ${line:0:300}")
+    done < <(grep -E '^(FAILED|ERROR) ' "$log" || true)
     rm -f "$log"
     case "$PYTEST_RC" in
         0 | 5) ;;
@@ -306,26 +329,42 @@ run_pytest() {
 # broker of the environment: in parallel, then those marked `alone` one at a time. Together they
 # must collect tests; either failing fails the stage. The parallel run takes the tests in
 # tests/conftest.py's order, the slowest first (--no-loadscope-reorder keeps that order;
-# loadgroup keeps an xdist_group's tests on one worker).
+# loadgroup keeps an xdist_group's tests on one worker). STAGE_PART=parallel or alone runs one
+# of the two parts (the first version's `alone` tests run beside the older versions' stages).
 broker_stage() {
-    local label="$1" select="$2" began=$SECONDS parallel_rc alone_rc workers="${STAGE_WORKERS:-$WORKERS}"
+    local label="$1" select="$2" began=$SECONDS parallel_rc=5 alone_rc=5 part="${STAGE_PART:-both}"
+    local workers="${STAGE_WORKERS:-$WORKERS}"
     shift 2
     local run_targets=()
     while [ "$1" != -- ]; do run_targets+=("$1") && shift; done
     shift
-    pytest_run "$label: in parallel" ${run_targets[@]+"${run_targets[@]}"} -- \
-        -m "($select) and not alone" -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
-    parallel_rc=$PYTEST_RC
-    pytest_run "$label: the tests that need the broker alone" ${run_targets[@]+"${run_targets[@]}"} \
-        -- -m "($select) and alone" "$@"
-    alone_rc=$PYTEST_RC
-    if [ "$parallel_rc" = 5 ] && [ "$alone_rc" = 5 ]; then
-        judge "$label" 5
-    else
-        [ "$parallel_rc" = 5 ] || judge "$label" "$parallel_rc"
-        [ "$alone_rc" = 5 ] || judge "$label (alone)" "$alone_rc"
+    if [ "$part" != alone ]; then
+        pytest_run "$label: in parallel" ${run_targets[@]+"${run_targets[@]}"} -- \
+            -m "($select) and not alone" -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+        parallel_rc=$PYTEST_RC
     fi
-    took "$label" "$began"
+    if [ "$part" != parallel ]; then
+        pytest_run "$label: the tests that need the broker alone" \
+            ${run_targets[@]+"${run_targets[@]}"} -- -m "($select) and alone" "$@"
+        alone_rc=$PYTEST_RC
+    fi
+    case "$part" in
+        parallel) judge "$label" "$parallel_rc" ;;
+        alone) [ "$alone_rc" = 5 ] || judge "$label (alone)" "$alone_rc" ;;
+        *)
+            if [ "$parallel_rc" = 5 ] && [ "$alone_rc" = 5 ]; then
+                judge "$label" 5
+            else
+                [ "$parallel_rc" = 5 ] || judge "$label" "$parallel_rc"
+                [ "$alone_rc" = 5 ] || judge "$label (alone)" "$alone_rc"
+            fi
+            ;;
+    esac
+    case "$part" in
+        parallel) took "$label (in parallel)" "$began" ;;
+        alone) took "$label (the tests that need the broker alone)" "$began" ;;
+        *) took "$label" "$began" ;;
+    esac
 }
 
 # What a version stage selects: every broker test on the first version of the run, the
@@ -369,6 +408,51 @@ if [ -n "$only_unit" ] || [ -n "$only_cluster" ] || [ -n "$serial" ]; then
     [ -n "$only_unit" ] || [ -n "$only_cluster" ] || wheel_stage
 else
     apart "ruff, mypy --strict and the wheel" eval 'static_checks; wheel_stage'
+fi
+
+# Nodes started ahead of their stage, in the background (a chroot built first where it is
+# missing: about a minute on a fresh machine): VERSION -> "pid log". A stage waits for its own.
+declare -A PREPARED=()
+PREPARED_LOGS=()
+# prepare_broker VERSION...: starts them one after the other, beside whatever runs now. Only
+# chroots' nodes, and only with debootstrap at hand: installing it (apt-get) could meet the lock
+# of another install.
+prepare_broker() {
+    local version ready=()
+    command -v debootstrap >/dev/null 2>&1 || return 0
+    for version in "$@"; do
+        [ "$version" = 3.10 ] || [ -n "${PREPARED[$version]:-}" ] || ready+=("$version")
+    done
+    [ "${#ready[@]}" -gt 0 ] || return 0
+    local log
+    log="$(mktemp "${TMPDIR:-/tmp}/rabbit-retry-broker.XXXXXX")"
+    (
+        for version in "${ready[@]}"; do "$ROOT/scripts/broker.sh" up "$version" || true; done
+    ) </dev/null >"$log" 2>&1 &
+    for version in "${ready[@]}"; do PREPARED[$version]="$! $log"; done
+    PREPARED_LOGS+=("$log")
+    note "broker ${ready[*]}: starting beside the next steps"
+}
+
+# prepared VERSION: waits until a node prepare_broker started is up (or failed: the stage's own
+# `up` says why), and shows what it printed.
+prepared() {
+    local pid log
+    [ -n "${PREPARED[$1]:-}" ] || return 0
+    read -r pid log <<<"${PREPARED[$1]}"
+    # Not always this shell's child (a stage run beside the others is a subshell): watched.
+    while kill -0 "$pid" 2>/dev/null; do sleep 1; done
+    [ ! -f "$log" ] || grep -F "broker $1:" "$log" >&2 || true
+    PREPARED[$1]=""
+}
+
+# The first version's node starts while the stores, Node.js and chromium are installed.
+first_version=4.3
+for version in ${BROKERS[@]+"${BROKERS[@]}"}; do
+    [ "$version" = cluster ] || { first_version="$version" && break; }
+done
+if [ -z "$only_unit" ] && [ -z "$only_cluster" ] && [ -z "${RABBIT_RETRY_TEST_URL:-}" ]; then
+    prepare_broker "$first_version"
 fi
 
 if [ -z "$only_unit" ]; then
@@ -421,6 +505,7 @@ version_stage() {
     local version="$1" first="$2"
     shift 2
     stage "broker $version"
+    prepared "$version"
     if ! "$ROOT/scripts/broker.sh" up "$version" </dev/null; then
         FAILED+=("broker $version (did not start)")
         return 0
@@ -431,6 +516,11 @@ version_stage() {
     else
         broker_stage "pytest on RabbitMQ $version" "$(version_select "$first")" tests -- "$@"
     fi
+}
+
+# alone_stage VERSION: the first version's `alone` tests (its other tests ran already).
+alone_stage() {
+    STAGE_PART=alone version_stage "$1" first
 }
 
 label=""
@@ -460,10 +550,6 @@ else
     for version in "${BROKERS[@]}"; do
         [ "$version" = cluster ] || versions+=("$version")
     done
-    [ "${targets[*]-}" = "-" ] || unit_stage "$@"
-    # The first version gets every broker test, alone on the machine but for the checks beside.
-    version_stage "${versions[0]}" first "$@"
-    gather
     label="tests on RabbitMQ ${versions[*]}"
     # The cluster tests, on three 4.3 nodes (scripts/cluster.sh), when 4.3 is in the matrix and
     # no test paths were named; label says so. A cluster this run started is stopped again.
@@ -472,8 +558,28 @@ else
         [ "${targets[*]-}" != "-" ]; then
         with_cluster=1
         label="$label and a 3-node 4.3 cluster"
-        cluster_running || started_cluster=1
     fi
+    # In the whole matrix the stages after the first version's overlap: its `alone` tests
+    # (broker restarts, mostly waiting) run beside the older versions' stages and the cluster's
+    # (their nodes are their own), and the unit tests after the cluster's, when the older
+    # versions' tests mostly wait (measured: the two cores 10-50% busy then). Otherwise the
+    # unit tests run first, and each version's tests in one stage.
+    split=""
+    if [ $# -eq 0 ] && [ -z "$serial" ] && [ "${#versions[@]}" -gt 1 ] && [ -n "$with_cluster" ]; then
+        split=1
+    fi
+    [ -n "$split" ] || [ "${targets[*]-}" = "-" ] || unit_stage "$@"
+    # The first version gets every broker test, alone on the machine but for the checks beside
+    # (and, in the whole matrix, the other versions' nodes starting).
+    if [ -n "$split" ]; then
+        prepared "${versions[0]}"  # one chroot built at a time
+        prepare_broker "${versions[@]:1}"
+        STAGE_PART=parallel version_stage "${versions[0]}" first
+    else
+        version_stage "${versions[0]}" first "$@"
+    fi
+    gather
+    [ -z "$with_cluster" ] || cluster_running || started_cluster=1
     # The others (the version-dependent tests only) and the cluster side by side: their own
     # nodes and ports. (All stages at once was tried: on 2 cores the load reached 15-19 and
     # tests with bounded waits failed.)
@@ -481,10 +587,16 @@ else
         for version in "${versions[@]:1}"; do version_stage "$version" "" "$@"; done
         [ -z "$with_cluster" ] || cluster_stage "$@"
     else
+        [ -z "$split" ] ||
+            apart "RabbitMQ ${versions[0]}: the tests that need the broker alone" alone_stage "${versions[0]}"
         for version in "${versions[@]:1}"; do
             STAGE_WORKERS=$WORKERS_BESIDE apart "RabbitMQ $version" version_stage "$version" "" "$@"
         done
-        [ -z "$with_cluster" ] || apart "the cluster" cluster_stage "$@"
+        if [ -n "$split" ]; then
+            apart "the cluster, then the unit tests" eval 'cluster_stage; unit_stage'
+        elif [ -n "$with_cluster" ]; then
+            apart "the cluster" cluster_stage "$@"
+        fi
         gather
         # Stopped by its stage already, unless that stage was stopped early.
         [ -z "$with_cluster" ] || cluster_running || started_cluster=""
@@ -493,4 +605,5 @@ fi
 
 gather
 printf 'total: %d passed, %d failed\n' "$PASSED" "$FAILED_TESTS"
+[ "${#FAILED_NAMES[@]}" -eq 0 ] || printf '  %s\n' "${FAILED_NAMES[@]}"
 finish

@@ -107,11 +107,6 @@ ALONE = (
     "reliability/test_worker_faults.py::test_broker_app_stopped_and_started_mid_stream_*",
     "reliability/test_outbox_broker_restart.py",
     "reliability/test_ordered_faults.py::test_ordered_keys_survive_a_broker_restart",
-    # Shortens the broker's retry interval for held dead letters (a broker-wide setting that
-    # every quorum queue declared meanwhile keeps): a test beside it that holds dead letters
-    # for the default 3 minutes saw them retried early (rel.payments of test_missing_objects,
-    # 4.3).
-    "integration/test_rescue.py",
 )
 CLUSTER = (
     "integration/test_cluster_urls.py",
@@ -123,8 +118,18 @@ NEEDS_CLUSTER = (
     "reliability/test_outbox_cluster.py",
     "integration/test_cluster_urls.py::test_amqp_and_management_on_different_nodes_*",
 )
-# Files whose tests share a costly module fixture (the TLS node) run on one xdist worker.
-ONE_WORKER = ("reliability/test_tls.py",)
+# Tests that must not run beside each other, per group: each group's tests run one after another
+# on one xdist worker (``--dist loadgroup``), beside the rest of the stage.
+GROUPS = {
+    # Share a costly module fixture (a TLS node of their own).
+    "tls": ("reliability/test_tls.py",),
+    # The rescue tests shorten the broker's retry interval for held dead letters while they
+    # declare their queues (a broker-wide setting that a quorum queue declared meanwhile keeps),
+    # and each puts back what it read: two of them at once could leave it short. The
+    # missing-object tests hold dead letters for the default 3 minutes and saw them retried
+    # early beside them (rel.payments, 4.3).
+    "dead-letter-interval": ("integration/test_rescue.py", "reliability/test_missing_objects.py"),
+}
 # The slowest tests, slowest first (per-test durations on 4.3 at 4 workers, `--durations`): a
 # stage starts them first, so its parallel workers do not end waiting on one long test. Order
 # only; a test missing here runs after them (the fault-injection ones first), as before.
@@ -173,8 +178,9 @@ def classify(item: pytest.Item) -> list[pytest.MarkDecorator]:
                         ("needs_cluster", NEEDS_CLUSTER)):
         if _matches(table, path, test):
             marks.append(getattr(pytest.mark, name))
-    if _matches(ONE_WORKER, path, test):
-        marks.append(pytest.mark.xdist_group(path))
+    for group, patterns in GROUPS.items():
+        if _matches(patterns, path, test):
+            marks.append(pytest.mark.xdist_group(group))
     return marks
 
 

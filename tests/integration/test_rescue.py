@@ -7,7 +7,8 @@ read by a queue's dead-letter worker when it starts. The test shortens it with `
 eval`` (``RABBIT_RETRY_TEST_CTL``) only while its own queues are declared and their messages
 stranded, and puts it back at once: queues declared meanwhile by other tests would retry held
 dead letters sooner (a test that holds them for the default 3 minutes failed so), so these
-tests run ``alone`` (tests/conftest.py). Without rabbitmqctl the test takes about six minutes.
+tests run one at a time, with the tests that hold dead letters, on one worker (tests/conftest.py,
+``GROUPS``). Without rabbitmqctl the test takes about six minutes.
 """
 
 from __future__ import annotations
