@@ -1,8 +1,12 @@
 """One command for every benchmark: runs them, then writes docs/benchmarks.md and its plots.
 
     .venv/bin/python -m bench.run                 # everything, a full run (about 15 minutes)
-    .venv/bin/python -m bench.run --only retry,storm --runs 5
+    .venv/bin/python -m bench.run --only retry,storm --runs 5   # rewrites those two sections
     .venv/bin/python -m bench.run --smoke --out /tmp/b/benchmarks.md   # tiny N: checks the harness
+
+With ``--only``, the report's other sections (their plots, and whatever was written into them
+by hand) stay as they are: only the sections and summary rows of the benchmarks run are
+replaced, each saying the command, machine and broker it ran with (``splice``).
 
 Each benchmark module offers ``run(settings, **params) -> dict`` (see ``bench/common.py``) and
 runs here in a child process of its own with a time budget: a benchmark that hangs is stopped
@@ -575,6 +579,69 @@ def render(
     return "\n".join(lines).rstrip() + "\n"
 
 
+def splice(existing: str, report: str) -> str:
+    """``existing`` with the sections and summary rows of ``report`` (a run of some benchmarks,
+    ``--only``) in place of theirs, numbered as they were; the other benchmarks' sections, and
+    whatever was written into the file by hand, stay as they are. A benchmark the file does not
+    have yet is added at the end."""
+    parts = [p.rstrip("\n") for p in existing.split("\n## ")]
+    fresh = [p.rstrip("\n") for p in report.split("\n## ")]
+    titles = {_title(part): i for i, part in enumerate(parts)}
+    written = fresh[0].split("\n")[2]  # "Written by `command` on DATE UTC; ..."
+    setup = next((p for p in fresh if p.startswith("Setup\n")), "").split("\n")
+    where = f"- {written.split(';')[0]}, by itself: " + " ".join(
+        line[2:] for line in setup if line.startswith(("- Machine", "- Broker")))
+    for part in fresh[1:]:
+        title = _title(part)
+        if title == "Summary" and "Summary" in titles:
+            parts[titles[title]] = _merge_rows(parts[titles[title]], part)
+        elif title is None or not part[:1].isdigit():
+            continue  # the setup and the rest describe the whole file's run
+        elif title in titles:
+            number = parts[titles[title]].split(".", 1)[0]
+            parts[titles[title]] = _after_settings(number + "." + part.split(".", 1)[1], where)
+        else:
+            numbered = sum(1 for p in parts if p[:1].isdigit())
+            parts.append(_after_settings(f"{numbered + 1}." + part.split(".", 1)[1], where))
+            titles[title] = len(parts) - 1
+    return "\n\n## ".join(parts) + "\n"
+
+
+def _after_settings(section: str, line: str) -> str:
+    """``line`` added after the section's ``Wall time`` line (a paragraph of its own without
+    one)."""
+    lines = section.split("\n")
+    at = next((i + 1 for i, x in enumerate(lines) if x.startswith(("- Wall time", "Wall time"))),
+              None)
+    if at is None:
+        return "\n".join([*lines, "", line])
+    return "\n".join([*lines[:at], line, *lines[at:]])
+
+
+def _title(part: str) -> str | None:
+    """The title of a report's part (``11. Batch handler: ...`` or ``Summary``)."""
+    heading = part.split("\n", 1)[0]
+    number, dot, title = heading.partition(". ")
+    return title if dot and number.isdigit() else heading if heading[:1].isalpha() else None
+
+
+def _merge_rows(summary: str, fresh: str) -> str:
+    """The summary table ``summary`` with the rows of ``fresh`` in place of the rows of the same
+    benchmark (a row's first cell, which a hand-written note may follow: ``Title (run ...)``),
+    new ones added at its end."""
+    lines = summary.split("\n")
+    for row in (line for line in fresh.split("\n")[4:] if line.startswith("| ")):
+        first = row.split(" | ", 1)[0]
+        at = next((i for i, line in enumerate(lines) if line.startswith("| ") and (
+            line.split(" | ", 1)[0] == first or line.startswith(first + " ("))), None)
+        if at is not None:
+            lines[at] = row
+        else:
+            last = max(i for i, line in enumerate(lines) if line.startswith("|"))
+            lines.insert(last + 1, row)
+    return "\n".join(lines)
+
+
 def _fallback_plots(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     """For a module that returns no plots: bars from a table column listing each run's
     figures ("runs (msg/s)": "3224, 3349, ..."), if it has one."""
@@ -709,9 +776,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         leftovers = _clean_up(settings)
     wall = time.monotonic() - start
-    for old in out.parent.glob(f"{out.stem}-*.png"):
-        old.unlink()
-    out.write_text(render(outcomes, info, args, wall, leftovers, out))
+    partial = bool(args.only) and not args.keep and out.exists()
+    for key in keys if partial else [""]:  # a partial run redraws only its own plots
+        for old in out.parent.glob(f"{out.stem}-{key}{'-' if key else ''}*.png"):
+            old.unlink()
+    report = render(outcomes, info, args, wall, leftovers, out)
+    out.write_text(splice(out.read_text(), report) if partial else report)
     (results / "run.json").write_text(
         json.dumps(
             {
