@@ -168,13 +168,14 @@ gather() {
 # The desk from the installed wheel: its migrations run on a new SQLite store and its page and
 # API answer (the broker need not answer for that).
 desk_smoke() {
-    local tmp="$1" port pid rc=0
-    port="$("$tmp/venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    local tmp="$1" port="" pid rc=0
+    # Port 0: the system picks a free one when the desk binds, and the desk prints it.
     "$tmp/venv/bin/rabbit-retry" desk "$ROOT/topologies/demo.yml" --store "sqlite:///$tmp/desk.db" \
-        --listen "127.0.0.1:$port" >"$tmp/desk.log" 2>&1 &
+        --listen "127.0.0.1:0" >"$tmp/desk.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 100); do
-        curl -fsS --max-time 2 "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
+        port="$(sed -n 's|^rabbit-retry desk: open http://127\.0\.0\.1:\([0-9]*\)/.*|\1|p' "$tmp/desk.log")"
+        [ -n "$port" ] && break
         sleep 0.2
     done
     {

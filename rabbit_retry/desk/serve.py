@@ -8,7 +8,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,9 +43,10 @@ class Listen:
 
 
 def parse_listen(value: str) -> Listen:
-    """``HOST:PORT`` (``[::1]:8025`` for IPv6)."""
+    """``HOST:PORT`` (``[::1]:8025`` for IPv6); port 0: one the system picks, printed once the
+    desk listens."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise InputError(f"--listen {value!r}: expected HOST:PORT, e.g. {DEFAULT_LISTEN}")
     return Listen(host.strip("[]"), int(port))
 
@@ -96,7 +97,9 @@ def open_outbox(url: str) -> DeskOutbox:
 
 async def serve(topology: Topology, settings: Settings, *, store_url: str, listen: Listen,
                 keep: timedelta, token: str | None = None, access: Access | None = None,
-                on_ready: asyncio.Event | None = None, outbox_url: str | None = None) -> None:
+                on_ready: Callable[[Listen], None] | None = None,
+                outbox_url: str | None = None) -> None:
+    """Serve until stopped; ``on_ready`` is told where it listens (the system's port for 0)."""
     import uvicorn
 
     from rabbit_retry.desk.app import Desk, create_app
@@ -139,6 +142,7 @@ async def serve(topology: Topology, settings: Settings, *, store_url: str, liste
                 serving.result()
                 raise BrokerError(f"cannot listen on {listen.host}:{listen.port}")
             await asyncio.sleep(0.05)
+        listen = _bound(server, listen)
         auth = {"loopback": "loopback only, no sign-in", "token": "a token is required",
                 "operators": "named operators sign in"}[access.mode]
         log.info("desk: serving %s (%s); store %s; %d queue(s)%s", listen.url, auth,
@@ -146,7 +150,7 @@ async def serve(topology: Topology, settings: Settings, *, store_url: str, liste
                  f"; outbox {outbox.name}" if outbox is not None else "")
         print(f"rabbit-retry desk: open {listen.url} ({auth})", flush=True)
         if on_ready is not None:
-            on_ready.set()
+            on_ready(listen)
         await serving
     finally:
         server.should_exit = True
@@ -163,6 +167,14 @@ async def serve(topology: Topology, settings: Settings, *, store_url: str, liste
             loop.remove_signal_handler(sig)
     if not serving.cancelled() and serving.exception() is not None:
         raise BrokerError(f"cannot listen on {listen.host}:{listen.port}")
+
+
+def _bound(server: Any, listen: Listen) -> Listen:
+    """Where ``server`` listens: ``listen`` with the port the system gave for port 0."""
+    if listen.port:
+        return listen
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return Listen(listen.host, int(port))
 
 
 def _stop(server: Any) -> None:

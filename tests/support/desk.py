@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
+import re
 import subprocess
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
@@ -41,10 +41,8 @@ ACCESS_ENV_VALUES = {"DESK_TEST_ANA": SECRETS["ana"], "DESK_TEST_VIC": SECRETS["
                      "DESK_TEST_METRICS": SECRETS["metrics"]}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# What ``rabbit-retry desk`` prints once it listens.
+LISTENING = re.compile(r"rabbit-retry desk: open http://127\.0\.0\.1:(\d+)/")
 
 
 @contextlib.contextmanager
@@ -72,17 +70,17 @@ async def desk_running(
 ) -> AsyncIterator[httpx.AsyncClient]:
     """A desk in this event loop; yields a client for it (with the token, when set, or as the
     named operator ``as_user`` of ``SECRETS``)."""
-    listen = Listen("127.0.0.1", free_port())
-    ready = asyncio.Event()
-    task = asyncio.create_task(serve(topology, settings, store_url=store, listen=listen,
-                                     keep=keep, token=token, access=access, on_ready=ready))
+    bound: list[Listen] = []
+    task = asyncio.create_task(serve(topology, settings, store_url=store,
+                                     listen=Listen("127.0.0.1", 0), keep=keep, token=token,
+                                     access=access, on_ready=bound.append))
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     auth = (as_user, SECRETS[as_user]) if as_user else None
     try:
-        await eventually(lambda: ready.is_set() or task.done(), within=30, what="desk ready")
+        await eventually(lambda: bool(bound) or task.done(), within=30, what="desk ready")
         if task.done():
             task.result()
-        async with httpx.AsyncClient(base_url=listen.url, headers=headers, auth=auth,
+        async with httpx.AsyncClient(base_url=bound[0].url, headers=headers, auth=auth,
                                      timeout=60) as client:
             yield client
     finally:
@@ -108,23 +106,31 @@ class DeskProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> DeskProcess:
-        self.port = self.port or free_port()
+        """Start it: on the port it had (a restart), else on one the system picks (port 0; a
+        port found free beforehand could be taken by another test's server before the desk
+        bound it, and that server would answer this test)."""
         argv = [CLI, "--url", self.settings.url, "--management-url",
                 self.settings.management_url, "desk", str(self.topology), "--store", self.store,
                 "--listen", f"127.0.0.1:{self.port}"]
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=log, env={**os.environ, **(self.env or {})})
-        wait_for(lambda: self._up() or self.process is None or self.process.poll() is not None,
+        process = self.process
+        wait_for(lambda: self._listening(start) or process.poll() is not None,
                  "the desk to serve")
-        assert self.process.poll() is None, f"the desk exited:\n{self.log()[-3000:]}"
+        assert process.poll() is None, f"the desk exited:\n{self.log()[-3000:]}"
         return self
 
-    def _up(self) -> bool:
-        try:
-            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def _listening(self, start: int) -> bool:
+        """Whether the desk printed where it listens (since ``start`` in its log): then its
+        port is known and it answers."""
+        with self.log_path.open("rb") as log:
+            log.seek(start)
+            found = LISTENING.search(log.read().decode(errors="replace"))
+        if found is not None:
+            self.port = int(found.group(1))
+        return found is not None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
