@@ -168,7 +168,14 @@ class Desk:
             headers.setdefault("Authorization", f"Bearer {self.token}")
         if self.user is not None and "auth" not in kwargs and "Authorization" not in headers:
             kwargs["auth"] = (self.user, SECRETS[self.user])
-        return httpx.request(method, self.url + path, headers=headers, timeout=60.0, **kwargs)
+        try:
+            return httpx.request(method, self.url + path, headers=headers, timeout=60.0,
+                                 **kwargs)
+        except httpx.TransportError as exc:  # say what became of the desk
+            raise AssertionError(
+                f"{method} {path} on {self.url}: {exc!r}; "
+                f"{self.died() or 'the desk process still runs'}; its log ends:\n"
+                f"{self.process.log()[-3000:]}") from exc
 
     def get(self, path: str, **params: Any) -> Any:
         """GET ``path`` as JSON; anything but 200 fails the test with the desk's answer."""
