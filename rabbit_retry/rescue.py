@@ -367,6 +367,10 @@ class _Run:
             await self.bind(self.work.rescue, False)
             await self.bind(self.work.tier.destination, False)
             count = len(self.held)
+            self.say(f"{self.queue}: {plural(count, 'stranded message')} in {self.work.rescue}; "
+                     f"{self.work.tier.destination} unbound from "
+                     f"{naming.retry_exchange(self.queue)} until the broker lets go of them in "
+                     f"{self.queue} (at its next try)")
 
             def gone() -> bool:
                 nonlocal highest
