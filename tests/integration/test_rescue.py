@@ -139,6 +139,44 @@ def test_rescue_parks_what_is_stranded_in_the_queue_and_leaves_the_tier(
     assert header_text(headers.get("original-queue")) == "stuck"
 
 
+STOP_ATTEMPTS = 3
+
+
+def stop_a_rescue_in_step_2(
+    settings: Settings, path: Path, management: Management, stop_with: signal.Signals, *,
+    declare: bool
+) -> tuple[list[tuple[str, str]], subprocess.Popen[str], str, str]:
+    """Strands ``IN_Q`` in ``stuck`` (declared first, with ``declare``), starts a rescue and
+    signals it as soon as it says it unbound the tier (step 2 lasts until the broker lets go,
+    which it may have done already); the bindings before, the process, its stdout and its
+    stderr."""
+    with short_retry_interval(management) as short:
+        if not short:
+            pytest.skip("needs rabbitmqctl to shorten the broker's retry interval")
+        if declare:
+            asyncio.run(provision(settings, TOPOLOGY))
+        asyncio.run(return_until_dead_lettered(settings, "stuck", body=IN_Q,
+                                               through_the_tier_first=True))
+        assert wait_held(management, settings, "stuck", 1) == 1
+    bindings = retry_bindings(management, settings)
+    argv = [CLI, "--url", settings.url_list, "--management-url",
+            settings.management_url_list, "rescue", str(path), "--yes", "--interval", "2s"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               stdin=subprocess.DEVNULL)
+    try:
+        said = []
+        assert process.stderr is not None
+        for line in process.stderr:
+            said.append(line)
+            if "unbound from stuck.retry until the broker lets go" in line:
+                break
+        process.send_signal(stop_with)
+        out, err = process.communicate(timeout=DEADLINE_S)
+    finally:
+        stop(process)
+    return bindings, process, out, "".join(said) + err
+
+
 @pytest.mark.parametrize("stop_with", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
 def test_a_rescue_stopped_midway_is_finished_by_a_second_run(
     fresh_vhost: Settings, tmp_path: Path, management: Management, stop_with: signal.Signals
@@ -151,33 +189,16 @@ def test_a_rescue_stopped_midway_is_finished_by_a_second_run(
         pytest.skip("3.10 lets the message through: nothing is stranded in the queue")
     path = tmp_path / "stuck.yml"
     path.write_text(TOPOLOGY, encoding="utf-8")
-    with short_retry_interval(management) as short:
-        if not short:
-            pytest.skip("needs rabbitmqctl to shorten the broker's retry interval")
-        asyncio.run(provision(fresh_vhost, TOPOLOGY))
-        asyncio.run(return_until_dead_lettered(fresh_vhost, "stuck", body=IN_Q,
-                                               through_the_tier_first=True))
-        assert wait_held(management, fresh_vhost, "stuck", 1) == 1
-    bindings = retry_bindings(management, fresh_vhost)
-    argv = [CLI, "--url", fresh_vhost.url_list, "--management-url",
-            fresh_vhost.management_url_list, "rescue", str(path), "--yes", "--interval", "2s"]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               stdin=subprocess.DEVNULL)
-    try:
-        # Stopped as soon as it says it unbound the tier (step 2 lasts until the broker's next
-        # try, a second at least): watching the bindings through the management API under
-        # load, a test saw the run end before its signal.
-        said = []
-        assert process.stderr is not None
-        for line in process.stderr:
-            said.append(line)
-            if "unbound from stuck.retry until the broker lets go" in line:
-                break
-        process.send_signal(stop_with)
-        out, err = process.communicate(timeout=DEADLINE_S)
-        err = "".join(said) + err
-    finally:
-        stop(process)
+    for attempt in range(1, STOP_ATTEMPTS + 1):
+        bindings, process, out, err = stop_a_rescue_in_step_2(
+            fresh_vhost, path, management, stop_with, declare=attempt == 1)
+        if process.returncode != 0:
+            break
+        # It finished before the signal landed (the broker had let go already and the machine
+        # was busy): not the case under test. Its parked message goes; strand one again.
+        assert "stuck: parked 1 stranded message" in " ".join(out.split()), out + err
+        assert [m.body for m in drain_sync(fresh_vhost, "stuck.parking")] == [IN_Q]
+    print(f"stopped in step 2 at attempt {attempt} of {STOP_ATTEMPTS}")
     expected = -signal.SIGKILL if stop_with == signal.SIGKILL else 130
     assert process.returncode == expected, f"it was not stopped in step 2: {out} {err}"
     if stop_with == signal.SIGINT:
