@@ -36,7 +36,8 @@ queues:
     queue_type: classic
     bindings: [{exchange: rel, routing_key: orders}]
 """
-EVENTS = 3_000
+EVENTS = 3_000  # the kills come at shares of this
+AFTER_THE_LAST_KILL = 500  # events written after the last kill, then the stream ends
 PREFETCH = 8
 
 
@@ -51,8 +52,12 @@ def test_outbox_relay_and_idempotent_worker_through_kills_run_each_side_effect_o
     migrated(url)
     # Bodies rel_consumers reads: {"seq": i, "key": ...} has no "fail": every handler call
     # succeeds and records its side effect under the message id.
-    writer = Writer(url, Outbox(topology), EVENTS, exchange="rel", routing_key="orders",
-                    per=10)
+    # Writes until stopped (the cap is far beyond it), at most about 330 events a second: the
+    # stream goes on past the last kill however late that comes. With 3,000 events and no
+    # pause, a loaded 4.0 run saw the worker, restarted after the first kill, handle them all
+    # before the second.
+    writer = Writer(url, Outbox(topology), 20 * EVENTS, exchange="rel", routing_key="orders",
+                    per=10, pause=0.03)
     relay = RelayProcess(fresh_vhost, topology, url, tmp_path / "relay.log",
                          extra=("--batch", "100", "--depth", "4"))
     worker = Worker(fresh_vhost, topology, records, "IdemOrders", sleep_ms=5, prefetch=PREFETCH)
@@ -81,6 +86,10 @@ def test_outbox_relay_and_idempotent_worker_through_kills_run_each_side_effect_o
             # the next line reads the count, and that says nothing about where the kill came.
             handled_at_kill = len(ok_ids(records))
             worker.start()
+        written_at_kill = writer.written
+        wait_for(lambda: writer.written >= written_at_kill + AFTER_THE_LAST_KILL,
+                 f"{AFTER_THE_LAST_KILL} events written after the last kill")
+        writer.stop()
         writer.join()
         committed = writer.committed
         assert handled_at_kill < len(committed), "the stream ended before the last kill"
