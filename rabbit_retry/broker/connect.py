@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 
 _C = TypeVar("_C")
 
+# How ``rabbit-retry migrate`` begins the reason it gives when it closes a connection: a worker
+# closed so waits ``REBUILD_PAUSE`` seconds before it reconnects, so that migrate deletes the
+# queue it rebuilds (a parking queue the worker publishes to included) before the worker is back.
+REBUILDING = "rabbit-retry migrate: "
+REBUILD_PAUSE = 1.0
+
 # What a broker that is unreachable, refuses us, or goes away while we work raises: our own
 # BrokerError (connect() below wraps its failures in it), the client's AMQP errors, socket
 # errors and timeouts (ConnectionError and TimeoutError are OSErrors, named for the reader),

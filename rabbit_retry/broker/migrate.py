@@ -28,7 +28,7 @@ from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
 
 from rabbit_retry.broker.batch import publish_batch
-from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, REBUILDING, connect
 from rabbit_retry.broker.inspect import parse_bindings
 from rabbit_retry.broker.management import Management, NotFound, Refused
 from rabbit_retry.broker.migrate_plan import (
@@ -51,7 +51,7 @@ from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
-from rabbit_retry.topology.plan import Binding
+from rabbit_retry.topology.plan import Binding, Queue
 
 TIMEOUT = 60.0
 WINDOW = 1000  # messages taken (unacked) whose copies are not confirmed and acked yet
@@ -190,20 +190,26 @@ class _Run:
                 await mover.channel.close()
         return mover.done
 
-    def consumer_connections(self, queue: str) -> list[str]:
-        """The connections with a consumer on ``queue``. The queue's own consumer details lack
-        the channel on some versions (3.10 gives an empty list), so the vhost's consumer list
-        is read too."""
+    def consumer_connections(self, queues: Sequence[str]) -> list[str]:
+        """The connections with a consumer on any of ``queues``. The queue's own consumer
+        details lack the channel on some versions (3.10 gives an empty list), so the vhost's
+        consumer list is read too."""
         where = quote(self.vhost, safe="")
+        listed = []
         try:
-            raw = self.api.get(f"/queues/{where}/{quote(queue, safe='')}")
-            listed = [*(raw.get("consumer_details") or []), *self.api.get(f"/consumers/{where}")]
+            listed += self.api.get(f"/consumers/{where}")
         except NotFound:
             return []
+        for queue in queues:
+            try:
+                raw = self.api.get(f"/queues/{where}/{quote(queue, safe='')}")
+            except NotFound:
+                continue
+            listed += [{**c, "queue": {"name": queue}} for c in raw.get("consumer_details") or []]
         names = set()
         for consumer in listed:
             on = consumer.get("queue")
-            if isinstance(on, dict) and on.get("name") != queue:
+            if isinstance(on, dict) and on.get("name") not in queues:
                 continue
             channel = consumer.get("channel_details")
             if isinstance(channel, dict) and channel.get("connection_name"):
@@ -479,7 +485,7 @@ async def _run_steps(
                 + (f" ({outcome.drained.dropped} already there)" if outcome.drained.dropped else "")
             )
         elif step == "release":
-            await _release(run, name, hold, outcome)
+            await _release(run, migration.queue, hold, outcome)
         elif step == "redeclare":
             channel = await run.channel()
             await channel.queue_declare(
@@ -555,22 +561,28 @@ async def _mark(run: _Run, hold: str) -> None:
     await channel.close()
 
 
-async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
-    """Delete ``name`` once nothing consumes it and it is empty, draining what consumers gave
+async def _release(run: _Run, queue: Queue, hold: str, outcome: Outcome) -> None:
+    """Delete ``queue`` once nothing consumes it and it is empty, draining what consumers gave
     back.
 
-    A worker whose connection is closed reconnects at once, in a few round trips (connect,
-    check its queues, consume); so right after closing, ``name`` is watched on one channel and
-    deleted in the first moment it has neither consumers nor messages, one round trip later. A
-    worker back before that only means another round.
+    A worker whose connection is closed reconnects by itself, a second later when migrate
+    closed it; so right after closing, ``queue`` is watched on one channel and deleted in the
+    first moment it has neither consumers nor messages, one round trip later. A worker back
+    before that only means another round.
+
+    A parking queue is published to by its main queue's workers, through the default exchange,
+    which has no binding to move; and RabbitMQ confirms a publish on its way to a queue
+    deleted under it, as if delivered. So the connections of those workers are closed too,
+    and the parking queue is deleted only while none of them consumes: a park still on its
+    way then has nobody to ack its original, which the broker gives back.
     """
+    name = queue.name
+    publishers = _publishers(run, queue)
     classic = (run.api.queue(run.vhost, name) or {}).get("type", "classic") == "classic"
     for _ in range(RELEASE_ATTEMPTS):
-        for connection in run.consumer_connections(name):
+        for connection in run.consumer_connections([name, *publishers]):
             try:
-                run.api.close_connection(
-                    connection, f"rabbit-retry migrate: {name} is being rebuilt"
-                )
+                run.api.close_connection(connection, f"{REBUILDING}{name} is being rebuilt")
             except Refused:
                 raise BrokerError(
                     f"{name}: cannot close its consumer connection {connection!r}: user "
@@ -592,7 +604,7 @@ async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
                     return
                 if ok.message_count:
                     break  # drain again
-                if not ok.consumer_count:
+                if not ok.consumer_count and not await _consumed(run, publishers):
                     # A classic queue checks both at once; a quorum queue cannot
                     # (NOT_IMPLEMENTED), so it relies on the exact count just read.
                     await channel.queue_delete(
@@ -611,6 +623,27 @@ async def _release(run: _Run, name: str, hold: str, outcome: Outcome) -> None:
         f"{name} kept getting consumers or messages through {RELEASE_ATTEMPTS} attempts to "
         f"delete it; its messages are safe in {hold}; stop its consumers and run migrate again"
     )
+
+
+def _publishers(run: _Run, queue: Queue) -> list[str]:
+    """The queues whose consumers publish to ``queue`` straight (not through a binding
+    ``migrate`` can move): for a parking queue, its main queue and the main queue's lanes and
+    held queues, as the broker has them."""
+    if queue.role != "parking":
+        return []
+    lanes = naming.lane_queue(queue.owner, 0)[:-1]
+    live = [str(q.get("name", "")) for q in run.api.queues(run.vhost)]
+    return [queue.owner, *sorted(n for n in live if n.startswith(lanes))]
+
+
+async def _consumed(run: _Run, queues: Sequence[str]) -> bool:
+    """Whether any of ``queues`` has a consumer, as the broker counts it now (a queue that is
+    not there has none)."""
+    for queue in queues:
+        state = await run.count(queue)
+        if state is not None and state[1]:
+            return True
+    return False
 
 
 async def _delete_when_empty(run: _Run, queue: str, *, checked: bool = True,

@@ -3,12 +3,18 @@ asks for quorum parking (docs/cluster.md) where the live parking queue is classi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from support.amqp import blocking, depth_sync, drain_sync, persistent, publish_stream
+from support.amqp import blocking, depth, depth_sync, drain_sync, persistent, publish_stream
+from support.poll import eventually
+from support.provision import topology
+from support.worker import running
 
+from rabbit_retry import Delivery, Permanent, RetryConsumer
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 
@@ -102,3 +108,76 @@ def test_a_classic_parking_queue_becomes_quorum_and_back_with_every_parked_messa
     assert [str(m.message_id) for m in parked] == (
         [f"parked-{i}" for i in range(PARKED)] + [f"later-{i}" for i in range(20)]
     )
+
+
+CHUNK = 200  # messages written at a time (800 a second) while the parking queue is rebuilt
+
+
+class DeclineAll(RetryConsumer):
+    """Parks every message at once (``Permanent``), as fast as the worker can."""
+
+    queue = Q
+    prefetch = 100
+    parked = 0
+
+    async def handle(self, delivery: Delivery) -> None:
+        DeclineAll.parked += 1
+        raise Permanent("declined")
+
+
+def test_a_parking_queue_rebuilt_while_a_worker_parks_into_it_loses_no_park(
+    tmp_path: Path, fresh_vhost: Settings, management: Management, run_cli: Callable[..., object]
+) -> None:
+    """The worker parks through the default exchange, which migrate cannot redirect, and
+    RabbitMQ confirms a publish on its way to a queue deleted under it: a park in flight as the
+    old parking queue is deleted would be acked and lost. Counted: every message published is
+    in the new parking queue."""
+    classic = _file("classic")
+    assert run_cli("apply", _write(tmp_path, classic, "classic.yml"),  # type: ignore[attr-defined]
+                   settings=fresh_vhost).code == 0
+    quorum = _file("quorum")
+    new = _write(tmp_path, quorum, "quorum.yml")
+    DeclineAll.parked = 0
+    written = 0
+    migrated = asyncio.Event()
+
+    async def write() -> None:
+        """Chunks until a chunk was written after the migration: the worker parks throughout."""
+        nonlocal written
+        while True:
+            after = migrated.is_set()
+            await publish_stream(
+                fresh_vhost, "order.created", CHUNK,
+                lambda i, first=written: persistent(b"{}", message_id=f"m-{first + i}"),
+                exchange="shop",
+                rate=800)
+            written += CHUNK
+            if after:
+                return
+
+    async def go() -> None:
+        async with running([DeclineAll()], topology(quorum, new), fresh_vhost):
+            writer = asyncio.create_task(write())
+            await eventually(lambda: DeclineAll.parked >= 300, what="parks flowing")
+            done = await asyncio.to_thread(run_cli, "migrate", new, "--yes",
+                                           settings=fresh_vhost)
+            migrated.set()
+            assert done.code == 0, done.err  # type: ignore[attr-defined]
+            # The worker's connection was closed for the deletion.
+            assert f"{PARKING}: closed consumer connection " in done.out  # type: ignore[attr-defined]
+            await writer
+
+            async def all_parked() -> bool:
+                return (await depth(fresh_vhost, PARKING) or 0) >= written
+
+            # A lost park leaves the count short for good: counted below, by id.
+            with contextlib.suppress(AssertionError):
+                await eventually(all_parked, within=60, interval=0.5, what="every message parked")
+
+    asyncio.run(go())
+    assert _type(management, fresh_vhost, PARKING) == "quorum"
+    parked = Counter(str(m.message_id) for m in drain_sync(fresh_vhost, PARKING))
+    lost = sorted({f"m-{i}" for i in range(written)} - set(parked))
+    assert lost == [], f"lost {len(lost)} of {written}: {lost[:10]}"
+    assert set(parked) == {f"m-{i}" for i in range(written)}
+    assert depth_sync(fresh_vhost, Q) == 0
