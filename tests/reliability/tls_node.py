@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import random
 import secrets
 import shlex
 import shutil
@@ -144,11 +145,32 @@ def make_pki(directory: Path) -> Pki:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free now, for the node to listen on a few seconds later. Not
+    ones the system picks for port 0: those come from its ephemeral range, which every outgoing
+    connection and every desk the tests start (``--listen HOST:0``) draw from meanwhile, so
+    another socket could take one first. Between the tests' brokers' fixed ports (up to 25763,
+    scripts/broker.sh and cluster.sh) and that range only listeners that name their port live."""
+    low = _ephemeral_low()
+    span = range(26_000, low if low > 27_000 else 32_768)
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.choice(span)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 def rabbitmq_installed() -> bool:
@@ -281,7 +303,7 @@ def tls_node() -> Iterator[TlsNode]:
     try:
         pki = make_pki(base / "pki")
         name = f"rr-tls-{secrets.token_hex(4)}@localhost"
-        amqps_port, management_port, dist_port = free_port(), free_port(), free_port()
+        amqps_port, management_port, dist_port = free_ports(3)
         (base / "rabbitmq.conf").write_text(_config(pki, amqps_port, management_port))
         (base / "enabled_plugins").write_text("[rabbitmq_management].\n")
         # Our own env file, so /etc/rabbitmq/rabbitmq-env.conf (the main node's) is not read.
