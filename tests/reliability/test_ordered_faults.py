@@ -82,6 +82,10 @@ def _never_back(directory: Path) -> None:
         if seq < done.get(user, 0):  # what the key went through, for the failure's reader
             print("\n".join(line for line in path.read_text().splitlines()
                             if f" {user}-" in line))
+            for log in sorted(directory.glob("*.log")):  # and what the workers said of it
+                print(f"--- {log.name}")
+                print("\n".join(line for line in log.read_text(errors="replace").splitlines()
+                                if f"{user}-" in line or f"'{user}'" in line))
         assert seq >= done.get(user, 0), f"{user}: {seq} handled after {done[user]} succeeded"
         if kind == "ok":
             done[user] = max(done.get(user, 0), seq)
