@@ -29,8 +29,8 @@ from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology.plan import Binding, Exchange, Policy, Queue
 
 DEFAULT_CONCURRENCY = 16
-# After unbinding a quorum tier, how long to let publishes already routed to it land before
-# its message count is read (quorum queues cannot delete with if-empty; see _prune_one).
+# After unbinding a tier, how long to let publishes already routed to it land before it is
+# deleted or counted (see _prune_one).
 SETTLE_SECONDS = 0.5
 # A broker that cannot create a queue (RabbitMQ 3.x out of file handles, a stuck node) never
 # answers; better one clear line than a hang.
@@ -387,14 +387,21 @@ async def _prune_one(
     """Delete ``tier`` if it is empty (None); otherwise leave it as it was, return its count.
     With ``unused``, a queue with a consumer is left too (a worker still reads it).
 
-    Classic queues delete with if-empty, which the broker checks atomically. Quorum queues
-    refuse if-empty (RabbitMQ answers NOT_IMPLEMENTED and closes the connection), so a quorum
-    tier is first cut off from routing, then counted, then deleted only if empty; a non-empty
-    one gets its bindings back. Nothing but routing puts messages into a tier, so once it is
-    unbound its count can only fall.
+    The tier is first cut off from routing: RabbitMQ confirms a publish on its way to a queue
+    deleted under it, as if delivered, so a retry a worker still sends there (one running an
+    older file) would be lost in that instant; unbound, its mandatory copy comes back to the
+    worker instead. Nothing but routing puts messages into a tier, so once it is unbound (and
+    publishes already routed have landed) its count can only fall. Then a classic tier is
+    deleted with if-empty, which the broker checks atomically; quorum queues refuse if-empty
+    (RabbitMQ answers NOT_IMPLEMENTED and closes the connection), so a quorum tier is counted,
+    then deleted only if empty. A tier left in place gets its bindings back.
     """
     channel = await _open(connection)
+    bindings = [b for b in live_bindings if b.destination == tier.name]
     try:
+        for binding in bindings:
+            await _binding(binding, bind=False)(channel)
+        await asyncio.sleep(SETTLE_SECONDS if bindings else 0)
         if tier.queue_type != "quorum":
             try:
                 await channel.queue_delete(tier.name, if_empty=True, if_unused=unused,
@@ -403,17 +410,11 @@ async def _prune_one(
             except aiormq.exceptions.ChannelPreconditionFailed:
                 # The broker closed the channel to say "not empty"; count on a new one.
                 channel = await _open(connection)
-                counted = await _count(channel, tier.name)
-                return None if counted is None else counted[0]
-        bindings = [b for b in live_bindings if b.destination == tier.name]
-        for binding in bindings:
-            await _binding(binding, bind=False)(channel)
-        await asyncio.sleep(SETTLE_SECONDS if bindings else 0)
         counted = await _count(channel, tier.name)
         if counted is None:
             return None
         left, consumers = counted
-        if left == 0 and not (unused and consumers):
+        if tier.queue_type == "quorum" and left == 0 and not (unused and consumers):
             await channel.queue_delete(tier.name, timeout=OPERATION_TIMEOUT)
             return None
         for binding in bindings:
