@@ -114,6 +114,12 @@ class OrderedLane:
         # ack may still wait in a run; written before the key's next delivery runs or moves.
         self._unacked: dict[str, int] = {}
         self._unacked_cap = 64
+        # Keys whose last delivery was settled here since the last round trip began: its ack may
+        # be written and still be lost with a SIGKILL (the system drops what it had not sent),
+        # so the key's next message waits for a round trip on the channel (``_confirmed``).
+        self._unconfirmed: set[str] = set()
+        self._syncing: set[str] = set()  # the keys the round trip under way covers
+        self._sync: asyncio.Future[None] | None = None
         self._mine: dict[Task, asyncio.Future[None]] = {}
         self._seq = 0
         self._pending: dict[str, Hold | None] = {}  # holds set or ended, not yet written
@@ -138,6 +144,27 @@ class OrderedLane:
         loses the ack and hands it back."""
         props = message.header.properties
         self.settled.add(fingerprint(props.message_id, message.body, props.headers))
+        turn = self.turns.get(asyncio.current_task())  # type: ignore[arg-type]
+        if turn is not None:
+            self._unconfirmed.add(turn.key)
+
+    async def _confirmed(self, key: str) -> None:
+        """Until the broker has taken the ack of the key's last delivery settled here: its
+        ack sent (with every other done one) and a round trip on the channel answered after
+        it (the broker handles a channel's frames in order). An ack only written may still be
+        lost with a SIGKILL, and the delivery would come back after its key's next one ran."""
+        while key in self._unconfirmed or key in self._syncing:
+            if self._sync is None or self._sync.done():
+                self._syncing, self._unconfirmed = self._unconfirmed, set()
+                self._sync = asyncio.ensure_future(self._round_trip())
+            await asyncio.shield(self._sync)
+
+    async def _round_trip(self) -> None:
+        try:
+            await self.settle.flush()
+            await self.channel.queue_declare(self.lane_queue, passive=True)
+        finally:
+            self._syncing = set()
 
     def settled_before(self, message: DeliveredMessage) -> bool:
         """Whether a delivery the broker handed back was settled by this process already (its
@@ -224,6 +251,7 @@ class OrderedLane:
         before = self._unacked.pop(key, None)
         if before is not None:
             await self.settle.send_now(before)
+        await self._confirmed(key)
 
     async def leave(self, task: Task, tag: int, key: str | None = None) -> None:
         """The delivery (``tag``) is settled: once its ack is written, if the key's next
@@ -486,6 +514,7 @@ class OrderedLane:
             if self.settled_before(message):
                 await self._ack(_tag(message))
             else:
+                await self._confirmed(key)  # the holder's, or the one handed back before
                 await self._handle(message, key)
             self.backlog[key] = max(0, self.backlog.get(key, 0) - 1)
         if not self.backlog.get(key):
