@@ -40,6 +40,27 @@ def blocking(call: Awaitable[T], timeout: float | None = AMQP_TIMEOUT_S) -> T:
     return asyncio.run(main())
 
 
+# --- connecting --------------------------------------------------------------------------------
+
+_C = TypeVar("_C")
+CONNECT_ATTEMPTS = 3
+
+
+async def connected(connect: Callable[[str], Awaitable[_C]], url: str) -> _C:
+    """``connect(url)``, tried again (up to ``CONNECT_ATTEMPTS`` times) when the broker drops the
+    connection while it is being opened: a loaded CI machine's 4.0 node reset one in its
+    handshake. What a test checks starts once it is open; a refused or failing broker still
+    fails at the last attempt."""
+    for attempt in range(1, CONNECT_ATTEMPTS + 1):
+        try:
+            return await connect(url)
+        except (ConnectionError, aiormq.exceptions.AMQPConnectionError):
+            if attempt == CONNECT_ATTEMPTS:
+                raise
+            await asyncio.sleep(0.5 * attempt)
+    raise AssertionError("unreachable")
+
+
 # --- publishing --------------------------------------------------------------------------------
 
 
@@ -58,7 +79,7 @@ async def publish_stream(
     batches on a fixed schedule of ``rate`` messages a second. Returns the seconds it took."""
     if rate is not None:
         window = max(1, round(rate / 100))  # a batch every 10 ms
-    connection = await aio_pika.connect(settings.url)
+    connection = await connected(aio_pika.connect, settings.url)
     async with connection:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         target = (
@@ -131,7 +152,7 @@ async def publish_raw(
     would normalise them), in order, in confirmed batches; a batch the broker does not confirm
     within ``AMQP_TIMEOUT_S`` fails the call (a long stream on a loaded machine does not)."""
     pending = list(messages)
-    connection = await aiormq.connect(settings.url)
+    connection = await connected(aiormq.connect, settings.url)
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         for start in range(0, len(pending), 50):
@@ -151,7 +172,7 @@ async def publish_each(settings: Settings, bodies: Sequence[bytes], *, routing_k
     returns those the broker refused (``basic.nack``: a full queue that rejects publishes). A
     returned (unroutable) message fails the call: it would be a lost input."""
     refused = []
-    connection = await aiormq.connect(settings.url)
+    connection = await connected(aiormq.connect, settings.url)
     try:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         for body in bodies:
@@ -175,7 +196,7 @@ async def publish_each(settings: Settings, bodies: Sequence[bytes], *, routing_k
 async def counts(settings: Settings, queue: str) -> tuple[int, int] | None:
     """(ready messages, consumers) of ``queue`` right now, None when it does not exist. A
     passive declare answers exactly; the management API's counts lag by a stats interval."""
-    connection = await aiormq.connect(settings.url)
+    connection = await connected(aiormq.connect, settings.url)
     try:
         channel = await connection.channel()
         try:
@@ -228,7 +249,7 @@ async def drain(settings: Settings, queue: str) -> list[Taken]:
     """Take (and ack) every ready message of ``queue``, in order: what the queue counts through
     a consumer (one ``basic.get`` round trip per message took minutes for tens of thousands),
     then with ``basic.get`` until the queue says it is empty."""
-    connection = await aiormq.connect(settings.url)
+    connection = await connected(aiormq.connect, settings.url)
     taken: list[Taken] = []
     try:
         channel = await connection.channel()
@@ -286,7 +307,7 @@ async def on_channel(
 ) -> None:
     """Channel operations by hand (``lambda ch: ch.queue_delete(...)``), in order, on one
     fresh channel: for what the product must meet but never does itself."""
-    connection = await aiormq.connect(settings.url)
+    connection = await connected(aiormq.connect, settings.url)
     try:
         channel = await connection.channel()
         for call in calls:
@@ -314,7 +335,7 @@ def publish_stream_sync(settings: Settings, routing_key: str, count: int,
 async def consuming(settings: Settings, queue: str) -> AsyncIterator[list[bytes]]:
     """A plain consumer of ``queue`` (another replica) acking every message, for the block;
     yields the bodies it took."""
-    connection = await aiormq.connect(settings.url)
+    connection = await connected(aiormq.connect, settings.url)
     taken: list[bytes] = []
     try:
         channel = await connection.channel()
