@@ -312,6 +312,7 @@ class OrderedLane:
         self.backlog[key] = self.backlog.get(key, 0) + 1
         await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
         self.done(message)
+        self._unconfirmed.add(key)  # its copy runs once this ack is taken (``_hand_back``)
 
     # --- holds ---------------------------------------------------------------------------------
 
