@@ -239,7 +239,7 @@ async def test_a_paused_worker_resumes_when_another_consumer_drains_the_queue(
         await _paused(fresh_vhost, runner, gateway, 3)
         await eventually(lambda: held(fresh_vhost, 3), within=30,
                          what="the tripping failures back and held in the queue")
-        await drain(fresh_vhost, Q)
+        await drain(fresh_vhost, Q, consumer=False)
         await asyncio.sleep(1.5)  # five probes of an empty queue nobody consumes
         assert value(runner, "paused", Q) == 1
         async with consuming(fresh_vhost, Q):  # another replica, resumed
@@ -270,7 +270,7 @@ async def test_a_probe_failing_for_another_reason_resumes_the_queue(
         await _paused(fresh_vhost, runner, gateway, 3)
         await eventually(lambda: held(fresh_vhost, 3), within=30,
                          what="the tripping failures back and held in the queue")
-        await drain(fresh_vhost, Q)
+        await drain(fresh_vhost, Q, consumer=False)
         await publish_ids(fresh_vhost, ["declined"])
         await eventually(lambda: value(runner, "messages", Q, "parked") == 1, within=10,
                          what="the probe's message parked")

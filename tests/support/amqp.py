@@ -245,16 +245,18 @@ class Taken:
 DRAIN_WINDOW = 500
 
 
-async def drain(settings: Settings, queue: str) -> list[Taken]:
+async def drain(settings: Settings, queue: str, *, consumer: bool = True) -> list[Taken]:
     """Take (and ack) every ready message of ``queue``, in order: what the queue counts through
     a consumer (one ``basic.get`` round trip per message took minutes for tens of thousands),
-    then with ``basic.get`` until the queue says it is empty."""
+    then with ``basic.get`` until the queue says it is empty. ``consumer=False``: with
+    ``basic.get`` only, for a queue whose consumers a worker watches (a paused worker's probe
+    takes any consumer of an empty queue for another replica, and resumes)."""
     connection = await connected(aiormq.connect, settings.url)
     taken: list[Taken] = []
     try:
         channel = await connection.channel()
         declared = await channel.queue_declare(queue, passive=True)
-        if declared.message_count:
+        if declared.message_count and consumer:
             await _consume_counted(channel, queue, declared.message_count, taken)
         while True:
             message = await channel.basic_get(queue)
