@@ -61,6 +61,8 @@ log = logging.getLogger("rabbit_retry.worker")
 Task = asyncio.Task[Any]
 # Entries a pass writes back at once (each confirmed before its read one is acked).
 REWRITE_WINDOW = 100
+# Keys settled and not yet confirmed by a round trip beyond which one starts unasked.
+UNCONFIRMED_CAP = 1024
 
 
 @dataclass(slots=True)
@@ -110,14 +112,11 @@ class OrderedLane:
         self.backlog: dict[str, int] = {}  # per key: its messages waiting in the held queue
         self.turns: dict[Task, Turn] = {}  # the running deliveries' keys
         self._tails: dict[str, asyncio.Future[None]] = {}  # per key: its last admitted delivery
-        # Per key: the tag of its last delivery that left while none of its key waited, so its
-        # ack may still wait in a run; written before the key's next delivery runs or moves.
-        self._unacked: dict[str, int] = {}
-        self._unacked_cap = 64
-        # Keys whose last delivery was settled here since the last round trip began: its ack may
-        # be written and still be lost with a SIGKILL (the system drops what it had not sent),
-        # so the key's next message waits for a round trip on the channel (``_confirmed``).
-        self._unconfirmed: set[str] = set()
+        # Per key: the tag of its last delivery settled here whose ack the broker may not have
+        # taken yet. Its ack may wait in a run, or be written and still be lost with a SIGKILL
+        # (the system drops what it had not sent), so the key's next message waits until the
+        # ack is sent and a round trip on the channel was answered after it (``_confirmed``).
+        self._unconfirmed: dict[str, int] = {}
         self._syncing: set[str] = set()  # the keys the round trip under way covers
         self._sync: asyncio.Future[None] | None = None
         self._mine: dict[Task, asyncio.Future[None]] = {}
@@ -146,22 +145,41 @@ class OrderedLane:
         self.settled.add(fingerprint(props.message_id, message.body, props.headers))
         turn = self.turns.get(asyncio.current_task())  # type: ignore[arg-type]
         if turn is not None:
-            self._unconfirmed.add(turn.key)
+            self._settled(turn.key, _tag(message))
+
+    def _settled(self, key: str, tag: int) -> None:
+        self._unconfirmed[key] = tag
+        if len(self._unconfirmed) > UNCONFIRMED_CAP and (self._sync is None or self._sync.done()):
+            self._round_trip()  # keys that do not come back: confirm them, keep the map small
 
     async def _confirmed(self, key: str) -> None:
         """Until the broker has taken the ack of the key's last delivery settled here: its
-        ack sent (with every other done one) and a round trip on the channel answered after
-        it (the broker handles a channel's frames in order). An ack only written may still be
-        lost with a SIGKILL, and the delivery would come back after its key's next one ran."""
+        ack sent now (with its run when the run reaches it, else alone; the other done
+        deliveries keep to their runs) and a round trip on the channel answered after it (the
+        broker handles a channel's frames in order). An ack only written may still be lost
+        with a SIGKILL, and the delivery would come back after its key's next one ran."""
+        tag = self._unconfirmed.get(key)
+        if tag is not None and self.settle.waiting(tag):
+            await self.settle.send_now(tag)
         while key in self._unconfirmed or key in self._syncing:
             if self._sync is None or self._sync.done():
-                self._syncing, self._unconfirmed = self._unconfirmed, set()
-                self._sync = asyncio.ensure_future(self._round_trip())
+                self._round_trip()
+            assert self._sync is not None
             await asyncio.shield(self._sync)
 
-    async def _round_trip(self) -> None:
+    def _round_trip(self) -> None:
+        """One round trip covering every key whose ack is sent by now (a key whose ack still
+        waits in its run waits for a later one)."""
+        sent = {k for k, t in self._unconfirmed.items() if not self.settle.waiting(t)}
+        for key in sent:
+            del self._unconfirmed[key]
+        self._syncing = sent
+        self._sync = asyncio.ensure_future(self._answered())
+        self._sync.add_done_callback(_retrieved)
+
+    async def _answered(self) -> None:
         try:
-            await self.settle.flush()
+            await self.settle.written()
             await self.channel.queue_declare(self.lane_queue, passive=True)
         finally:
             self._syncing = set()
@@ -222,7 +240,7 @@ class OrderedLane:
         except BaseException:  # cancelled or failed: the key's next one must not wait on it
             self.left(task)
             raise
-        await self.leave(task, tag, key)
+        self.left(task)
         return None
 
     async def _after_the_read(self) -> None:
@@ -240,43 +258,14 @@ class OrderedLane:
             self._at_gate -= 1
 
     async def _behind(self, task: Task, key: str) -> None:
-        """Until the key's earlier delivery is settled and its ack written: it waits in a run
-        when that one left before this one arrived."""
+        """Until the key's earlier delivery is settled and the broker has taken its ack."""
         mine = asyncio.get_running_loop().create_future()
         earlier = self._tails.get(key)
         self._tails[key] = mine
         self._mine[task] = mine
         if earlier is not None and not earlier.done():
             await asyncio.shield(earlier)
-        before = self._unacked.pop(key, None)
-        if before is not None:
-            await self.settle.send_now(before)
         await self._confirmed(key)
-
-    async def leave(self, task: Task, tag: int, key: str | None = None) -> None:
-        """The delivery (``tag``) is settled: once its ack is written, if the key's next
-        delivery waits for it, that one may run. (Acks go out in runs; a key's next message
-        must not run, or be moved, while a crash could still hand this one back to run again
-        after it.)"""
-        turn = self.turns.get(task)
-        key = turn.key if turn is not None else key
-        mine = self._mine.get(task)
-        try:
-            if mine is not None and key is not None:
-                if self._tails.get(key) is not mine:  # the key's next delivery waits
-                    await self.settle.send_now(tag)
-                else:  # one that comes later writes this ack first (``admit``)
-                    self._remember(key, tag)
-        except Exception as exc:  # the channel closed: what it held comes back anyway
-            log.debug("queue=%s: acks not written: %r", self.queue, exc)
-        finally:
-            self.left(task)
-
-    def _remember(self, key: str, tag: int) -> None:
-        self._unacked[key] = tag
-        if len(self._unacked) > self._unacked_cap:  # forget the ones whose run went out
-            self._unacked = {k: t for k, t in self._unacked.items() if self.settle.waiting(t)}
-            self._unacked_cap = max(64, 2 * len(self._unacked))
 
     def left(self, task: Task) -> None:
         """The delivery is settled (or gone): its key's next delivery may run."""
@@ -312,7 +301,8 @@ class OrderedLane:
         self.backlog[key] = self.backlog.get(key, 0) + 1
         await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
         self.done(message)
-        self._unconfirmed.add(key)  # its copy runs once this ack is taken (``_hand_back``)
+        self._settled(key, deliver.delivery_tag)  # type: ignore[arg-type]  # its copy runs once
+        # the broker has taken this ack (``_hand_back``)
 
     # --- holds ---------------------------------------------------------------------------------
 
@@ -532,6 +522,12 @@ class OrderedLane:
             await shutdown.cancel([passes])
             with suppress(asyncio.CancelledError, Exception):
                 await passes
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    """A round trip nobody waited for: its failure (the channel closed) is the session's to see."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _tag(message: DeliveredMessage) -> int:

@@ -372,7 +372,7 @@ class Session:
             if entered:
                 lane.left(task)
             if order is not None:
-                await order.leave(task, message.delivery.delivery_tag)  # type: ignore[union-attr,arg-type]
+                order.left(task)
             sub.metrics.in_flight -= 1
             self.tasks.discard(task)
 

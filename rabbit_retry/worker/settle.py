@@ -100,7 +100,7 @@ class Settler:
     async def flush(self) -> None:
         """Ack everything done now, and wait until the frames are written."""
         self._send(stragglers=True)
-        await self._written()
+        await self.written()
 
     async def send_now(self, tag: int) -> None:
         """Ack ``tag`` (if done) now, with the run when the run reaches it, else on its own, and
@@ -110,9 +110,9 @@ class Settler:
             if tag in self._done:  # behind an open one
                 self._done.discard(tag)
                 self._ack_alone(tag)
-        await self._written()
+        await self.written()
 
-    async def _written(self) -> None:
+    async def written(self) -> None:
         """Until every ack frame queued so far is written."""
         if self._writer is not None and not self._writer.done():
             await asyncio.shield(self._writer)

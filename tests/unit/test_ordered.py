@@ -440,17 +440,37 @@ async def test_deliveries_whose_acks_the_broker_lost_are_not_handled_again(
     assert ledger.calls["erin"] == [1, 2, 2, 3, 4], ledger.calls  # erin-2: failed, then ran
 
 
-async def test_a_keys_next_message_runs_only_once_the_ack_of_the_one_before_is_written(
+async def test_a_keys_next_message_runs_only_once_the_broker_has_taken_the_ack_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A key's message that arrives after the one before it finished, while that one's ack
-    still waits in a run, runs only once that ack is written: a crash in between must not hand
-    the earlier one back to run after the later (seen on 3.10 with a kill -9)."""
+    still waits in a run, runs only once that ack is sent and a round trip on the lane's
+    channel was answered after it (the broker takes a channel's frames in order): a crash in
+    between must not hand the earlier one back to run after the later (seen on 3.10 with a kill
+    -9, first with the ack waiting in its run, then with it written and not yet taken)."""
+    from rabbit_retry.testing.amqp import Channel
     from rabbit_retry.worker import settle
 
     monkeypatch.setattr(settle, "LINGER_S", 30.0)  # runs go out only when something asks
     monkeypatch.setattr(settle, "STRAGGLER_S", 30.0)
     unacked_as_two_ran: list[str] = []
+    frames: list[str] = []  # what the lanes' channels sent, in order
+    ack, declare = Channel.basic_ack, Channel.queue_declare
+
+    async def acking(self: Channel, delivery_tag: int, multiple: bool = False,
+                     wait: bool = True) -> None:
+        frames.append("ack")
+        await ack(self, delivery_tag, multiple, wait)
+
+    async def declaring(self: Channel, queue: str = "", **kwargs: Any) -> Any:
+        answer = await declare(self, queue, **kwargs)
+        if kwargs.get("passive") and ".lane." in queue:
+            frames.append("round trip")
+        return answer
+
+    monkeypatch.setattr(Channel, "basic_ack", acking)
+    monkeypatch.setattr(Channel, "queue_declare", declaring)
+    frames_as_two_ran: list[str] = []
 
     class Probe(Ledger):
         ack_run = 100
@@ -458,6 +478,7 @@ async def test_a_keys_next_message_runs_only_once_the_ack_of_the_one_before_is_w
         async def handle(self, delivery: Delivery) -> None:
             if delivery.payload["seq"] == 2:
                 unacked_as_two_ran.extend(unacked())
+                frames_as_two_ran.extend(frames)
             await super().handle(delivery)
 
     def unacked() -> list[str]:
@@ -470,9 +491,11 @@ async def test_a_keys_next_message_runs_only_once_the_ack_of_the_one_before_is_w
         await broker.wait_for(lambda: ledger.applied["erin"] == [1])
         await asyncio.sleep(0.05)
         assert unacked() == ["erin-1"]  # positive control: its ack waits in the run
+        frames.clear()
         publish(broker, "erin", 2)
         await broker.wait_for(lambda: ledger.applied["erin"] == [1, 2])
     assert "erin-1" not in unacked_as_two_ran, unacked_as_two_ran
+    assert frames_as_two_ran[-2:] == ["ack", "round trip"], frames_as_two_ran
 
 
 async def test_routing_key_keys_keep_their_order_too() -> None:
