@@ -250,6 +250,10 @@ def settle(settings: Settings, worker: Worker | Sequence[Worker], expected: Mapp
     except AssertionError:
         for each in workers:
             print(each.log()[-4000:])
+        missing = sorted(want_ok - ok_ids(worker.records))
+        print(f"[settle] {len(missing)} expected successes missing (first: {missing[:10]}); "
+              f"parked {total_depth(settings, parking)} of {want_parked} expected")
+        print(_counts(settings, [*queues, *parking]))
         raise
     for each in workers:
         each.stop()
@@ -281,3 +285,15 @@ def mixed_stream(prefix: str, count: int) -> tuple[list[Outgoing], dict[str, str
         messages.append(Outgoing(mid, body))
         expected[mid] = outcome
     return messages, expected
+
+
+def _counts(settings: Settings, queues: Sequence[str]) -> str:
+    """What the broker says each queue holds (a failing settle prints it): ready, unacked, and
+    what a quorum queue keeps to dead-letter (``messages_dlx``)."""
+    keys = ("messages", "messages_ready", "messages_unacknowledged", "messages_dlx", "consumers")
+    with Management.for_settings(settings) as api:
+        lines = []
+        for name in queues:
+            info = api.queue(settings.vhost, name) or {}
+            lines.append(f"[settle] {name}: " + ", ".join(f"{k}={info.get(k)}" for k in keys))
+    return "\n".join(lines)

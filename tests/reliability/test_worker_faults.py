@@ -152,7 +152,10 @@ def test_broker_app_stopped_and_started_mid_stream_loses_nothing(
     outage = time.monotonic() - stopped_at
     wait_for(lambda: "reconnected after" in worker.log(), "the worker to reconnect", within=180)
     assert not worker.exited() and worker.pid == pid, "the worker must reconnect by itself"
-    ledger = settle(fresh_vhost, worker, expected, MAIN_AND_TIERS, PARKING, within=180)
+    # Past the broker's own retry of a dead-letter it could not deliver (180 s): one CI run on
+    # 4.3 had not settled 180 s after the restart (cause not found; a failing settle now prints
+    # what each queue holds).
+    ledger = settle(fresh_vhost, worker, expected, MAIN_AND_TIERS, PARKING, within=300)
     log = worker.log()
     lost = log.count("lost the broker")
     reconnected = re.findall(r"reconnected after ([\d.]+)s \((\d+) attempt", log)
