@@ -28,7 +28,13 @@ from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
 
 from rabbit_retry.broker.batch import publish_batch
-from rabbit_retry.broker.connect import CONNECTION_ERRORS, REBUILDING, connect
+from rabbit_retry.broker.connect import (
+    CONNECTION_ERRORS,
+    REBUILD_PAUSE,
+    REBUILD_PAUSE_MAX,
+    connect,
+    rebuilding,
+)
 from rabbit_retry.broker.inspect import parse_bindings
 from rabbit_retry.broker.management import Management, NotFound, Refused
 from rabbit_retry.broker.migrate_plan import (
@@ -62,6 +68,8 @@ PUBLISH_BATCH = 100  # copies written at once
 STALL = 1.0  # seconds without a delivery before the source is counted again
 RELEASE_ATTEMPTS = 20  # rounds of "close consumers, drain, delete if empty and unused"
 RELEASE_WATCH = 2.0  # seconds to watch for the moment a closed consumer is gone
+LISTING_WAIT = 15.0  # seconds to wait for the management API to list a consumer the broker counts
+LISTING_POLL = 0.25
 # Seconds a queue may still count the move's own consumer after its cancel: a quorum queue
 # applies the cancel through its log, and its count lagged it under load (4.0, a CI run).
 OWN_CONSUMER_GONE = 5.0
@@ -565,10 +573,11 @@ async def _release(run: _Run, queue: Queue, hold: str, outcome: Outcome) -> None
     """Delete ``queue`` once nothing consumes it and it is empty, draining what consumers gave
     back.
 
-    A worker whose connection is closed reconnects by itself, a second later when migrate
-    closed it; so right after closing, ``queue`` is watched on one channel and deleted in the
-    first moment it has neither consumers nor messages, one round trip later. A worker back
-    before that only means another round.
+    A worker whose connection is closed reconnects by itself, after the wait the close's reason
+    asks for when migrate closed it (a second, twice as long each round); so right after
+    closing, ``queue`` is watched on one channel and deleted in the first moment it has neither
+    consumers nor messages, one round trip later. A worker back before that only means another
+    round, with a longer wait.
 
     A parking queue is published to by its main queue's workers, through the default exchange,
     which has no binding to move; and RabbitMQ confirms a publish on its way to a queue
@@ -579,10 +588,11 @@ async def _release(run: _Run, queue: Queue, hold: str, outcome: Outcome) -> None
     name = queue.name
     publishers = _publishers(run, queue)
     classic = (run.api.queue(run.vhost, name) or {}).get("type", "classic") == "classic"
-    for _ in range(RELEASE_ATTEMPTS):
-        for connection in run.consumer_connections([name, *publishers]):
+    for attempt in range(RELEASE_ATTEMPTS):
+        pause = min(REBUILD_PAUSE * 2**attempt, REBUILD_PAUSE_MAX)
+        for connection in await _listed(run, [name, *publishers]):
             try:
-                run.api.close_connection(connection, f"{REBUILDING}{name} is being rebuilt")
+                run.api.close_connection(connection, rebuilding(name, pause))
             except Refused:
                 raise BrokerError(
                     f"{name}: cannot close its consumer connection {connection!r}: user "
@@ -634,6 +644,21 @@ def _publishers(run: _Run, queue: Queue) -> list[str]:
     lanes = naming.lane_queue(queue.owner, 0)[:-1]
     live = [str(q.get("name", "")) for q in run.api.queues(run.vhost)]
     return [queue.owner, *sorted(n for n in live if n.startswith(lanes))]
+
+
+async def _listed(run: _Run, queues: Sequence[str]) -> list[str]:
+    """The connections consuming ``queues``, once the management API lists them. Its list comes
+    from statistics (every ``collect_statistics_interval``, 5 s by default) and lags a consumer
+    that came a moment ago: while the broker's exact counts say ``queues`` are consumed and the
+    list names nobody, wait for it (up to LISTING_WAIT seconds). Without the wait, a worker
+    that had just reconnected went on parking unnamed, and migrate spent its 20 rounds in a few
+    seconds (a loaded machine, 4.0)."""
+    deadline = time.monotonic() + LISTING_WAIT
+    while True:
+        listed = run.consumer_connections(queues)
+        if listed or time.monotonic() > deadline or not await _consumed(run, queues):
+            return listed
+        await asyncio.sleep(LISTING_POLL)
 
 
 async def _consumed(run: _Run, queues: Sequence[str]) -> bool:

@@ -33,7 +33,7 @@ from aiormq.abc import AbstractConnection
 
 from rabbit_retry.backoff import Backoff
 from rabbit_retry.broker.absence import is_missing
-from rabbit_retry.broker.connect import CONNECTION_ERRORS, REBUILD_PAUSE, REBUILDING, connect_amqp
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect_amqp, rebuild_pause
 from rabbit_retry.errors import BrokerError, InputError, NodeDownError, RabbitRetryError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.topology import naming
@@ -252,8 +252,9 @@ class Runner:
         last_error = ""
         attempts = 0
         backoff = Backoff(RECONNECT_INITIAL, RECONNECT_MAX)
-        if REBUILDING in why:  # migrate deletes the queue it rebuilds while we are away
-            await self._sleep_unless_stopped(REBUILD_PAUSE)
+        pause = rebuild_pause(why)
+        if pause is not None:  # migrate deletes the queue it rebuilds while we are away
+            await self._sleep_unless_stopped(pause)
         while True:
             if self._stop.is_set():
                 return None

@@ -10,7 +10,16 @@ import aiormq.exceptions
 import pytest
 
 from rabbit_retry.broker import connect as connect_module
-from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect, connect_amqp
+from rabbit_retry.broker.connect import (
+    CONNECTION_ERRORS,
+    REBUILD_PAUSE,
+    REBUILD_PAUSE_MAX,
+    REBUILDING,
+    connect,
+    connect_amqp,
+    rebuild_pause,
+    rebuilding,
+)
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings
 
@@ -82,3 +91,21 @@ def test_a_management_url_left_unset_follows_the_amqp_url(
     monkeypatch.setenv(URL_ENV, url)
     assert Settings.from_env().management_url == management
     assert Settings.from_env(url, "http://other:15672").management_url == "http://other:15672"
+
+
+@pytest.mark.parametrize(
+    ("why", "pause"),
+    [
+        # What a worker sees when migrate closes its connection: the broker's reply text.
+        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 4.0)}", 4.0),
+        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 0.5)}", 0.5),
+        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 600)}", REBUILD_PAUSE_MAX),
+        (f"CONNECTION_FORCED - {REBUILDING}shop.parking is being rebuilt", REBUILD_PAUSE),
+        ("CONNECTION_FORCED - Closed via management plugin; reconnect in 9s", None),
+        ("connection reset by peer", None),
+    ],
+)
+def test_a_worker_closed_by_migrate_waits_as_long_as_the_reason_asks(
+    why: str, pause: float | None
+) -> None:
+    assert rebuild_pause(why) == pause
