@@ -35,9 +35,10 @@ REBUILD_PAUSE_MAX = 30.0
 _PAUSE = re.compile(r"reconnect in (\d+(?:\.\d+)?)s")
 
 
-def rebuilding(queue: str, pause: float) -> str:
-    """The reason migrate gives when it closes a connection consuming ``queue`` (or a queue
-    that publishes to it) to rebuild it: the worker waits ``pause`` seconds."""
+def rebuilding(queue: str, attempt: int) -> str:
+    """The reason migrate gives when, in its ``attempt``-th round (from 0), it closes a
+    connection consuming ``queue`` (or a queue that publishes to it) to rebuild it."""
+    pause = min(REBUILD_PAUSE * 2**attempt, REBUILD_PAUSE_MAX)
     return f"{REBUILDING}{queue} is being rebuilt; reconnect in {pause:g}s"
 
 

@@ -28,13 +28,7 @@ from aiormq.abc import DeliveredMessage
 from pamqp import commands as spec
 
 from rabbit_retry.broker.batch import publish_batch
-from rabbit_retry.broker.connect import (
-    CONNECTION_ERRORS,
-    REBUILD_PAUSE,
-    REBUILD_PAUSE_MAX,
-    connect,
-    rebuilding,
-)
+from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect, rebuilding
 from rabbit_retry.broker.inspect import parse_bindings
 from rabbit_retry.broker.management import Management, NotFound, Refused
 from rabbit_retry.broker.migrate_plan import (
@@ -589,10 +583,9 @@ async def _release(run: _Run, queue: Queue, hold: str, outcome: Outcome) -> None
     publishers = _publishers(run, queue)
     classic = (run.api.queue(run.vhost, name) or {}).get("type", "classic") == "classic"
     for attempt in range(RELEASE_ATTEMPTS):
-        pause = min(REBUILD_PAUSE * 2**attempt, REBUILD_PAUSE_MAX)
         for connection in await _listed(run, [name, *publishers]):
             try:
-                run.api.close_connection(connection, rebuilding(name, pause))
+                run.api.close_connection(connection, rebuilding(name, attempt))
             except Refused:
                 raise BrokerError(
                     f"{name}: cannot close its consumer connection {connection!r}: user "

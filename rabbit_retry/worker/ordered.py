@@ -301,8 +301,9 @@ class OrderedLane:
         self.backlog[key] = self.backlog.get(key, 0) + 1
         await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
         self.done(message)
-        self._settled(key, deliver.delivery_tag)  # type: ignore[arg-type]  # its copy runs once
-        # the broker has taken this ack (``_hand_back``)
+        # It has no turn: its key is marked here, so its copy runs once the broker has taken
+        # this ack (``_hand_back``).
+        self._settled(key, deliver.delivery_tag)  # type: ignore[arg-type]
 
     # --- holds ---------------------------------------------------------------------------------
 

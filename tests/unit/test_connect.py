@@ -97,10 +97,11 @@ def test_a_management_url_left_unset_follows_the_amqp_url(
     ("why", "pause"),
     [
         # What a worker sees when migrate closes its connection: the broker's reply text.
-        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 4.0)}", 4.0),
-        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 0.5)}", 0.5),
-        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 600)}", REBUILD_PAUSE_MAX),
+        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 2)}", 4.0),
+        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 0)}", 1.0),
+        (f"CONNECTION_FORCED - {rebuilding('shop.parking', 19)}", REBUILD_PAUSE_MAX),
         (f"CONNECTION_FORCED - {REBUILDING}shop.parking is being rebuilt", REBUILD_PAUSE),
+        (f"{REBUILDING}x is being rebuilt; reconnect in 600s", REBUILD_PAUSE_MAX),
         ("CONNECTION_FORCED - Closed via management plugin; reconnect in 9s", None),
         ("connection reset by peer", None),
     ],
