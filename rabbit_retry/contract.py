@@ -61,10 +61,16 @@ ORDERED_HOLD = "ordered-hold"
 # On a copy that holds its key: the lane whose held queue has the hold, as "LANE/LANES" (lane 2
 # of 4: "2/4"). The copy goes back to that lane, not through the lanes exchange, whose
 # consistent-hash ring RabbitMQ 3.10 and 4.0 rebuild in another order when a node restarts
-# (docs/versions.md, "Ordered keys and a node restart"); a copy from another number of lanes
-# goes through the exchange.
+# (docs/versions.md, "Ordered keys and a node restart"). A copy written before its queue got more
+# lanes still goes back to its lane; one naming a lane the queue no longer has goes through the
+# exchange.
 ORDERED_LANE = "ordered-lane"
-# In a lane's held queue: what an entry is (message | hold | release), its place in the lane's
+# A change of an ordered queue's lanes (``migrate``): on its entries (gate, fence, passed) the
+# lanes they concern, as "0,1,2": the lanes a new lane waits for, those a fence is for, the lane
+# that passed.
+ORDERED_LANES = "ordered-lanes"
+# In a lane's held queue: what an entry is (message | hold | release | gate | passed | fence |
+# fenced: worker/ordering.py), its place in the lane's
 # order, and for a hold since when (epoch seconds), why (retry | parked) and whose.
 ORDERED_ENTRY = "ordered-entry"
 ORDERED_SEQ = "ordered-seq"

@@ -257,12 +257,13 @@ class _Journal(Observer):
 
 
 def _bookkeeping(message: DeliveredMessage) -> bool:
-    """An ordered lane's own record (a hold or a release in its held queue, a nudge): no
-    message of the user's."""
+    """An ordered lane's own record (an entry of its held queue other than a message, a nudge,
+    a fence or a passed entry of a change of its lanes): no message of the user's."""
     from rabbit_retry.contract import ORDERED_ENTRY, ORDERED_RELEASE
 
     headers = message.header.properties.headers or {}
-    return headers.get(ORDERED_ENTRY) in ("hold", "release") or headers.get(ORDERED_RELEASE) == ""
+    return (headers.get(ORDERED_ENTRY) not in (None, "message")
+            or headers.get(ORDERED_RELEASE) == "")
 
 
 class Worker:

@@ -14,6 +14,10 @@ module reads and writes it, and the session asks it at three points of a deliver
 The first delivery a lane gets on a session (the broker made this worker its single active
 consumer) waits until the held queue was read once; only the lane's active consumer ever reads
 or writes its held queue.
+
+When ``migrate`` adds lanes (``ordering``'s gate, fence and passed entries), a new lane moves
+every delivery to its held queue until each lane before it has passed; a lane that gets a fence
+settles everything before it, waits until no key it held then is held, and sends ``passed``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from aiormq import spec
 from aiormq.abc import AbstractChannel, DeliveredMessage
 
 from rabbit_retry.contract import (
+    ORDERED_ENTRY,
     ORDERED_HOLD,
     ORDERED_KEY,
     ORDERED_LANE,
@@ -38,17 +43,21 @@ from rabbit_retry.contract import (
     new_message_id,
     republish_properties,
 )
+from rabbit_retry.text import plural
+from rabbit_retry.topology import naming
 from rabbit_retry.topology.resolved import OrderedConfig
 from rabbit_retry.worker import shutdown
 from rabbit_retry.worker.history import History
 from rabbit_retry.worker.ordering import (
     Entry,
+    Folded,
     Hold,
     HoldWhy,
     Settled,
     fingerprint,
     fold,
     key_of,
+    lane_list,
     lane_mark,
     plan,
     read_entry,
@@ -135,6 +144,12 @@ class OrderedLane:
         # replaced): a pass drops them once they are as many as the entries still needed, so
         # the held queue stays small and a pass costs about one read per entry written.
         self._garbage = 0
+        # A change of the queue's lanes under way here (module docstring): per change, the
+        # lanes this new lane still waits for; per change, the lanes an open fence is for and
+        # the keys held (or with messages waiting) when it came, which must all go on first.
+        self.gates: dict[str, set[int]] = {}
+        self.fences: dict[str, tuple[tuple[int, ...], set[str]]] = {}
+        self._fencing: asyncio.Task[None] | None = None
 
     # --- a delivery's way ----------------------------------------------------------------------
 
@@ -211,6 +226,13 @@ class OrderedLane:
         if self.settled_before(message):
             await self._ack(tag)
             return None
+        if (ours and headers and ORDERED_ENTRY in headers
+                and not message.delivery.exchange):  # type: ignore[union-attr]
+            entry = read_entry(headers)
+            if entry is not None and entry.kind in ("fence", "passed"):
+                await (self._fence(entry) if entry.kind == "fence" else self._passed(entry))
+                await self._ack(tag)
+                return None
         routing_key = (history.source[1] if history.source
                        else message.delivery.routing_key or "")  # type: ignore[union-attr]
         key = key_of(self.config.header, headers, routing_key, ours)
@@ -232,7 +254,7 @@ class OrderedLane:
             return None
         try:
             await self._behind(task, key)
-            if key in self.holds or self.backlog.get(key):
+            if key in self.holds or self.backlog.get(key) or self.gates:
                 await self._defer(key, message, history)
             else:
                 turn = self.turns[task] = Turn(key)
@@ -385,8 +407,9 @@ class OrderedLane:
             if self._pending.get(key) is None:
                 self._pending.pop(key, None)
         self._garbage += 2
-        if self.backlog.get(key) or self._untidy():
+        if (self.backlog.get(key) and not self.gates) or self._untidy():
             self._start_passes()
+        self._check_fences()
 
     def _untidy(self) -> bool:
         """Whether the held queue holds as many entries that say nothing as entries needed."""
@@ -428,7 +451,8 @@ class OrderedLane:
                 # Free keys whose messages were moved meanwhile (behind those handed back), or
                 # entries released while this pass handed back others: once those are gone,
                 # nothing else may come to tidy the held queue.
-                waiting = any(n and key not in self.holds for key, n in self.backlog.items())
+                waiting = not self.gates and any(
+                    n and key not in self.holds for key, n in self.backlog.items())
                 if not (self._again or waiting or self._untidy()):
                     return
         except asyncio.CancelledError:
@@ -455,6 +479,7 @@ class OrderedLane:
                 self.holds = holds
                 self.backlog = {key: len(indexes) for key, indexes in folded.waiting.items()}
                 self._garbage = 0
+                self._changes(folded)
         finally:
             self._ready.set()
         for index in todo.drop:
@@ -467,6 +492,7 @@ class OrderedLane:
                 for key, indexes in todo.handle.items()]
         if runs:
             await asyncio.gather(*runs)
+        self._check_fences()
 
     async def _take_all(self) -> list[DeliveredMessage]:
         """Every entry, taken until the held queue says it is empty, not as many as it counts:
@@ -512,17 +538,104 @@ class OrderedLane:
         if not self.backlog.get(key):
             self.backlog.pop(key, None)
 
+    # --- a change of the queue's lanes ----------------------------------------------------------
+
+    def _changes(self, folded: Folded) -> None:
+        """What the held queue says of changes of the lanes under way (a pass read it)."""
+        if folded.gates and not self.gates:
+            awaited = sorted(set().union(*folded.gates.values()))
+            log.info("queue=%s lane %d is new: it runs nothing until lanes %s say they passed",
+                     self.queue, self.number, lane_list(awaited),
+                     extra={"queue": self.queue, "event": "lane_gated"})
+        self.gates = {change: set(lanes) for change, lanes in folded.gates.items()}
+        keys = set(folded.holds) | set(folded.waiting)
+        self.fences = {change: self.fences.get(change, (lanes, keys))
+                       for change, lanes in folded.fences.items()}
+
+    async def _fence(self, entry: Entry) -> None:
+        """A fence ``migrate`` put into this lane after binding new ones: once everything that
+        came before it is settled (and the broker has taken the acks), it is written to the held
+        queue; the lane passes once the keys it holds now go on (``_check_fences``)."""
+        change = entry.hold or ""
+        if change in self.fences:
+            return
+        earlier = [tail for tail in self._tails.values() if not tail.done()]
+        if earlier:
+            await asyncio.wait([asyncio.shield(tail) for tail in earlier])
+        await self.settle.flush()
+        await self.channel.queue_declare(self.lane_queue, passive=True)  # acks taken
+        async with self._writes:
+            await self._write_entry(Entry("fence", "", self._next(), change, lanes=entry.lanes))
+        keys = set(self.holds) | {key for key, n in self.backlog.items() if n}
+        self.fences[change] = (entry.lanes, keys)
+        log.info("queue=%s lane %d fenced for lanes %s (%s); %s to go on first", self.queue,
+                 self.number, lane_list(entry.lanes), change, plural(len(keys), "held key"),
+                 extra={"queue": self.queue, "event": "lane_fenced"})
+        self._check_fences()
+
+    async def _passed(self, entry: Entry) -> None:
+        """Lanes before this new one passed: written to the held queue; once all have, the
+        messages moved here meanwhile are handed back in order."""
+        change = entry.hold or ""
+        waits = self.gates.get(change)
+        if not waits or not waits & set(entry.lanes):
+            return  # passed before (a duplicate), or not a change this lane waits for
+        async with self._writes:
+            await self._write_entry(Entry("passed", "", self._next(), change, lanes=entry.lanes))
+            # (a pass may have read the held queue meanwhile: its gates are the ones now)
+            waits = self.gates.get(change, set())
+            waits -= set(entry.lanes)
+            if not waits:
+                self.gates.pop(change, None)
+        if not self.gates:
+            log.info("queue=%s lane %d: every lane before it passed (%s); it runs", self.queue,
+                     self.number, change, extra={"queue": self.queue, "event": "lane_opened"})
+            self._start_passes()
+
+    def _check_fences(self) -> None:
+        """Pass each fence whose keys have all gone on, in a task of its own."""
+        busy = set(self.holds) | {key for key, n in self.backlog.items() if n}
+        if (any(not keys & busy for _, keys in self.fences.values())
+                and (self._fencing is None or self._fencing.done())):
+            self._fencing = asyncio.create_task(self._pass_fences())
+
+    async def _pass_fences(self) -> None:
+        try:
+            for change, (lanes, keys) in list(self.fences.items()):
+                if keys & (set(self.holds) | {key for key, n in self.backlog.items() if n}):
+                    continue
+                passed = Entry("passed", "", 0, change, lanes=(self.number,)).headers()
+                for lane in lanes:
+                    await self.publisher.publish(
+                        "", naming.lane_queue(self.queue, lane), b"",
+                        spec.Basic.Properties(headers=passed, delivery_mode=2,
+                                              message_id=new_message_id()))
+                async with self._writes:
+                    await self._write_entry(Entry("fenced", "", self._next(), change))
+                self.fences.pop(change, None)
+                self._garbage += 2
+                if self._untidy():
+                    self._start_passes()
+                log.info("queue=%s lane %d passed to lanes %s (%s)", self.queue, self.number,
+                         lane_list(lanes), change,
+                         extra={"queue": self.queue, "event": "lane_passed"})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the channel died: the session reconnects and reads again
+            self._lost(f"passing the fence of lane {self.lane_queue!r} failed: {exc!r}")
+
     def summary(self) -> tuple[int, float | None]:
         """Held keys now, and since when the oldest is held (epoch seconds; None: none)."""
         oldest = min((h.since for h in self.holds.values()), default=None)
         return len(self.holds), oldest
 
     async def stop(self) -> None:
-        passes, self._passes = self._passes, None
-        if passes is not None and not passes.done():
-            await shutdown.cancel([passes])
-            with suppress(asyncio.CancelledError, Exception):
-                await passes
+        for task in (self._passes, self._fencing):
+            if task is not None and not task.done():
+                await shutdown.cancel([task])
+                with suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._passes = self._fencing = None
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:

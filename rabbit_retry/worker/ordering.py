@@ -21,6 +21,20 @@ becomes of each entry: kept (written again at the end: the key is still held), h
 is free: in sequence order, before anything newer of the key) or dropped (a release, a hold
 that ended, a duplicate that a crash left behind).
 
+A change of the queue's lanes (``migrate`` adds lanes; keys move only to the new ones) adds four
+kinds, each naming the change:
+
+- a ``gate`` entry, written by ``migrate`` into a new lane's held queue before the lane exists:
+  the lane runs nothing (every delivery is moved to its held queue) until it has a ``passed``
+  entry from each lane it names (every lane before it: a key it takes over may have earlier
+  messages in any of them);
+- a ``passed`` entry: a lane said it has settled everything that came before the change
+  (received as a message in the new lane, written here before it is acked);
+- a ``fence`` entry: ``migrate`` published a fence into this lane after binding the new ones
+  (everything before it in the lane was routed before the change); the lane settles all that
+  came before it, then waits until none of the keys it held (or kept messages of) at that
+  moment is held any more, sends ``passed`` to each lane the fence names and writes ``fenced``.
+
 Why this keeps order through crashes: a holder's copy is confirmed before its hold is written,
 and the hold before the delivery is acked. A crash before the hold leaves the delivery to be
 handled again in place and its copy without a hold (*stale*: dropped when it comes back); a
@@ -42,6 +56,7 @@ from rabbit_retry.contract import (
     ORDERED_HOLDER,
     ORDERED_KEY,
     ORDERED_LANE,
+    ORDERED_LANES,
     ORDERED_SEQ,
     ORDERED_SINCE,
     ORDERED_WHY,
@@ -49,10 +64,15 @@ from rabbit_retry.contract import (
     header_text,
 )
 
-EntryKind = Literal["message", "hold", "release"]
+EntryKind = Literal["message", "hold", "release", "gate", "passed", "fence", "fenced"]
+# The kinds a change of the queue's lanes writes; the other controls are a key's.
+LANE_KINDS = frozenset({"gate", "passed", "fence", "fenced"})
 HoldWhy = Literal["retry", "parked", "sent-back"]
 MAX_SEQ = 2**63 - 1  # an AMQP signed 64-bit integer
-_KINDS: dict[str, EntryKind] = {"message": "message", "hold": "hold", "release": "release"}
+_KINDS: dict[str, EntryKind] = {
+    "message": "message", "hold": "hold", "release": "release", "gate": "gate",
+    "passed": "passed", "fence": "fence", "fenced": "fenced",
+}
 
 
 def key_of(
@@ -77,12 +97,31 @@ def lane_mark(lane: int, lanes: int) -> str:
 
 def holding_lane(headers: Mapping[str, Any], lanes: int) -> int | None:
     """The lane a copy back at ``Q`` returns to: the one whose held queue has its hold (a
-    holder's copy, replayed or released, carries it), or None (through the lanes exchange):
-    none carried, garbled, or written when the queue had another number of lanes."""
+    holder's copy, replayed or released, carries it), also when the queue got more lanes since
+    (its hold is still there); None (through the lanes exchange): none carried, garbled, or a
+    lane the queue does not have."""
     lane, sep, count = (as_text(headers.get(ORDERED_LANE)) or "").partition("/")
-    if not (sep and lane.isdigit() and count.isdigit() and int(count) == lanes):
+    if not (sep and lane.isdigit() and count.isdigit()):
         return None
     return int(lane) if int(lane) < lanes else None
+
+
+def lane_list(lanes: Sequence[int]) -> str:
+    """``ORDERED_LANES`` of a gate, a fence or a passed entry."""
+    return ",".join(map(str, lanes))
+
+
+def read_lanes(value: object) -> tuple[int, ...] | None:
+    """The lanes ``ORDERED_LANES`` names, or None when garbled."""
+    parts = (as_text(value) or "").split(",")
+    if not all(part.isdigit() for part in parts):
+        return None
+    return tuple(int(part) for part in parts)
+
+
+def change_id(before: int, after: int) -> str:
+    """The id of the change of a queue's lanes from ``before`` to ``after``."""
+    return f"lanes {before} to {after}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +135,7 @@ class Entry:
     since: float = 0.0  # a hold's: when its key was held (epoch seconds)
     why: str = ""  # a hold's: retry | parked | sent-back
     holder: str | None = None  # a hold's: the holding message's message_id
+    lanes: tuple[int, ...] = ()  # a gate's, a fence's, a passed entry's (see the docstring)
 
     def headers(self) -> dict[str, Any]:
         """The headers that mark a message as this entry (a message entry keeps its own)."""
@@ -108,6 +148,8 @@ class Entry:
             out[ORDERED_WHY] = self.why
             if self.holder is not None:
                 out[ORDERED_HOLDER] = self.holder
+        if self.kind in LANE_KINDS:
+            out[ORDERED_LANES] = lane_list(self.lanes)
         return out
 
 
@@ -126,12 +168,18 @@ def read_entry(headers: Mapping[str, Any] | None) -> Entry | None:
     hold = as_text(headers.get(ORDERED_HOLD))
     if kind != "message" and hold is None:
         return None
+    lanes: tuple[int, ...] | None = ()
+    if kind in LANE_KINDS and kind != "fenced":
+        lanes = read_lanes(headers.get(ORDERED_LANES))
+        if lanes is None:
+            return None
     since = headers.get(ORDERED_SINCE)
     return Entry(
         kind, key, seq, hold,
         float(since) if isinstance(since, int | float) and not isinstance(since, bool) else 0.0,
         as_text(headers.get(ORDERED_WHY)) or "",
         as_text(headers.get(ORDERED_HOLDER)),
+        lanes or (),
     )
 
 
@@ -149,11 +197,19 @@ class Hold:
 @dataclass
 class Folded:
     """What a held queue says: the held keys, and per key the indexes of its waiting messages in
-    sequence order (each sequence number once); ``top`` the highest sequence number in it."""
+    sequence order (each sequence number once); ``top`` the highest sequence number in it.
+    ``gates``: per change of the lanes, the lanes this one still waits for (only those that
+    wait); ``fences``: per change, the lanes an open fence is for."""
 
     holds: dict[str, Hold] = field(default_factory=dict)
     waiting: dict[str, list[int]] = field(default_factory=dict)
     top: int = -1
+    gates: dict[str, set[int]] = field(default_factory=dict)
+    fences: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def gated(self) -> bool:
+        return bool(self.gates)
 
 
 def fold(entries: Sequence[Entry | None]) -> Folded:
@@ -162,14 +218,31 @@ def fold(entries: Sequence[Entry | None]) -> Folded:
     folded = Folded()
     controls: dict[str, list[Entry]] = {}
     messages: dict[str, dict[int, int]] = {}
+    awaited: dict[str, set[int]] = {}
+    passed: dict[str, set[int]] = {}
+    fenced: set[str] = set()
     for index, entry in enumerate(entries):
         if entry is None:
             continue
         folded.top = max(folded.top, entry.seq)
+        change = entry.hold or ""
         if entry.kind == "message":
             messages.setdefault(entry.key, {}).setdefault(entry.seq, index)
+        elif entry.kind == "gate":
+            awaited.setdefault(change, set()).update(entry.lanes)
+        elif entry.kind == "passed":
+            passed.setdefault(change, set()).update(entry.lanes)
+        elif entry.kind == "fence":
+            folded.fences.setdefault(change, entry.lanes)
+        elif entry.kind == "fenced":
+            fenced.add(change)
         else:
             controls.setdefault(entry.key, []).append(entry)
+    for change, lanes in awaited.items():
+        if lanes - passed.get(change, set()):
+            folded.gates[change] = lanes - passed.get(change, set())
+    for change in fenced:
+        folded.fences.pop(change, None)
     for key, written in controls.items():
         hold: Hold | None = None
         for entry in sorted(written, key=lambda e: e.seq):
@@ -196,14 +269,26 @@ class PassPlan:
 def plan(entries: Sequence[Entry | None], folded: Folded) -> PassPlan:
     """What becomes of each entry: a held key's messages and its current hold are kept, a free
     key's messages handled in order, everything else dropped; a foreign message is kept (never
-    dropped: the held queue is no place to lose one)."""
+    dropped: the held queue is no place to lose one). While the lane is gated every message is
+    kept and none handled; a gate, a passed entry or a fence is kept (once) while its change is
+    under way here."""
     out = PassPlan()
     waiting = {index for indexes in folded.waiting.values() for index in indexes}
     current = {hold.seq for hold in folded.holds.values()}
     kept_holds: set[int] = set()
+    kept_lanes: set[tuple[str, str, tuple[int, ...]]] = set()
     for index, entry in enumerate(entries):
         if entry is None:
             out.keep.append(index)
+        elif entry.kind in LANE_KINDS:
+            change = entry.hold or ""
+            under_way = (change in folded.gates if entry.kind in ("gate", "passed")
+                         else change in folded.fences and entry.kind == "fence")
+            if under_way and (entry.kind, change, entry.lanes) not in kept_lanes:
+                kept_lanes.add((entry.kind, change, entry.lanes))
+                out.keep.append(index)
+            else:
+                out.drop.append(index)
         elif entry.kind == "hold":
             if entry.seq in current and entry.seq not in kept_holds:
                 kept_holds.add(entry.seq)
@@ -212,10 +297,10 @@ def plan(entries: Sequence[Entry | None], folded: Folded) -> PassPlan:
                 out.drop.append(index)
         elif entry.kind == "release" or index not in waiting:
             out.drop.append(index)  # a release is folded in; a duplicate counts once
-        elif entry.key in folded.holds:
+        elif entry.key in folded.holds or folded.gated:
             out.keep.append(index)
     for key, indexes in folded.waiting.items():
-        if key not in folded.holds:
+        if key not in folded.holds and not folded.gated:
             out.handle[key] = list(indexes)
     return out
 

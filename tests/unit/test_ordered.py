@@ -25,7 +25,7 @@ LANES = 3
 
 
 def topology(queue_type: str = "quorum", on_park: str = "hold", key: str = "{header: user-id}",
-             delays: str = "[5s, 1m]", attempts: int = 4) -> str:
+             delays: str = "[5s, 1m]", attempts: int = 4, lanes: int = LANES) -> str:
     return f"""\
 version: 1
 exchanges:
@@ -34,7 +34,7 @@ queues:
   {Q}:
     queue_type: {queue_type}
     bindings: [{{exchange: rewards, routing_key: "points.#"}}]
-    ordered: {{key: {key}, lanes: {LANES}, on_park: {on_park}}}
+    ordered: {{key: {key}, lanes: {lanes}, on_park: {on_park}}}
     retry: {{delays: {delays}, max_attempts: {attempts}}}
 """
 
@@ -332,7 +332,8 @@ async def test_a_key_held_when_its_worker_dies_stays_held_for_the_next(
 @pytest.mark.parametrize(("value", "lane"), [
     (f"1/{LANES}", 1), (f"0/{LANES}", 0), (f"{LANES - 1}/{LANES}", LANES - 1),
     (f"1/{LANES}".encode(), 1),  # a client that sends strings as bytes
-    (f"{LANES}/{LANES}", None), (f"-1/{LANES}", None), (f"1/{LANES + 1}", None),  # other lanes
+    (f"{LANES}/{LANES}", None), (f"-1/{LANES}", None),  # not a lane of the queue
+    (f"1/{LANES - 1}", 1), (f"1/{LANES + 1}", 1),  # written with another number of lanes
     ("1", None), (1, None), (True, None), ("x/3", None), (None, None),
 ])
 def test_only_a_lane_of_the_queue_is_taken_from_a_copy(value: object, lane: int | None) -> None:
@@ -618,3 +619,82 @@ async def test_a_keys_message_arriving_as_the_held_queue_is_read_waits_behind_ea
         await broker.settle()
     assert later == [2]  # positive control: the later message came during the read
     assert ledger.calls["erin"] == [1, 2], ledger.calls
+
+
+# --- adding lanes (migrate) --------------------------------------------------------------------
+
+
+def test_a_new_lane_is_gated_until_every_lane_before_it_passed() -> None:
+    from rabbit_retry.worker.ordering import Entry, change_id, fold, plan
+
+    change = change_id(2, 4)
+    gate = Entry("gate", "", 0, change, lanes=(0, 1, 2))
+    entries: list[Entry | None] = [
+        gate, Entry("message", "ann", 1), Entry("passed", "", 2, change, lanes=(0,)),
+        Entry("message", "ann", 3), Entry("passed", "", 4, change, lanes=(0,)),  # twice
+        Entry("fence", "", 5, change, lanes=(3,)),
+    ]
+    folded = fold(entries)
+    assert folded.gates == {change: {1, 2}} and folded.fences == {change: (3,)}
+    todo = plan(entries, folded)
+    assert todo.handle == {} and todo.keep == [0, 1, 2, 3, 5] and todo.drop == [4]
+    entries += [Entry("passed", "", 6, change, lanes=(1,)), Entry("passed", "", 7, change,
+                                                                   lanes=(2,))]
+    folded = fold(entries)
+    assert not folded.gated
+    todo = plan(entries, folded)  # open: the messages handed back in order, the gate dropped
+    assert todo.handle == {"ann": [1, 3]} and todo.keep == [5]
+    entries.append(Entry("fenced", "", 8, change))
+    folded = fold(entries)
+    assert folded.fences == {} and plan(entries, folded).keep == []
+
+
+def _add_lane(broker: TestBroker, lanes: int) -> Any:
+    """What ``migrate`` finds before it adds lane ``lanes - 1``: the worker's file has it, the
+    broker's ring does not yet; returns the binding to add."""
+    ring = broker.memory.bindings[f"{Q}.lanes"]
+    [new] = [b for b in ring if b.queue == f"{Q}.lane.{lanes - 1}"]
+    ring.remove(new)
+    return new
+
+
+@pytest.mark.parametrize("gated", [True, False])
+async def test_keys_moved_to_an_added_lane_wait_for_their_earlier_messages(gated: bool) -> None:
+    """``migrate`` from 3 lanes to 4 with messages waiting in the old lanes: a key the new lane
+    takes runs there only after its earlier messages in the old lane (through a retry, and a
+    park that keeps the new lane shut until it is replayed). Without the gate (the control)
+    the new lane runs moved keys at once, before their earlier messages."""
+    from rabbit_retry.worker.ordering import Entry, change_id
+
+    lanes, change = LANES + 1, change_id(LANES, LANES + 1)
+    users = [f"u{n}" for n in range(24)]
+    ledger = Ledger({("u1", 2): 1, ("u2", 3): "park"})
+    async with broker_for(topology(lanes=lanes)) as broker:
+        binding = _add_lane(broker, lanes)
+        if gated:
+            broker.publish(queue=f"{Q}.lane.{LANES}.held",
+                           headers=Entry("gate", "", 0, change, lanes=tuple(range(LANES))).headers())
+        for seq in range(1, 6):
+            for user in users:
+                publish(broker, user, seq)
+        async with broker.worker(ledger):
+            broker.memory.bindings[f"{Q}.lanes"].append(binding)  # bound: some keys move
+            for seq in range(6, 9):
+                for user in users:
+                    publish(broker, user, seq)
+            for lane in range(LANES):
+                broker.publish(queue=f"{Q}.lane.{lane}",
+                               headers=Entry("fence", "", 0, change, lanes=(LANES,)).headers())
+            await broker.settle(retries=True)
+            moved = [u for u in users if ledger.calls[u] and ledger.calls[u][0] >= 6]
+            if not gated:
+                assert ledger.calls != {u: sorted(c) for u, c in ledger.calls.items()}
+                return
+            # u2 is parked in an old lane: that lane cannot pass, so the new one stays shut
+            assert ledger.applied["u2"] == [1, 2] and moved == []
+            assert broker.messages(f"{Q}.lane.{LANES}.held")
+            replay(broker, "u2-3")
+            await broker.settle(retries=True)
+            assert held(broker) == 0 and not broker.messages(f"{Q}.lane.{LANES}.held")
+    assert {u: ledger.applied[u] for u in users} == {u: list(range(1, 9)) for u in users}
+    never_backwards(ledger.calls)
