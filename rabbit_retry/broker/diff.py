@@ -65,6 +65,8 @@ class Change:
     orphan: bool = False
     # The ``migrate`` of a queue the file renamed (``renamed_from``): the file's new name.
     renamed_to: str | None = None
+    # The ``migrate`` of an ordered queue that gets more lanes: (lanes now, lanes in the file).
+    lanes: tuple[int, int] | None = None
 
     @property
     def owner(self) -> str | None:
@@ -556,15 +558,38 @@ def _live_lanes(main: str, live: LiveState) -> set[str]:
             if name.startswith(prefix) and name[len(prefix):].isdigit()}
 
 
+def _lanes_under_way(main: str, live: LiveState) -> tuple[int, int] | None:
+    """A change of ``main``'s lanes that ``migrate`` began and has not made whole (its marker
+    queue is still there): (lanes before, lanes after)."""
+    prefix = naming.lanes_exchange(main) + "."
+    for name in live.queues:
+        before, sep, after = name.removeprefix(prefix).partition("-to-")
+        if name.startswith(prefix) and sep and before.isdigit() and after.isdigit():
+            return int(before), int(after)
+    return None
+
+
 def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
-    """A live queue whose ordering the file changes: more or fewer lanes, or ordered keys
-    turned on or off. Each would send some keys' messages down another path while earlier
-    ones wait on the old one: refused, until a migrate step moves them in order."""
+    """A live queue whose ordering the file changes. More lanes is a ``migrate`` (it adds them
+    so that a key that moves to a new lane runs there only after its earlier messages in the
+    old one); fewer lanes, or ordered keys turned on or off, would send some keys' messages
+    down another path while earlier ones wait on the old one: refused."""
     for main in plan.main_queues:
         if main.name not in live.queues:
             continue
         wanted = {q.name for q in plan.queues_of(main.name) if q.role == "lane"}
         there = _live_lanes(main.name, live)
+        under_way = _lanes_under_way(main.name, live)
+        if under_way is not None and under_way[1] == len(wanted):
+            yield Change("migrate", "queue", main.name, _adding(*under_way, resumed=True), main,
+                         lanes=under_way)
+            continue
+        if under_way is not None:
+            detail = (f"migrate began taking it from {under_way[0]} to {under_way[1]} lanes; the "
+                      f"file says {len(wanted)}: run migrate with a file of {under_way[1]} lanes "
+                      "to finish that first")
+            yield Change("conflict", "queue", main.name, detail, main)
+            continue
         if wanted == there:
             continue
         if not there:
@@ -579,12 +604,25 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
         elif not wanted:
             detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
                       "live ordered queue cannot be made plain yet")
+        elif there == {naming.lane_queue(main.name, n) for n in range(len(there))} and (
+                len(wanted) > len(there)):
+            lanes = (len(there), len(wanted))
+            yield Change("migrate", "queue", main.name, _adding(*lanes), main, lanes=lanes)
+            continue
         else:
             detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
-                      f"file: other lanes would take some keys while their earlier messages "
-                      f"wait in the old ones; keep lanes: {len(there)} (changing the lanes of a "
-                      "live ordered queue is not supported yet)")
+                      f"file: the remaining lanes would take some keys while their earlier "
+                      f"messages wait in the others; keep lanes: {len(there)} (a live ordered "
+                      "queue can get more lanes, not fewer)")
         yield Change("conflict", "queue", main.name, detail, main)
+
+
+def _adding(before: int, after: int, *, resumed: bool = False) -> str:
+    new = f"lane {before}" if after == before + 1 else f"lanes {before}-{after - 1}"
+    said = ("migrate began adding" if resumed else
+            f"ordered with {before} lanes on the broker, {after} in the file: migrate adds")
+    return (f"{said} {new}; a key that moves to a new lane runs there once its earlier "
+            "messages in the old lane are done")
 
 
 def _policy_text(definition: Mapping[str, Any], priority: int) -> str:
@@ -799,8 +837,8 @@ def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
         )
     if any(c.kind == "migrate" for c in changes):
         lines.append(
-            f"nothing was changed; `rabbit-retry migrate {file}` rebuilds these queues and "
-            "keeps their messages"
+            f"nothing was changed; `rabbit-retry migrate {file}` rebuilds these queues (or "
+            "adds their lanes) and keeps their messages in order"
         )
     return lines
 

@@ -62,6 +62,7 @@ from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 from rabbit_retry.topology.plan import Policy
 
 if TYPE_CHECKING:
+    from rabbit_retry.broker.add_lanes import LaneChange
     from rabbit_retry.broker.migrate_plan import Migration, Rename
     from rabbit_retry.outbox.destinations import Destinations
 
@@ -534,15 +535,20 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
 
 def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: bool,
              targets: Sequence[str], accept_evictions: bool, guard: Guard = _unguarded) -> None:
+    from rabbit_retry.broker.add_lanes import describe, plan_lane_changes
     from rabbit_retry.broker.migrate_plan import plan_migrations, plan_renames
 
     changes, live = _read(settings, compiled, targets, checked=not dry_run)
     migrations = plan_migrations(changes, live, compiled.bindings)
     renames = plan_renames(changes, live)
-    if not migrations and not renames:
+    lanes = plan_lane_changes(changes, compiled)
+    if not migrations and not renames and not lanes:
         click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
         return
     _say_migrations(migrations, renames)
+    for lane_change in lanes:
+        for line in describe(lane_change):
+            click.echo(line)
     if not _migrate_checked(settings, compiled, file, changes, live, migrations, renames,
                             dry_run=dry_run, accept_evictions=accept_evictions):
         return  # a dry run
@@ -551,7 +557,8 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
             raise InputError(
                 "refusing to migrate without confirmation: stdin is not a terminal; pass --yes"
             )
-        confirm(f"Migrate {plural(len(migrations), 'queue')} in vhost {settings.vhost!r}?")
+        confirm(f"Migrate {plural(len(migrations) + len(lanes), 'queue')} in vhost "
+                f"{settings.vhost!r}?")
     routes = dead_letter_routes(compiled, changes, {m.name for m in migrations})
     if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
         asyncio.run(apply_changes(settings, routes, live.bindings))
@@ -559,7 +566,7 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
             click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
                        if change.object == "binding" else f"declared {change.name}")
     _carry_out(settings, compiled, file, migrations, renames, sorted(set(targets)) or None,
-               guard)
+               guard, lanes)
 
 
 def _say_migrations(migrations: Sequence[Migration], renames: Sequence[Rename]) -> None:
@@ -616,7 +623,8 @@ def _migrate_checked(
 
 
 def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequence[Migration],
-               renames: Sequence[Rename], selection: list[str] | None, guard: Guard) -> None:
+               renames: Sequence[Rename], selection: list[str] | None, guard: Guard,
+               lanes: Sequence[LaneChange] = ()) -> None:
     """Run the confirmed migrations, then the renames, and say what ``apply`` has left. Each
     step is said as it starts: the lock is checked there (a migration stopped at any step is
     finished by the next run)."""
@@ -633,6 +641,12 @@ def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequen
             f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
             + ", ".join(o.name for o in outcomes)
         )
+    if lanes:
+        from rabbit_retry.broker.add_lanes import add_lanes
+
+        asyncio.run(add_lanes(settings, lanes, say=say))
+        click.echo(f"added lanes in vhost {settings.vhost!r}: " + ", ".join(
+            f"{c.queue} ({c.before} -> {c.after})" for c in lanes))
     if renames:
         moved = asyncio.run(run_renames(settings, renames, say=say))
         click.echo(

@@ -57,6 +57,12 @@ def held_queue(queue: str, lane: int) -> str:
     return lane_queue(queue, lane) + HELD_SUFFIX
 
 
+def lanes_change_queue(queue: str, before: int, after: int) -> str:
+    """The empty queue that marks ``rabbit-retry migrate`` adding lanes to ordered queue
+    ``queue`` (from ``before`` to ``after``): it exists only until the change is made whole."""
+    return f"{lanes_exchange(queue)}.{before}-to-{after}"
+
+
 def migrating_queue(queue: str) -> str:
     """The holding queue ``rabbit-retry migrate`` keeps ``queue``'s messages in meanwhile."""
     return queue + MIGRATING_SUFFIX

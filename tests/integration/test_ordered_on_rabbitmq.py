@@ -95,3 +95,75 @@ async def test_apply_status_and_two_workers_keep_each_keys_order(
                          what="ben and cat finished")
     assert dict(applied) == {"ann": [1, 2, 3, 4, 5], "ben": [1, 2, 3, 4, 5],
                              "cat": [2, 3, 4, 5], "dee": [1, 2, 3, 4, 5]}
+
+
+class Paced(RetryConsumer):
+    """Records who handled each user's events (``by``), ``pace`` seconds each; the first attempt
+    of ``(user, seq)`` in ``fail`` fails."""
+
+    queue = Q
+    prefetch = 2
+
+    def __init__(self, by: str, calls: dict[str, list[tuple[int, str]]], pace: float,
+                 fail: set[tuple[str, int]]) -> None:
+        self.by, self.calls, self.pace, self.fail = by, calls, pace, fail
+
+    async def handle(self, delivery: Delivery) -> None:
+        user, seq = delivery.headers["user-id"], delivery.payload["seq"]
+        self.calls[user].append((seq, self.by))
+        await asyncio.sleep(self.pace)
+        if (user, seq) in self.fail and delivery.attempt == 1:
+            raise RuntimeError("busy")
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_migrate_adds_lanes_to_a_live_queue_and_every_key_keeps_its_order(
+    fresh_vhost: Settings, management: Management, tmp_path: Path, queue_type: str,
+) -> None:
+    """From 2 lanes to 4 while a slow worker on the old file still works through each lane's
+    backlog (with retries) and events keep coming: a key that moves to a new lane runs there
+    (on a fast worker with the new file) only after its earlier events in the old lane."""
+    async def run_cli(*args: str) -> Ran:  # in a thread: the workers run on this loop
+        return await asyncio.to_thread(cli, fresh_vhost, *args)
+
+    enable_plugin(management, "x-consistent-hash", "rabbitmq_consistent_hash_exchange")
+    two, four = tmp_path / "two.yml", tmp_path / "four.yml"
+    two.write_text(TOPOLOGY.replace("QTYPE", queue_type).replace("lanes: 3", "lanes: 2"))
+    four.write_text(TOPOLOGY.replace("QTYPE", queue_type).replace("lanes: 3", "lanes: 4"))
+    assert (await run_cli("apply", str(two))).code == 0
+    refused = await run_cli("apply", str(four))
+    assert refused.code != 0 and "migrate" in refused.err, refused.out + refused.err
+    users = [f"u{n}" for n in range(40)]
+    calls: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    fail = {(u, 2) for u in users[::5]}
+
+    def events(seqs: range) -> list[tuple[bytes, Any]]:
+        return [Outgoing(f"{u}-{s}", json.dumps({"seq": s}).encode(), {"user-id": u}).wire()
+                for s in seqs for u in users]
+
+    async with running([Paced("old", calls, 0.03, fail)], topology(two.read_text()),
+                       fresh_vhost):
+        await publish_raw(fresh_vhost, events(range(1, 6)), exchange="rewards",
+                          routing_key="points.x")
+        during = asyncio.create_task(publish_raw(fresh_vhost, events(range(6, 9)),
+                                                 exchange="rewards", routing_key="points.x"))
+        done = await run_cli("migrate", str(four), "--yes")
+        assert done.code == 0 and "added lanes" in done.out, done.out + done.err
+        await during
+        await publish_raw(fresh_vhost, events(range(9, 13)), exchange="rewards",
+                          routing_key="points.x")
+        async with running([Paced("new", calls, 0.0, fail)], topology(four.read_text()),
+                           fresh_vhost):
+            await eventually(lambda: all(len({s for s, _ in calls[u]}) == 12 for u in users),
+                             within=120, what="every user's 12 events handled")
+    again = await run_cli("plan", str(four))
+    assert again.code == 0 and "0 to create" in again.out and "0 to migrate" in again.out, (
+        again.out + again.err)
+    for user in users:
+        seqs = [s for s, _ in calls[user]]
+        assert seqs == sorted(seqs), (user, calls[user])
+    moved = [u for u in users if {b for _, b in calls[u]} == {"old", "new"}]
+    # positive control: keys did move, and each had events left in its old lane to wait for
+    assert moved, dict(calls)
+    left = [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in range(4)]
+    assert left == [0, 0, 0, 0]  # no gate, fence or passed entry left behind
