@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.amqp import Outgoing, depth, publish_raw
+from support.amqp import Outgoing, depth, on_channel, publish_raw
 from support.broker import enable_plugin
 from support.poll import eventually
 from support.process import Ran, cli
@@ -167,3 +167,27 @@ async def test_migrate_adds_lanes_to_a_live_queue_and_every_key_keeps_its_order(
     assert moved, dict(calls)
     left = [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in range(4)]
     assert left == [0, 0, 0, 0]  # no gate, fence or passed entry left behind
+
+
+async def test_a_lane_change_migrate_began_is_finished_by_the_next_run_and_only_once(
+    fresh_vhost: Settings, management: Management, tmp_path: Path,
+) -> None:
+    """A migrate stopped after it marked the change (its marker queue is there, nothing else):
+    plan says so, the next migrate finishes it, and a third has nothing to do; each new lane's
+    held queue has its one gate and each lane but the last its one fence (no worker runs)."""
+    enable_plugin(management, "x-consistent-hash", "rabbitmq_consistent_hash_exchange")
+    two, four = tmp_path / "two.yml", tmp_path / "four.yml"
+    two.write_text(TOPOLOGY.replace("QTYPE", "quorum").replace("lanes: 3", "lanes: 2"))
+    four.write_text(TOPOLOGY.replace("QTYPE", "quorum").replace("lanes: 3", "lanes: 4"))
+    assert cli(fresh_vhost, "apply", str(two)).code == 0
+    await on_channel(fresh_vhost, lambda ch: ch.queue_declare(f"{Q}.lanes.2-to-4", durable=True))
+    planned = cli(fresh_vhost, "plan", str(four))
+    assert "migrate began adding lanes 2-3" in planned.out, planned.out + planned.err
+    done = cli(fresh_vhost, "migrate", str(four), "--yes")
+    assert done.code == 0 and "added lanes" in done.out, done.out + done.err
+    again = cli(fresh_vhost, "migrate", str(four), "--yes")
+    assert again.code == 0 and "nothing to migrate" in again.out, again.out + again.err
+    held = [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in range(4)]
+    lanes = [await depth(fresh_vhost, f"{Q}.lane.{n}") for n in range(4)]
+    assert (held, lanes) == ([0, 0, 1, 1], [1, 1, 1, 0])
+    assert await depth(fresh_vhost, f"{Q}.lanes.2-to-4") is None

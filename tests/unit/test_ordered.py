@@ -672,8 +672,8 @@ async def test_keys_moved_to_an_added_lane_wait_for_their_earlier_messages(gated
     async with broker_for(topology(lanes=lanes)) as broker:
         binding = _add_lane(broker, lanes)
         if gated:
-            broker.publish(queue=f"{Q}.lane.{LANES}.held",
-                           headers=Entry("gate", "", 0, change, lanes=tuple(range(LANES))).headers())
+            gate = Entry("gate", "", 0, change, lanes=tuple(range(LANES)))
+            broker.publish(queue=f"{Q}.lane.{LANES}.held", headers=gate.headers())
         for seq in range(1, 6):
             for user in users:
                 publish(broker, user, seq)

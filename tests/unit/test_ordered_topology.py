@@ -123,27 +123,48 @@ def test_status_counts_an_ordered_queues_lanes_and_held_keys() -> None:
     assert continued.held_keys == 3
 
 
-def test_apply_refuses_to_change_the_lanes_of_a_live_ordered_queue() -> None:
+def test_more_lanes_is_a_migrate_fewer_are_refused_and_a_change_under_way_is_resumed() -> None:
+    from dataclasses import replace
+
+    from rabbit_retry.broker.add_lanes import plan_lane_changes
     from rabbit_retry.broker.diff import diff, refusal
     from rabbit_retry.broker.inspect import LiveQueue, LiveState
 
-    def live_of(text: str) -> LiveState:
+    def live_of(text: str, *extra: str) -> LiveState:
         plan = compile_topology(parse_topology(text))
         queues = {q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
                                     0, 0, 0, 0) for q in plan.queues}
+        for name in extra:
+            queues[name] = replace(queues["rewards.points"], name=name)
         return LiveState(queues, {}, plan.bindings)
 
     four = rewards("{key: {header: user-id}, lanes: 4}")
     eight = rewards("{key: {header: user-id}, lanes: 8}")
     same = diff(compile_topology(parse_topology(four)), live_of(four))
     assert refusal(same, "v", "r.yml") == []  # positive control: nothing changed, no refusal
-    changed = diff(compile_topology(parse_topology(eight)), live_of(four))
-    [line, _] = refusal(changed, "v", "r.yml")
+    eight_plan = compile_topology(parse_topology(eight))
+    changed = diff(eight_plan, live_of(four))
+    [line, how] = refusal(changed, "v", "r.yml")
     assert line == (
         "queue rewards.points in vhost 'v' differs from the file: ordered with 4 lanes on the "
-        "broker, 8 in the file: other lanes would take some keys while their earlier messages "
-        "wait in the old ones; keep lanes: 4 (changing the lanes of a live ordered queue is not "
-        "supported yet)")
+        "broker, 8 in the file: migrate adds lanes 4-7; a key that moves to a new lane runs "
+        "there once its earlier messages in the old lane are done")
+    assert "`rabbit-retry migrate r.yml`" in how
+    [change] = plan_lane_changes(changed, eight_plan)
+    assert (change.before, change.after, change.marker) == (4, 8, "rewards.points.lanes.4-to-8")
+    assert [lane.name for lane in change.lanes] == [f"rewards.points.lane.{n}" for n in range(4, 8)]
+    assert [b.destination for b in change.bindings] == [lane.name for lane in change.lanes]
+    # fewer lanes: refused
+    [line, _] = refusal(diff(compile_topology(parse_topology(four)), live_of(eight)), "v", "f")
+    assert "keep lanes: 8 (a live ordered queue can get more lanes, not fewer)" in line
+    # a change migrate began (its marker is there, every lane already declared): resumed, and
+    # refused with a file of another number of lanes
+    begun = live_of(eight, "rewards.points.lanes.4-to-8")
+    [resumed] = plan_lane_changes(diff(eight_plan, begun), eight_plan)
+    assert (resumed.before, resumed.after) == (4, 8)
+    twelve = rewards("{key: {header: user-id}, lanes: 12}")
+    [line, _] = refusal(diff(compile_topology(parse_topology(twelve)), begun), "v", "f")
+    assert "migrate began taking it from 4 to 8 lanes; the file says 12" in line
     plain = rewards().replace("    ordered: {key: {header: user-id}, lanes: 3}\n", "")
     [line, _] = refusal(diff(compile_topology(parse_topology(four)), live_of(plain)), "v", "f")
     assert "a plain queue on the broker that messages reach directly" in line
