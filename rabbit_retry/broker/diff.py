@@ -835,11 +835,14 @@ def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
             "nothing was changed; fix the file or the live exchange (an exchange must be "
             "deleted and redeclared by hand)"
         )
-    if any(c.kind == "migrate" for c in changes):
+    if any(c.kind == "migrate" and not c.lanes for c in changes):
         lines.append(
-            f"nothing was changed; `rabbit-retry migrate {file}` rebuilds these queues (or "
-            "adds their lanes) and keeps their messages in order"
+            f"nothing was changed; `rabbit-retry migrate {file}` rebuilds these queues and "
+            "keeps their messages"
         )
+    elif any(c.kind == "migrate" for c in changes):
+        lines.append(f"nothing was changed; `rabbit-retry migrate {file}` adds the lanes and "
+                     "keeps each key's order")
     return lines
 
 

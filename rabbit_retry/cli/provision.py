@@ -391,12 +391,15 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
         )
     for line in deferred_notes(changes, file):
         click.echo(line, err=True)
-    rebuilt = sum(1 for c in changes if c.kind == "migrate" and blocking(c))
-    if rebuilt:
+    rebuilt = sum(1 for c in changes if c.kind == "migrate" and blocking(c) and not c.lanes)
+    laned = sum(1 for c in changes if c.kind == "migrate" and c.lanes)
+    if rebuilt or laned:
+        what = [f"{plural(rebuilt, 'queue')} must be rebuilt to match {file} (the broker "
+                "cannot change them in place)"] if rebuilt else []
+        what += [f"{plural(laned, 'ordered queue')} must get more lanes"] if laned else []
         raise ConflictError(
-            f"{plural(rebuilt, 'queue')} must be rebuilt to match {file} (the broker "
-            f"cannot change them in place); apply would refuse; `rabbit-retry migrate {file}` "
-            "does it and keeps their messages"
+            f"{'; '.join(what)}; apply would refuse; `rabbit-retry migrate {file}` does it and "
+            "keeps their messages" + (" and each key's order" if laned else "")
         )
     if detailed_exitcode and waiting:
         sys.stdout.flush()
@@ -520,7 +523,8 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
 @pass_settings
 def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
             accept_evictions: bool, targets: tuple[str, ...], lock_timeout: float) -> None:
-    """Rebuild every queue of FILE the broker cannot change in place, keeping its messages.
+    """Rebuild every queue of FILE the broker cannot change in place, keeping its messages,
+    and add the lanes FILE gives an ordered queue, keeping each key's order.
 
     Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
     again; a run that was stopped at any point is finished by running migrate again.

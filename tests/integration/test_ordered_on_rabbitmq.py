@@ -131,8 +131,13 @@ async def test_migrate_adds_lanes_to_a_live_queue_and_every_key_keeps_its_order(
     two.write_text(TOPOLOGY.replace("QTYPE", queue_type).replace("lanes: 3", "lanes: 2"))
     four.write_text(TOPOLOGY.replace("QTYPE", queue_type).replace("lanes: 3", "lanes: 4"))
     assert (await run_cli("apply", str(two))).code == 0
+    planned = await run_cli("plan", str(four))
+    assert planned.code == 3 and "1 ordered queue must get more lanes" in planned.err, (
+        planned.out + planned.err)
+    assert "migrate adds lanes 2-3" in planned.out
     refused = await run_cli("apply", str(four))
-    assert refused.code != 0 and "migrate" in refused.err, refused.out + refused.err
+    assert refused.code == 3 and "adds the lanes and keeps each key's order" in refused.err, (
+        refused.out + refused.err)
     users = [f"u{n}" for n in range(40)]
     calls: dict[str, list[tuple[int, str]]] = defaultdict(list)
     fail = {(u, 2) for u in users[::5]}
