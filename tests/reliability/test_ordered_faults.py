@@ -5,6 +5,9 @@ replayed. Per key, the handler calls and successes the workers wrote to one appe
 never go back to an earlier message once a later one of the key succeeded; every message
 succeeds; nothing is left in a lane, a tier or a held queue.
 
+A lane change (``migrate`` from 2 lanes to 4) under the same faults:
+``test_lanes_added_mid_stream_keep_every_keys_order_through_sigkills``.
+
 The broker-restart variant (``test_ordered_keys_survive_a_broker_restart``) stops and starts the
 broker application: it is ``alone`` (tests/conftest.py), never run beside other tests.
 """
@@ -167,3 +170,68 @@ def test_ordered_keys_survive_a_broker_restart(
     wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
     worker.stop()
     _never_back(records)
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_lanes_added_mid_stream_keep_every_keys_order_through_sigkills(
+    fresh_vhost: Settings, points: Path, records: Path, worker_guard: list[Worker],
+    queue_type: str,
+) -> None:
+    """``migrate`` takes the queue from 2 lanes to 4 while a worker on the old file works
+    through the stream, keys held by parked messages (a lane's fence cannot pass until they are
+    replayed); that worker is SIGKILLed once it has taken a fence (the fences wait in the held
+    queues) and two workers on the new file take every lane over, one of them SIGKILLed after
+    the replay.
+    Per key nothing runs after a later message of the key succeeded; every message succeeds;
+    nothing is left in a lane, a tier or a held queue."""
+    two, four = points / "two.yml", points / "four.yml"
+    two.write_text((TOPOLOGY % {"type": queue_type}).replace(f"lanes: {LANES}", "lanes: 2"))
+    four.write_text(TOPOLOGY % {"type": queue_type})
+    apply(fresh_vhost, two)
+    old = Worker(fresh_vhost, two, records, "Points", sleep_ms=20, prefetch=8,
+                 log_name="old.log")
+    worker_guard.append(old)
+    old.start()
+    messages = _stream(f"lanes-{queue_type}")
+    half = len(messages) // 2
+    publish_sync(fresh_vhost, messages[:half], exchange="rel", routing_key="points")
+    done = cli(fresh_vhost, "migrate", str(four), "--yes")
+    assert done.code == 0 and "added lanes" in done.out, done.out + done.err
+    publish_sync(fresh_vhost, messages[half:], exchange="rel", routing_key="points")
+    ok = lambda: {m for m, _ in recorded(records, "ok")}  # noqa: E731
+    wait_for(lambda: len(ok()) >= half // 2, "a quarter handled")
+    log = records / "old.log"
+    wait_for(lambda: "fenced for lanes" in log.read_text(errors="replace"),
+             "the old worker took a fence")
+    old.kill()  # its lanes' fences (and what they wait for) are in the held queues
+    new = [Worker(fresh_vhost, four, records, "Points", sleep_ms=20, prefetch=8,
+                  log_name=f"new{n}.log") for n in (1, 2)]
+    worker_guard.extend(new)
+    for worker in new:
+        worker.start()
+    # A parked key keeps its lane from passing, and so the new lanes shut: a held key that
+    # moved to one cannot park before the other is replayed.
+    wait_for(lambda: total_depth(fresh_vhost, [f"{Q}.parking"]) >= 1, "a held key parked")
+    (records / "fixed").touch()
+
+    def replayed(enough: int) -> bool:
+        if total_depth(fresh_vhost, [f"{Q}.parking"]):
+            done = cli(fresh_vhost, "parking", "replay", Q, "--yes")
+            assert done.code == 0, done.err
+        return len(ok()) >= enough
+
+    wait_for(lambda: replayed(int(len(messages) * 0.8)), "80% handled")
+    new[0].kill()
+    new[0].start()
+    wait_for(lambda: replayed(len(messages)), "every message handled", within=180)
+    wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
+    for worker in new:
+        worker.stop()
+    handled = _per_key("ok", records)
+    assert {u: sorted(set(s)) for u, s in handled.items()} == {
+        f"u{u}": list(range(1, EVENTS + 1)) for u in range(USERS)}
+    _never_back(records)
+    moved = [line for line in (records / "new1.log").read_text(errors="replace").splitlines()
+             + (records / "new2.log").read_text(errors="replace").splitlines()
+             if "every lane before it passed" in line]
+    assert moved, "no new lane opened: the test did not test a change"  # positive control
