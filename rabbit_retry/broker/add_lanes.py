@@ -31,13 +31,10 @@ from dataclasses import dataclass
 
 from pamqp import commands as spec
 
-from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.broker.diff import Change
-from rabbit_retry.broker.management import Management
-from rabbit_retry.broker.migrate import TIMEOUT, Say, _Run
+from rabbit_retry.broker.migrate import TIMEOUT, Say, _Run, finish_later, migration_run
 from rabbit_retry.contract import new_message_id
-from rabbit_retry.errors import BrokerError
-from rabbit_retry.settings import Settings, mask
+from rabbit_retry.settings import Settings
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding, Plan, Queue
 from rabbit_retry.worker.ordering import Entry, change_id
@@ -102,23 +99,10 @@ async def add_lanes(
     settings: Settings, changes: Sequence[LaneChange], say: Say = lambda _: None
 ) -> None:
     """Carry out every lane change (the module's steps), in order."""
-    connection = await connect(settings, name="rabbit-retry migrate")
-    try:
-        with Management.for_settings(settings) as api:
-            run = _Run(connection, api, settings, say)
-            for change in changes:
-                try:
-                    await _add(run, change)
-                except CONNECTION_ERRORS as exc:
-                    if isinstance(exc, BrokerError):
-                        raise
-                    raise BrokerError(
-                        f"adding lanes to {change.queue} stopped: "
-                        f"{mask(str(exc)) or type(exc).__name__}; nothing is lost and no key "
-                        "runs out of order meanwhile; run migrate again to finish"
-                    ) from exc
-    finally:
-        await connection.close()
+    async with migration_run(settings, say) as run:
+        for change in changes:
+            with finish_later(f"adding lanes to {change.queue}"):
+                await _add(run, change)
 
 
 async def _add(run: _Run, change: LaneChange) -> None:

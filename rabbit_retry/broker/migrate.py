@@ -15,7 +15,8 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -685,25 +686,37 @@ async def migrate(
 ) -> list[Outcome]:
     """Run every migration's remaining steps, in ``schedule``'s order."""
     outcomes: dict[str, Outcome] = {}
+    async with migration_run(settings, say) as run:
+        for migration, steps in schedule(migrations):
+            outcome = outcomes.setdefault(migration.name, Outcome(migration.name))
+            with finish_later(f"migrating {migration.name}", outcome.steps):
+                await _run_steps(run, migration, steps, outcome)
+    return [outcomes[m.name] for m in migrations]
+
+
+@asynccontextmanager
+async def migration_run(settings: Settings, say: Say) -> AsyncIterator[_Run]:
+    """One connection and one management client for a whole ``migrate``."""
     connection = await connect(settings, name="rabbit-retry migrate")
     try:
         with Management.for_settings(settings) as api:
-            run = _Run(connection, api, settings, say)
-            for migration, steps in schedule(migrations):
-                outcome = outcomes.setdefault(migration.name, Outcome(migration.name))
-                try:
-                    await _run_steps(run, migration, steps, outcome)
-                except CONNECTION_ERRORS as exc:
-                    if isinstance(exc, BrokerError):
-                        raise
-                    raise BrokerError(
-                        f"migrating {migration.name} stopped at {outcome.steps[-1]}: "
-                        f"{mask(str(exc)) or type(exc).__name__}; nothing is lost, run migrate "
-                        "again to finish"
-                    ) from exc
+            yield _Run(connection, api, settings, say)
     finally:
         await connection.close()
-    return [outcomes[m.name] for m in migrations]
+
+
+@contextmanager
+def finish_later(what: str, steps: Sequence[str] = ()) -> Iterator[None]:
+    """A connection lost in the block: one line saying what stopped (at the last of ``steps``
+    begun, if any) and that running migrate again finishes the work."""
+    try:
+        yield
+    except CONNECTION_ERRORS as exc:
+        if isinstance(exc, BrokerError):
+            raise
+        at = f" at {steps[-1]}" if steps else ""
+        raise BrokerError(f"{what} stopped{at}: {mask(str(exc)) or type(exc).__name__}; "
+                          "nothing is lost, run migrate again to finish") from exc
 
 
 # --- renames (``renamed_from``) ------------------------------------------------------------
@@ -796,21 +809,8 @@ async def rename(
 ) -> list[Moved]:
     """Carry out every rename (``_run_rename``), in order."""
     out = []
-    connection = await connect(settings, name="rabbit-retry migrate")
-    try:
-        with Management.for_settings(settings) as api:
-            run = _Run(connection, api, settings, say)
-            for one in renames:
-                try:
-                    out.append(await _run_rename(run, one))
-                except CONNECTION_ERRORS as exc:
-                    if isinstance(exc, BrokerError):
-                        raise
-                    raise BrokerError(
-                        f"renaming {one.old} to {one.new} stopped: "
-                        f"{mask(str(exc)) or type(exc).__name__}; nothing is lost, run migrate "
-                        "again to finish"
-                    ) from exc
-    finally:
-        await connection.close()
+    async with migration_run(settings, say) as run:
+        for one in renames:
+            with finish_later(f"renaming {one.old} to {one.new}"):
+                out.append(await _run_rename(run, one))
     return out
