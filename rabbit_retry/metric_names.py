@@ -73,8 +73,8 @@ HELD_KEYS = Series(
     "rabbit_retry_held_keys",
     "gauge",
     ("queue",),
-    "Keys of an ordered queue held by a message waiting for a retry or parked, in the lanes "
-    "this worker consumes.",
+    "Keys of an ordered queue held by a message waiting for a retry or parked, or waiting in "
+    "a lane migrate added that has not opened yet, in the lanes this worker consumes.",
 )
 OLDEST_HELD = Series(
     "rabbit_retry_oldest_held_seconds",

@@ -150,6 +150,7 @@ class OrderedLane:
         self.gates: dict[str, set[int]] = {}
         self.fences: dict[str, tuple[tuple[int, ...], set[str]]] = {}
         self._fencing: asyncio.Task[None] | None = None
+        self._shut_since = 0.0  # when this worker found the lane gated
 
     # --- a delivery's way ----------------------------------------------------------------------
 
@@ -548,6 +549,7 @@ class OrderedLane:
                      self.queue, self.number, lane_list(awaited),
                      extra={"queue": self.queue, "event": "lane_gated"})
         self.gates = {change: set(lanes) for change, lanes in folded.gates.items()}
+        self._shut_since = (self._shut_since or time.time()) if self.gates else 0.0
         keys = set(folded.holds) | set(folded.waiting)
         self.fences = {change: self.fences.get(change, (lanes, keys))
                        for change, lanes in folded.fences.items()}
@@ -625,9 +627,13 @@ class OrderedLane:
             self._lost(f"passing the fence of lane {self.lane_queue!r} failed: {exc!r}")
 
     def summary(self) -> tuple[int, float | None]:
-        """Held keys now, and since when the oldest is held (epoch seconds; None: none)."""
+        """Held keys now, and since when the oldest is held (epoch seconds; None: none). While
+        the lane is gated, every key with messages in its held queue is held, since then."""
         oldest = min((h.since for h in self.holds.values()), default=None)
-        return len(self.holds), oldest
+        if not self.gates:
+            return len(self.holds), oldest
+        keys = set(self.holds) | {key for key, n in self.backlog.items() if n}
+        return len(keys), min(oldest or self._shut_since, self._shut_since)
 
     async def stop(self) -> None:
         for task in (self._passes, self._fencing):

@@ -677,7 +677,7 @@ async def test_keys_moved_to_an_added_lane_wait_for_their_earlier_messages(gated
         for seq in range(1, 6):
             for user in users:
                 publish(broker, user, seq)
-        async with broker.worker(ledger):
+        async with broker.worker(ledger) as worker:
             broker.memory.bindings[f"{Q}.lanes"].append(binding)  # bound: some keys move
             for seq in range(6, 9):
                 for user in users:
@@ -692,7 +692,10 @@ async def test_keys_moved_to_an_added_lane_wait_for_their_earlier_messages(gated
                 return
             # u2 is parked in an old lane: that lane cannot pass, so the new one stays shut
             assert ledger.applied["u2"] == [1, 2] and moved == []
-            assert broker.messages(f"{Q}.lane.{LANES}.held")
+            waiting = {m.headers["user-id"] for m in broker.messages(f"{Q}.lane.{LANES}.held")
+                       if m.headers.get("ordered-entry") == "message"}
+            # held: u2, and each key waiting in the shut lane
+            assert worker.runner.metrics.for_queue(Q).held()[0] == len(waiting | {"u2"}) > 1
             replay(broker, "u2-3")
             await broker.settle(retries=True)
             assert held(broker) == 0 and not broker.messages(f"{Q}.lane.{LANES}.held")
