@@ -568,7 +568,7 @@ class OrderedLane:
         await self.channel.queue_declare(self.lane_queue, passive=True)  # acks taken
         async with self._writes:
             await self._write_entry(Entry("fence", "", self._next(), change, lanes=entry.lanes))
-        keys = set(self.holds) | {key for key, n in self.backlog.items() if n}
+        keys = self._busy()
         self.fences[change] = (entry.lanes, keys)
         log.info("queue=%s lane %d fenced for lanes %s (%s); %s to go on first", self.queue,
                  self.number, lane_list(entry.lanes), change, plural(len(keys), "held key"),
@@ -594,18 +594,25 @@ class OrderedLane:
                      self.number, change, extra={"queue": self.queue, "event": "lane_opened"})
             self._start_passes()
 
+    def _busy(self) -> set[str]:
+        """The keys held, or with messages waiting in the held queue."""
+        return set(self.holds) | {key for key, n in self.backlog.items() if n}
+
+    def _passable(self) -> list[str]:
+        """The open fences none of whose keys is busy any more."""
+        busy = self._busy()
+        return [change for change, (_, keys) in self.fences.items() if not keys & busy]
+
     def _check_fences(self) -> None:
         """Pass each fence whose keys have all gone on, in a task of its own."""
-        busy = set(self.holds) | {key for key, n in self.backlog.items() if n}
-        if (any(not keys & busy for _, keys in self.fences.values())
-                and (self._fencing is None or self._fencing.done())):
+        if self._passable() and (self._fencing is None or self._fencing.done()):
             self._fencing = asyncio.create_task(self._pass_fences())
 
     async def _pass_fences(self) -> None:
         try:
-            for change, (lanes, keys) in list(self.fences.items()):
-                if keys & (set(self.holds) | {key for key, n in self.backlog.items() if n}):
-                    continue
+            while passable := self._passable():
+                change = passable[0]
+                lanes, _ = self.fences[change]
                 passed = Entry("passed", "", 0, change, lanes=(self.number,)).headers()
                 for lane in lanes:
                     await self.publisher.publish(
@@ -632,8 +639,7 @@ class OrderedLane:
         oldest = min((h.since for h in self.holds.values()), default=None)
         if not self.gates:
             return len(self.holds), oldest
-        keys = set(self.holds) | {key for key, n in self.backlog.items() if n}
-        return len(keys), min(oldest or self._shut_since, self._shut_since)
+        return len(self._busy()), min(oldest or self._shut_since, self._shut_since)
 
     async def stop(self) -> None:
         for task in (self._passes, self._fencing):
