@@ -85,6 +85,8 @@ class Change:
                                "orphan": self.orphan, "owner": self.owner}
         if self.renamed_to is not None:
             out["renamed_to"] = self.renamed_to
+        if self.lanes is not None:
+            out["lanes"] = {"broker": self.lanes[0], "file": self.lanes[1]}
         if isinstance(self.item, Binding):
             out |= {
                 "source": self.item.source,

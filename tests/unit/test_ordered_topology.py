@@ -150,6 +150,8 @@ def test_more_lanes_is_a_migrate_fewer_are_refused_and_a_change_under_way_is_res
         "broker, 8 in the file: migrate adds lanes 4-7; a key that moves to a new lane runs "
         "there once its earlier messages in the old lane are done")
     assert "`rabbit-retry migrate r.yml`" in how
+    [migrate] = [c.to_json() for c in changed if c.kind == "migrate"]
+    assert migrate["lanes"] == {"broker": 4, "file": 8} and migrate["name"] == "rewards.points"
     [change] = plan_lane_changes(changed, eight_plan)
     assert (change.before, change.after, change.marker) == (4, 8, "rewards.points.lanes.4-to-8")
     assert [lane.name for lane in change.lanes] == [f"rewards.points.lane.{n}" for n in range(4, 8)]
