@@ -41,8 +41,10 @@ source "$ROOT/scripts/lib.sh"
 # of every test module it collects and keeps the result beside it only then; without, each of
 # the run's 20 or so pytest processes spent 3 of its 6 s collecting on rewriting them again.
 unset PYTHONDONTWRITEBYTECODE
-# A hung test fails alone after pyproject's per-test timeout; this bounds a whole pytest run.
-PYTEST_TIMEOUT="${RABBIT_RETRY_PYTEST_TIMEOUT:-1800}"
+# A hung test fails alone after pyproject's per-test timeout; this bounds a whole pytest run
+# (45 minutes: on a slow day of the 2-core machine, 2026-11-29, the 3.10 stage took 1,428 s,
+# close to the 30 minutes it was bounded by, with no test hung).
+PYTEST_TIMEOUT="${RABBIT_RETRY_PYTEST_TIMEOUT:-2700}"
 # Broker tests at a time in the first version's stage (alone on the machine): they mostly wait
 # on the broker, so more than the cores; and in each of the older versions' stages, which run
 # side by side with each other and with the cluster's (whose tests run one at a time).
