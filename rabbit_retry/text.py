@@ -33,6 +33,11 @@ def shorten(value: object) -> str:
     return clip(repr(value))
 
 
+def numbered(noun: str, first: int, end: int) -> str:
+    """``noun`` numbers ``first`` to ``end - 1``: "lane 2", "lanes 2-3"."""
+    return f"{noun} {first}" if end == first + 1 else f"{noun}s {first}-{end - 1}"
+
+
 def plural(count: int, noun: str) -> str:
     """``1 queue``, ``2 queues``: ``noun`` with an ``s`` unless ``count`` is 1."""
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"

@@ -35,6 +35,7 @@ from rabbit_retry.broker.diff import Change
 from rabbit_retry.broker.migrate import TIMEOUT, Say, _Run, finish_later, migration_run
 from rabbit_retry.contract import new_message_id
 from rabbit_retry.settings import Settings
+from rabbit_retry.text import numbered
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding, Plan, Queue
 from rabbit_retry.worker.ordering import Entry, change_id
@@ -130,7 +131,8 @@ async def _add(run: _Run, change: LaneChange) -> None:
         await declare(held)
         await entry(held.name, Entry("gate", "", 0, change.id, lanes=tuple(range(number))))
         await declare(lane)
-        run.say(f"{change.queue}: declared {lane.name}, shut until lanes 0-{number - 1} pass")
+        shut = numbered("lane", 0, number)
+        run.say(f"{change.queue}: declared {lane.name}, shut until {shut} pass")
     for binding in change.bindings:
         if not any(b.source == exchange for b in run.bindings_to(binding.destination)):
             await channel.queue_bind(binding.destination, exchange,
@@ -141,8 +143,8 @@ async def _add(run: _Run, change: LaneChange) -> None:
         targets = tuple(range(max(change.before, number + 1), change.after))
         await entry(naming.lane_queue(change.queue, number),
                     Entry("fence", "", 0, change.id, lanes=targets))
-    run.say(f"{change.queue}: a fence in lanes 0-{change.after - 2}; each passes once what "
-            "came before it is done")
+    fenced = numbered("lane", 0, change.after - 1)
+    run.say(f"{change.queue}: a fence in {fenced}; each passes once what came before it is done")
     await channel.queue_delete(change.marker, timeout=TIMEOUT)
     await channel.close()
     run.say(f"{change.queue}: {change.after} lanes; the new ones run once every lane before "

@@ -30,7 +30,7 @@ from rabbit_retry.broker.inspect import (
     NodeCapacity,
 )
 from rabbit_retry.broker.replicas import GROUP_SIZE, Replication, replicas_note
-from rabbit_retry.text import plural
+from rabbit_retry.text import numbered, plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label, parse_duration
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue, Role
@@ -620,7 +620,7 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
 
 
 def _adding(before: int, after: int, *, resumed: bool = False) -> str:
-    new = f"lane {before}" if after == before + 1 else f"lanes {before}-{after - 1}"
+    new = numbered("lane", before, after)
     said = ("migrate began adding" if resumed else
             f"ordered with {before} lanes on the broker, {after} in the file: migrate adds")
     return (f"{said} {new}; a key that moves to a new lane runs there once its earlier "
