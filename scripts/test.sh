@@ -15,7 +15,7 @@
 # few marked `alone` (they restart their stage's broker) run after, one at a time (4.3's beside
 # the later stages). ruff, mypy and the wheel run beside the first stages, the unit tests (in
 # the whole matrix) after the cluster stage, beside the older versions' tests; the two older
-# versions (3 at a time each, RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side
+# versions (2 at a time each, RABBIT_RETRY_TEST_WORKERS_BESIDE) and the cluster stage run side
 # by side after 4.3, on nodes and ports of their own; RABBIT_RETRY_TEST_SERIAL=1 runs every
 # stage after the other. Every stage prints its time, and the run ends with all of them;
 # RABBIT_RETRY_TEST_DURATIONS=0 lists every test's time (default: the 10 slowest per run).
@@ -49,7 +49,7 @@ PYTEST_TIMEOUT="${RABBIT_RETRY_PYTEST_TIMEOUT:-2700}"
 # on the broker, so more than the cores; and in each of the older versions' stages, which run
 # side by side with each other and with the cluster's (whose tests run one at a time).
 WORKERS="${RABBIT_RETRY_TEST_WORKERS:-5}"
-WORKERS_BESIDE="${RABBIT_RETRY_TEST_WORKERS_BESIDE:-3}"
+WORKERS_BESIDE="${RABBIT_RETRY_TEST_WORKERS_BESIDE:-2}"
 START=$SECONDS
 FAILED=()
 TIMES=()

@@ -77,7 +77,7 @@ async def test_apply_status_and_two_workers_keep_each_keys_order(
             Outgoing(f"{u}-{s}", json.dumps({"seq": s}).encode(), {"user-id": u}).wire()
             for s in range(1, 6) for u in users], exchange="rewards", routing_key="points.x")
         await eventually(lambda: len(applied["ann"]) == 5 and len(applied["dee"]) == 5,
-                         what="ann (through a retry) and dee done")
+                         within=90, what="ann (through a retry) and dee done")
         async def both_parked() -> bool:
             return await depth(fresh_vhost, f"{Q}.parking") == 2
 
