@@ -391,19 +391,25 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
         )
     for line in deferred_notes(changes, file):
         click.echo(line, err=True)
-    rebuilt = sum(1 for c in changes if c.kind == "migrate" and blocking(c) and not c.lanes)
-    laned = sum(1 for c in changes if c.kind == "migrate" and c.lanes)
-    if rebuilt or laned:
-        what = [f"{plural(rebuilt, 'queue')} must be rebuilt to match {file} (the broker "
-                "cannot change them in place)"] if rebuilt else []
-        what += [f"{plural(laned, 'ordered queue')} must get more lanes"] if laned else []
-        raise ConflictError(
-            f"{'; '.join(what)}; apply would refuse; `rabbit-retry migrate {file}` does it and "
-            "keeps their messages" + (" and each key's order" if laned else "")
-        )
+    if why := _migrations_needed(changes, file):
+        raise ConflictError(why)
     if detailed_exitcode and waiting:
         sys.stdout.flush()
         sys.exit(EXIT_PENDING)
+
+
+def _migrations_needed(changes: Sequence[Change], file: str) -> str | None:
+    """What ``plan`` says when ``apply`` would refuse for a queue ``migrate`` must rebuild or
+    give more lanes; None when none must."""
+    rebuilt = sum(1 for c in changes if c.kind == "migrate" and blocking(c) and not c.lanes)
+    laned = sum(1 for c in changes if c.kind == "migrate" and c.lanes)
+    if not (rebuilt or laned):
+        return None
+    what = [f"{plural(rebuilt, 'queue')} must be rebuilt to match {file} (the broker "
+            "cannot change them in place)"] if rebuilt else []
+    what += [f"{plural(laned, 'ordered queue')} must get more lanes"] if laned else []
+    return (f"{'; '.join(what)}; apply would refuse; `rabbit-retry migrate {file}` does it and "
+            "keeps their messages" + (" and each key's order" if laned else ""))
 
 
 def _print_evictions(evicted: Sequence[Eviction]) -> None:

@@ -227,18 +227,14 @@ class OrderedLane:
         if self.settled_before(message):
             await self._ack(tag)
             return None
-        if (ours and headers and ORDERED_ENTRY in headers
-                and not message.delivery.exchange):  # type: ignore[union-attr]
-            entry = read_entry(headers)
-            if entry is not None and entry.kind in ("fence", "passed"):
-                await (self._fence(entry) if entry.kind == "fence" else self._passed(entry))
-                await self._ack(tag)
-                return None
+        if (entry := self._lane_entry(message, ours)) is not None:
+            await (self._fence(entry) if entry.kind == "fence" else self._passed(entry))
+            await self._ack(tag)
+            return None
         routing_key = (history.source[1] if history.source
                        else message.delivery.routing_key or "")  # type: ignore[union-attr]
         key = key_of(self.config.header, headers, routing_key, ours)
-        hold = as_text(headers.get(ORDERED_HOLD)) if ours and headers else None
-        released = as_text(headers.get(ORDERED_RELEASE)) if ours and headers else None
+        hold, released = _marks(headers, ours)
         if released is not None:  # an operator discarded the holder (or a nudge: "")
             if released and self._holding(key) == released:
                 await self.release(key, released)
@@ -554,6 +550,15 @@ class OrderedLane:
         self.fences = {change: self.fences.get(change, (lanes, keys))
                        for change, lanes in folded.fences.items()}
 
+    @staticmethod
+    def _lane_entry(message: DeliveredMessage, ours: bool) -> Entry | None:
+        """The fence or passed entry the delivery is, put straight into this lane; else None."""
+        headers = message.header.properties.headers
+        if not (ours and headers and ORDERED_ENTRY in headers) or message.delivery.exchange:  # type: ignore[union-attr]
+            return None
+        entry = read_entry(headers)
+        return entry if entry is not None and entry.kind in ("fence", "passed") else None
+
     async def _fence(self, entry: Entry) -> None:
         """A fence ``migrate`` put into this lane after binding new ones: once everything that
         came before it is settled (and the broker has taken the acks), it is written to the held
@@ -648,6 +653,13 @@ class OrderedLane:
                 with suppress(asyncio.CancelledError, Exception):
                     await task
         self._passes = self._fencing = None
+
+
+def _marks(headers: Any, ours: bool) -> tuple[str | None, str | None]:
+    """The hold a copy that came by the queue's own route holds, and the hold it releases."""
+    if not (ours and headers):
+        return None, None
+    return as_text(headers.get(ORDERED_HOLD)), as_text(headers.get(ORDERED_RELEASE))
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:

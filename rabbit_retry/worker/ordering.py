@@ -218,31 +218,18 @@ def fold(entries: Sequence[Entry | None]) -> Folded:
     folded = Folded()
     controls: dict[str, list[Entry]] = {}
     messages: dict[str, dict[int, int]] = {}
-    awaited: dict[str, set[int]] = {}
-    passed: dict[str, set[int]] = {}
-    fenced: set[str] = set()
+    changes: list[Entry] = []
     for index, entry in enumerate(entries):
         if entry is None:
             continue
         folded.top = max(folded.top, entry.seq)
-        change = entry.hold or ""
         if entry.kind == "message":
             messages.setdefault(entry.key, {}).setdefault(entry.seq, index)
-        elif entry.kind == "gate":
-            awaited.setdefault(change, set()).update(entry.lanes)
-        elif entry.kind == "passed":
-            passed.setdefault(change, set()).update(entry.lanes)
-        elif entry.kind == "fence":
-            folded.fences.setdefault(change, entry.lanes)
-        elif entry.kind == "fenced":
-            fenced.add(change)
+        elif entry.kind in LANE_KINDS:
+            changes.append(entry)
         else:
             controls.setdefault(entry.key, []).append(entry)
-    for change, lanes in awaited.items():
-        if lanes - passed.get(change, set()):
-            folded.gates[change] = lanes - passed.get(change, set())
-    for change in fenced:
-        folded.fences.pop(change, None)
+    folded.gates, folded.fences = _fold_changes(changes)
     for key, written in controls.items():
         hold: Hold | None = None
         for entry in sorted(written, key=lambda e: e.seq):
@@ -257,6 +244,30 @@ def fold(entries: Sequence[Entry | None]) -> Folded:
     return folded
 
 
+def _fold_changes(
+    entries: Sequence[Entry],
+) -> tuple[dict[str, set[int]], dict[str, tuple[int, ...]]]:
+    """Per change of the lanes, the lanes a gate still waits for (only those that wait), and
+    the lanes an open fence is for."""
+    awaited: dict[str, set[int]] = {}
+    passed: dict[str, set[int]] = {}
+    fences: dict[str, tuple[int, ...]] = {}
+    fenced: set[str] = set()
+    for entry in entries:
+        change = entry.hold or ""
+        if entry.kind == "gate":
+            awaited.setdefault(change, set()).update(entry.lanes)
+        elif entry.kind == "passed":
+            passed.setdefault(change, set()).update(entry.lanes)
+        elif entry.kind == "fence":
+            fences.setdefault(change, entry.lanes)
+        else:
+            fenced.add(change)
+    gates = {change: lanes - passed.get(change, set()) for change, lanes in awaited.items()}
+    return ({change: left for change, left in gates.items() if left},
+            {change: lanes for change, lanes in fences.items() if change not in fenced})
+
+
 @dataclass
 class PassPlan:
     """What one pass over a held queue does with each entry it read (by index)."""
@@ -264,6 +275,19 @@ class PassPlan:
     keep: list[int] = field(default_factory=list)  # written again at the end, then acked
     drop: list[int] = field(default_factory=list)  # acked
     handle: dict[str, list[int]] = field(default_factory=dict)  # per free key, in order
+
+
+def entry_id(entry: Entry) -> tuple[str, str, tuple[int, ...]]:
+    """What makes two entries of a change of the lanes the same entry."""
+    return entry.kind, entry.hold or "", entry.lanes
+
+
+def _under_way(entry: Entry, folded: Folded) -> bool:
+    """Whether a gate, a passed entry or a fence still says something here."""
+    change = entry.hold or ""
+    if entry.kind in ("gate", "passed"):
+        return change in folded.gates
+    return entry.kind == "fence" and change in folded.fences
 
 
 def plan(entries: Sequence[Entry | None], folded: Folded) -> PassPlan:
@@ -276,19 +300,15 @@ def plan(entries: Sequence[Entry | None], folded: Folded) -> PassPlan:
     waiting = {index for indexes in folded.waiting.values() for index in indexes}
     current = {hold.seq for hold in folded.holds.values()}
     kept_holds: set[int] = set()
-    kept_lanes: set[tuple[str, str, tuple[int, ...]]] = set()
+    kept_lanes: set[tuple[str, str, tuple[int, ...]]] = set()  # (entry_id)
     for index, entry in enumerate(entries):
         if entry is None:
             out.keep.append(index)
         elif entry.kind in LANE_KINDS:
-            change = entry.hold or ""
-            under_way = (change in folded.gates if entry.kind in ("gate", "passed")
-                         else change in folded.fences and entry.kind == "fence")
-            if under_way and (entry.kind, change, entry.lanes) not in kept_lanes:
-                kept_lanes.add((entry.kind, change, entry.lanes))
-                out.keep.append(index)
-            else:
-                out.drop.append(index)
+            kept = _under_way(entry, folded) and entry_id(entry) not in kept_lanes
+            if kept:
+                kept_lanes.add(entry_id(entry))
+            (out.keep if kept else out.drop).append(index)
         elif entry.kind == "hold":
             if entry.seq in current and entry.seq not in kept_holds:
                 kept_holds.add(entry.seq)
