@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pamqp import commands as spec
 
 from rabbit_retry.broker.diff import Change
-from rabbit_retry.broker.migrate import TIMEOUT, Say, _Run, finish_later, migration_run
+from rabbit_retry.broker.migrate import TIMEOUT, MigrationRun, Say, finish_later, migration_run
 from rabbit_retry.contract import new_message_id
+from rabbit_retry.held import Entry, change_id
 from rabbit_retry.settings import Settings
 from rabbit_retry.text import numbered
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding, Plan, Queue
-from rabbit_retry.worker.ordering import Entry, change_id
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ async def add_lanes(
                 await _add(run, change)
 
 
-async def _add(run: _Run, change: LaneChange) -> None:
+async def _add(run: MigrationRun, change: LaneChange) -> None:
     channel = await run.channel(confirms=True)
     exchange = naming.lanes_exchange(change.queue)
 

@@ -87,7 +87,9 @@ class Outcome:
     closed: int = 0  # consumer connections closed
 
 
-class _Run:
+class MigrationRun:
+    """One run of ``migrate``: its connection, the management API, and how it says each step."""
+
     def __init__(
         self, connection: AbstractConnection, api: Management, settings: Settings, say: Say
     ) -> None:
@@ -235,7 +237,7 @@ class _Taken:
 
 
 class _Mover:
-    """One ``_Run.move``: the originals taken, in delivery order, until each may be acked.
+    """One ``MigrationRun.move``: the originals taken, in delivery order, until each may be acked.
 
     The loop takes deliveries and publishes their copies in batches (one write each,
     broker/batch.py); confirms mark originals settled as they come back, and one acking task
@@ -244,7 +246,7 @@ class _Mover:
 
     def __init__(
         self,
-        run: _Run,
+        run: MigrationRun,
         channel: aiormq.abc.AbstractChannel,
         source: str,
         target: str,
@@ -457,7 +459,7 @@ class _Mover:
 
 
 async def _run_steps(
-    run: _Run, migration: Migration, steps: Sequence[Step], outcome: Outcome
+    run: MigrationRun, migration: Migration, steps: Sequence[Step], outcome: Outcome
 ) -> None:
     name, hold = migration.name, hold_queue(migration.name)
     queue = migration.queue
@@ -553,7 +555,7 @@ async def _give_back_in_order(
             await asyncio.sleep(REQUEUE_POLL_S)
 
 
-async def _mark(run: _Run, hold: str) -> None:
+async def _mark(run: MigrationRun, hold: str) -> None:
     channel = await run.channel(confirms=True)
     await channel.basic_publish(
         b"", exchange="", routing_key=hold, mandatory=True, timeout=TIMEOUT,
@@ -564,7 +566,7 @@ async def _mark(run: _Run, hold: str) -> None:
     await channel.close()
 
 
-async def _release(run: _Run, queue: Queue, hold: str, outcome: Outcome) -> None:
+async def _release(run: MigrationRun, queue: Queue, hold: str, outcome: Outcome) -> None:
     """Delete ``queue`` once nothing consumes it and it is empty, draining what consumers gave
     back.
 
@@ -629,7 +631,7 @@ async def _release(run: _Run, queue: Queue, hold: str, outcome: Outcome) -> None
     )
 
 
-def _publishers(run: _Run, queue: Queue) -> list[str]:
+def _publishers(run: MigrationRun, queue: Queue) -> list[str]:
     """The queues whose consumers publish to ``queue`` straight (not through a binding
     ``migrate`` can move): for a parking queue, its main queue and the main queue's lanes and
     held queues, as the broker has them."""
@@ -640,7 +642,7 @@ def _publishers(run: _Run, queue: Queue) -> list[str]:
     return [queue.owner, *sorted(n for n in live if n.startswith(lanes))]
 
 
-async def _listed(run: _Run, queues: Sequence[str]) -> list[str]:
+async def _listed(run: MigrationRun, queues: Sequence[str]) -> list[str]:
     """The connections consuming ``queues``, once the management API lists them. Its list comes
     from statistics (every ``collect_statistics_interval``, 5 s by default) and lags a consumer
     that came a moment ago: while the broker's exact counts say ``queues`` are consumed and the
@@ -655,7 +657,7 @@ async def _listed(run: _Run, queues: Sequence[str]) -> list[str]:
         await asyncio.sleep(LISTING_POLL)
 
 
-async def _consumed(run: _Run, queues: Sequence[str]) -> bool:
+async def _consumed(run: MigrationRun, queues: Sequence[str]) -> bool:
     """Whether any of ``queues`` has a consumer, as the broker counts it now (a queue that is
     not there has none)."""
     for queue in queues:
@@ -665,7 +667,7 @@ async def _consumed(run: _Run, queues: Sequence[str]) -> bool:
     return False
 
 
-async def _delete_when_empty(run: _Run, queue: str, *, checked: bool = True,
+async def _delete_when_empty(run: MigrationRun, queue: str, *, checked: bool = True,
                              refused: str = "is not empty after moving its messages back; run "
                              "migrate again") -> None:
     """Delete ``queue``; with ``checked`` only while the broker finds it empty and unused (a
@@ -695,12 +697,12 @@ async def migrate(
 
 
 @asynccontextmanager
-async def migration_run(settings: Settings, say: Say) -> AsyncIterator[_Run]:
+async def migration_run(settings: Settings, say: Say) -> AsyncIterator[MigrationRun]:
     """One connection and one management client for a whole ``migrate``."""
     connection = await connect(settings, name="rabbit-retry migrate")
     try:
         with Management.for_settings(settings) as api:
-            yield _Run(connection, api, settings, say)
+            yield MigrationRun(connection, api, settings, say)
     finally:
         await connection.close()
 
@@ -722,9 +724,9 @@ def finish_later(what: str, steps: Sequence[str] = ()) -> Iterator[None]:
 # --- renames (``renamed_from``) ------------------------------------------------------------
 
 
-async def _run_rename(run: _Run, rename: Rename) -> Moved:
+async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
     """Unbind the old queue from every exchange, move each of its queues' messages where
-    ``rename.moves`` says (``_Run.move``: each copy confirmed before its original is acked),
+    ``rename.moves`` says (``MigrationRun.move``: each copy confirmed before its original is acked),
     delete each queue once emptied, then its exchanges and policy. Run again after a stop at
     any point, it finds what is left: the bindings are read again, the queues already deleted
     are skipped, and a copy already in a destination nothing consumes is not moved twice."""
@@ -784,7 +786,7 @@ async def _run_rename(run: _Run, rename: Rename) -> Moved:
     return total
 
 
-async def _delete_emptied(run: _Run, queue: str) -> None:
+async def _delete_emptied(run: MigrationRun, queue: str) -> None:
     """Delete ``queue`` now that its messages are moved: only while it is empty and unused (a
     classic queue checks both as it deletes; a quorum queue cannot, so the exact count just
     read decides)."""

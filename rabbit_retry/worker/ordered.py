@@ -43,13 +43,13 @@ from rabbit_retry.contract import (
     new_message_id,
     republish_properties,
 )
+from rabbit_retry.held import Entry, lane_list, read_entry
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.resolved import OrderedConfig
 from rabbit_retry.worker import shutdown
 from rabbit_retry.worker.history import History
 from rabbit_retry.worker.ordering import (
-    Entry,
     Folded,
     Hold,
     HoldWhy,
@@ -57,10 +57,8 @@ from rabbit_retry.worker.ordering import (
     fingerprint,
     fold,
     key_of,
-    lane_list,
     lane_mark,
     plan,
-    read_entry,
 )
 from rabbit_retry.worker.publisher import Publisher
 from rabbit_retry.worker.settle import Settler

@@ -41,6 +41,8 @@ handled again in place and its copy without a hold (*stale*: dropped when it com
 crash after it leaves the delivery to be moved behind its own hold, handled again after the
 holder and before anything later. Duplicates an interrupted rewrite leaves carry the same
 sequence number and count once.
+
+How an entry is written on a message, and read back: ``rabbit_retry/held.py``.
 """
 
 from __future__ import annotations
@@ -50,29 +52,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rabbit_retry.contract import (
-    ORDERED_ENTRY,
-    ORDERED_HOLD,
-    ORDERED_HOLDER,
-    ORDERED_KEY,
-    ORDERED_LANE,
-    ORDERED_LANES,
-    ORDERED_SEQ,
-    ORDERED_SINCE,
-    ORDERED_WHY,
-    as_text,
-    header_text,
-)
+from rabbit_retry.contract import ORDERED_KEY, ORDERED_LANE, as_text, header_text
+from rabbit_retry.held import LANE_KINDS, Entry
 
-EntryKind = Literal["message", "hold", "release", "gate", "passed", "fence", "fenced"]
-# The kinds a change of the queue's lanes writes; the other controls are a key's.
-LANE_KINDS = frozenset({"gate", "passed", "fence", "fenced"})
 HoldWhy = Literal["retry", "parked", "sent-back"]
-MAX_SEQ = 2**63 - 1  # an AMQP signed 64-bit integer
-_KINDS: dict[str, EntryKind] = {
-    "message": "message", "hold": "hold", "release": "release", "gate": "gate",
-    "passed": "passed", "fence": "fence", "fenced": "fenced",
-}
 
 
 def key_of(
@@ -104,83 +87,6 @@ def holding_lane(headers: Mapping[str, Any], lanes: int) -> int | None:
     if not (sep and lane.isdigit() and count.isdigit()):
         return None
     return int(lane) if int(lane) < lanes else None
-
-
-def lane_list(lanes: Sequence[int]) -> str:
-    """``ORDERED_LANES`` of a gate, a fence or a passed entry."""
-    return ",".join(map(str, lanes))
-
-
-def read_lanes(value: object) -> tuple[int, ...] | None:
-    """The lanes ``ORDERED_LANES`` names, or None when garbled."""
-    parts = (as_text(value) or "").split(",")
-    if not all(part.isdigit() for part in parts):
-        return None
-    return tuple(int(part) for part in parts)
-
-
-def change_id(before: int, after: int) -> str:
-    """The id of the change of a queue's lanes from ``before`` to ``after``."""
-    return f"lanes {before} to {after}"
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One entry of a held queue (see the module docstring)."""
-
-    kind: EntryKind
-    key: str
-    seq: int
-    hold: str | None = None  # a hold's or a release's hold id
-    since: float = 0.0  # a hold's: when its key was held (epoch seconds)
-    why: str = ""  # a hold's: retry | parked | sent-back
-    holder: str | None = None  # a hold's: the holding message's message_id
-    lanes: tuple[int, ...] = ()  # a gate's, a fence's, a passed entry's (see the docstring)
-
-    def headers(self) -> dict[str, Any]:
-        """The headers that mark a message as this entry (a message entry keeps its own)."""
-        out: dict[str, Any] = {ORDERED_ENTRY: self.kind, ORDERED_KEY: self.key,
-                               ORDERED_SEQ: self.seq}
-        if self.hold is not None:
-            out[ORDERED_HOLD] = self.hold
-        if self.kind == "hold":
-            out[ORDERED_SINCE] = self.since
-            out[ORDERED_WHY] = self.why
-            if self.holder is not None:
-                out[ORDERED_HOLDER] = self.holder
-        if self.kind in LANE_KINDS:
-            out[ORDERED_LANES] = lane_list(self.lanes)
-        return out
-
-
-def read_entry(headers: Mapping[str, Any] | None) -> Entry | None:
-    """The entry a held queue's message is, or None when it is none (garbled, or put there by
-    something else than a worker)."""
-    if not headers:
-        return None
-    kind = _KINDS.get(as_text(headers.get(ORDERED_ENTRY)) or "")
-    key = as_text(headers.get(ORDERED_KEY))
-    seq = headers.get(ORDERED_SEQ)
-    if key is None or kind is None:
-        return None
-    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_SEQ:
-        return None
-    hold = as_text(headers.get(ORDERED_HOLD))
-    if kind != "message" and hold is None:
-        return None
-    lanes: tuple[int, ...] | None = ()
-    if kind in LANE_KINDS and kind != "fenced":
-        lanes = read_lanes(headers.get(ORDERED_LANES))
-        if lanes is None:
-            return None
-    since = headers.get(ORDERED_SINCE)
-    return Entry(
-        kind, key, seq, hold,
-        float(since) if isinstance(since, int | float) and not isinstance(since, bool) else 0.0,
-        as_text(headers.get(ORDERED_WHY)) or "",
-        as_text(headers.get(ORDERED_HOLDER)),
-        lanes or (),
-    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -625,7 +625,8 @@ async def test_a_keys_message_arriving_as_the_held_queue_is_read_waits_behind_ea
 
 
 def test_a_new_lane_is_gated_until_every_lane_before_it_passed() -> None:
-    from rabbit_retry.worker.ordering import Entry, change_id, fold, plan
+    from rabbit_retry.held import Entry, change_id
+    from rabbit_retry.worker.ordering import fold, plan
 
     change = change_id(2, 4)
     gate = Entry("gate", "", 0, change, lanes=(0, 1, 2))
@@ -664,7 +665,7 @@ async def test_keys_moved_to_an_added_lane_wait_for_their_earlier_messages(gated
     takes runs there only after its earlier messages in the old lane (through a retry, and a
     park that keeps the new lane shut until it is replayed). Without the gate (the control)
     the new lane runs moved keys at once, before their earlier messages."""
-    from rabbit_retry.worker.ordering import Entry, change_id
+    from rabbit_retry.held import Entry, change_id
 
     lanes, change = LANES + 1, change_id(LANES, LANES + 1)
     users = [f"u{n}" for n in range(24)]
