@@ -126,11 +126,12 @@ async def check_objects(
             wanted += [("queue", naming.tier_queue(sub.queue, ms))
                        for ms in sub.config.retry.tiers_ms]
             wanted.append(("queue", sub.parking_queue))
-            if sub.config.ordered is not None:
+            lanes = sub.config.ordered.lanes if sub.config.ordered is not None else 0
+            if lanes:
                 wanted.append(("exchange", naming.lanes_exchange(sub.queue)))
-                for lane in range(sub.config.ordered.lanes):
-                    wanted += [("queue", naming.lane_queue(sub.queue, lane)),
-                               ("queue", naming.held_queue(sub.queue, lane))]
+            for lane in range(lanes):
+                wanted += [("queue", naming.lane_queue(sub.queue, lane)),
+                           ("queue", naming.held_queue(sub.queue, lane))]
             for kind, name in wanted:
                 try:
                     if kind == "queue":
@@ -143,15 +144,27 @@ async def check_objects(
                             f"{kind} {name!r} exists but its node does not answer "
                             f"({mask(str(exc))})"
                         ) from None
-                    raise BrokerError(
-                        f"{kind} {name!r} does not exist on the broker; run `rabbit-retry apply "
-                        f"{hint}` first"
-                    ) from None
+                    raise BrokerError(_missing(kind, name, sub, hint)) from None
                 except aiormq.exceptions.ChannelAccessRefused as exc:
                     raise BrokerError(f"{kind} {name!r}: access refused ({exc})") from None
     finally:
         if not channel.is_closed:
             await channel.close()
+
+
+def _missing(kind: str, name: str, sub: Subscription, hint: str) -> str:
+    """What to run when ``name`` is missing: ``apply``, or ``migrate`` for a lane past the
+    ones the broker has (every earlier lane was found), which ``apply`` would refuse."""
+    lanes = sub.config.ordered.lanes if sub.config.ordered is not None else 0
+    have = next((lane for lane in range(1, lanes)
+                 if name in (naming.lane_queue(sub.queue, lane),
+                             naming.held_queue(sub.queue, lane))), None)
+    if have is None:
+        return (f"{kind} {name!r} does not exist on the broker; run `rabbit-retry apply {hint}` "
+                "first")
+    return (f"{kind} {name!r} does not exist on the broker: the file gives {sub.queue} {lanes} "
+            f"lanes, the broker {have}; run `rabbit-retry migrate {hint}` first (it adds lanes "
+            "to a live ordered queue)")
 
 
 async def _connect_worker(settings: Settings) -> AbstractConnection:

@@ -592,6 +592,40 @@ def test_a_pause_on_an_ordered_queue_is_refused_at_start_in_one_line() -> None:
     Runner([Ledger()], topology=topo)  # positive control: the same consumer without a pause
 
 
+async def test_a_worker_on_a_file_with_more_lanes_than_the_broker_says_to_run_migrate() -> None:
+    """Started with the new file before ``migrate`` (which ``apply`` would refuse): one line
+    naming the missing lane and ``migrate``; a queue never applied still says ``apply``."""
+    from rabbit_retry.errors import BrokerError
+    from rabbit_retry.worker.metrics import Metrics
+    from rabbit_retry.worker.runner import check_objects, subscribe
+
+    class Other(Ledger):
+        queue = "rewards.other"
+
+    async def check(yaml: str, consumer: Ledger | None = None) -> str:
+        subs = subscribe([consumer or Ledger()], parse_topology(yaml, "r.yml"),
+                         Metrics(exported=False))
+        connection = await broker.connect()
+        try:
+            await check_objects(connection, subs, "r.yml")
+        except BrokerError as error:
+            return str(error)
+        finally:
+            await connection.close()
+        return "found"
+
+    async with broker_for(topology()) as broker:
+        assert await check(topology()) == "found"  # positive control: the file applied
+        assert await check(topology(lanes=LANES + 2)) == (
+            f"queue '{Q}.lane.{LANES}' does not exist on the broker: the file gives {Q} "
+            f"{LANES + 2} lanes, the broker {LANES}; run `rabbit-retry migrate r.yml` first (it "
+            "adds lanes to a live ordered queue)")
+        other = topology().replace(Q, "rewards.other")
+        assert await check(other, Other()) == (
+            "queue 'rewards.other' does not exist on the broker; run `rabbit-retry apply r.yml` "
+            "first")
+
+
 async def test_a_keys_message_arriving_as_the_held_queue_is_read_waits_behind_earlier_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
