@@ -764,6 +764,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         os.environ["BENCH_PROFILE_DIR"] = str(Path(args.profile).resolve())
     info = machine(settings)
+    if "error" in info["broker"] and not args.render_only:  # every benchmark needs the API
+        common.say(f"error: {info['broker']['error']}; `bash scripts/ensure-broker.sh` starts "
+                   "a local broker with it")
+        return 2
     start = time.monotonic()
     outcomes = []
     try:
