@@ -65,7 +65,7 @@ class Entry:
     since: float = 0.0  # a hold's: when its key was held (epoch seconds)
     why: str = ""  # a hold's: retry | parked | sent-back
     holder: str | None = None  # a hold's: the holding message's message_id
-    lanes: tuple[int, ...] = ()  # a gate's, a fence's, a passed entry's (see the docstring)
+    lanes: tuple[int, ...] = ()  # a gate's, a fence's, a passed entry's: the lanes it names
 
     def headers(self) -> dict[str, Any]:
         """The headers that mark a message as this entry (a message entry keeps its own)."""

@@ -126,12 +126,11 @@ async def check_objects(
             wanted += [("queue", naming.tier_queue(sub.queue, ms))
                        for ms in sub.config.retry.tiers_ms]
             wanted.append(("queue", sub.parking_queue))
-            lanes = sub.config.ordered.lanes if sub.config.ordered is not None else 0
-            if lanes:
+            if sub.config.ordered is not None:
                 wanted.append(("exchange", naming.lanes_exchange(sub.queue)))
-            for lane in range(lanes):
-                wanted += [("queue", naming.lane_queue(sub.queue, lane)),
-                           ("queue", naming.held_queue(sub.queue, lane))]
+                for lane in range(sub.config.ordered.lanes):
+                    wanted += [("queue", naming.lane_queue(sub.queue, lane)),
+                               ("queue", naming.held_queue(sub.queue, lane))]
             for kind, name in wanted:
                 try:
                     if kind == "queue":
