@@ -48,6 +48,7 @@ How an entry is written on a message, and read back: ``rabbit_retry/held.py``.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -261,15 +262,17 @@ class Settled:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._seen: dict[bytes, None] = {}
+        # Oldest first; an OrderedDict drops its first item at once, where a dict's first key
+        # is found past every slot deleted before it (a cost that grows with ``size``).
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
 
     def add(self, print_: bytes | None) -> None:
         if print_ is None:
             return
-        self._seen.pop(print_, None)
         self._seen[print_] = None
+        self._seen.move_to_end(print_)
         if len(self._seen) > self.size:
-            del self._seen[next(iter(self._seen))]
+            self._seen.popitem(last=False)
 
     def __contains__(self, print_: bytes | None) -> bool:
         return print_ is not None and print_ in self._seen

@@ -684,6 +684,20 @@ def test_a_new_lane_is_gated_until_every_lane_before_it_passed() -> None:
     assert folded.fences == {} and plan(entries, folded).keep == []
 
 
+def test_a_lane_remembers_the_last_deliveries_it_settled_and_forgets_the_oldest() -> None:
+    from rabbit_retry.worker.ordering import Settled, fingerprint
+
+    settled = Settled(3)
+    prints = [fingerprint(f"m{n}", b"{}", {"user-id": "ann"}) for n in range(5)]
+    for print_ in prints[:3]:
+        settled.add(print_)
+    settled.add(prints[0])  # settled again: the newest now
+    settled.add(prints[3])  # one too many: the oldest (m1) goes
+    assert [p in settled for p in prints] == [True, False, True, True, False]
+    settled.add(None)  # no message id: never remembered, never matched
+    assert None not in settled and len([p for p in prints if p in settled]) == 3
+
+
 def _add_lane(broker: TestBroker, lanes: int) -> Any:
     """What ``migrate`` finds before it adds lane ``lanes - 1``: the worker's file has it, the
     broker's ring does not yet; returns the binding to add."""
