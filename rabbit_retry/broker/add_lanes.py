@@ -79,10 +79,16 @@ def plan_lane_changes(changes: Sequence[Change], plan: Plan) -> list[LaneChange]
     return out
 
 
-def describe(change: LaneChange) -> list[str]:
-    """What ``migrate`` will do for one lane change, one line per step."""
+def describe(change: LaneChange, held: tuple[int, int] = (0, 0)) -> list[str]:
+    """What ``migrate`` will do for one lane change, one line per step; ``held``: the queue's
+    held keys now, and how many of them parked messages hold."""
     new = ", ".join(lane.name for lane in change.lanes)
-    return [
+    keys, parked = held
+    now = [] if not keys else [
+        f"  held now      keys held: {keys}, by parked messages: {parked}"
+        + (" (replay or discard those)" if parked else "") + "; a lane passes once no key it "
+        "holds is held, and keys moving from it wait until then"]
+    lines = [
         f"queue {change.queue}: from {change.before} lanes to {change.after}",
         f"  mark          declare {change.marker} (a change under way; run migrate again to "
         "finish it)",
@@ -94,6 +100,7 @@ def describe(change: LaneChange) -> list[str]:
         "before it is done and no key it held then is held",
         f"  unmark        delete {change.marker}",
     ]
+    return [lines[0], *now, *lines[1:]]
 
 
 async def add_lanes(

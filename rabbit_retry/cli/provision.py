@@ -556,8 +556,9 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
         click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
         return
     _say_migrations(migrations, renames)
+    held = _held_now(compiled, live, changes, file, settings.vhost) if lanes else {}
     for lane_change in lanes:
-        for line in describe(lane_change):
+        for line in describe(lane_change, held.get(lane_change.queue, (0, 0))):
             click.echo(line)
     if not _migrate_checked(settings, compiled, file, changes, live, migrations, renames,
                             dry_run=dry_run, accept_evictions=accept_evictions):
@@ -577,6 +578,19 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
                        if change.object == "binding" else f"declared {change.name}")
     _carry_out(settings, compiled, file, migrations, renames, sorted(set(targets)) or None,
                guard, lanes)
+
+
+def _held_now(plan: Plan, live: LiveState, changes: Sequence[Change], file: str,
+              vhost: str) -> dict[str, tuple[int, int]]:
+    """Per ordered queue with held keys: how many (as ``status`` counts them) and how many of
+    them parked messages hold."""
+    from rabbit_retry.status import build_status
+
+    on_park = {q.name: q.ordered.on_park for q in load_topology(file).queues
+               if q.ordered is not None}
+    rows = build_status(plan, live, changes, vhost=vhost, source=file, on_park=on_park).queues
+    return {row.queue: (row.held_keys, (row.parked or 0) if on_park[row.queue] == "hold" else 0)
+            for row in rows if row.held_keys}
 
 
 def _say_migrations(migrations: Sequence[Migration], renames: Sequence[Rename]) -> None:

@@ -4,6 +4,8 @@ refusals in one line each, and the one line apply says when the broker lacks the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rabbit_retry.topology import compile_topology, parse_topology
@@ -170,3 +172,45 @@ def test_more_lanes_is_a_migrate_fewer_are_refused_and_a_change_under_way_is_res
     plain = rewards().replace("    ordered: {key: {header: user-id}, lanes: 3}\n", "")
     [line, _] = refusal(diff(compile_topology(parse_topology(four)), live_of(plain)), "v", "f")
     assert "a plain queue on the broker that messages reach directly" in line
+
+
+@pytest.mark.parametrize("on_park", ["hold", "continue"])
+def test_migrate_says_how_many_keys_are_held_before_it_adds_lanes(
+    on_park: str, tmp_path: Path
+) -> None:
+    """A lane passes only once no key it holds is held: ``migrate`` counts them first (as
+    ``status`` does), and says how many parked messages hold, which wait for an operator."""
+    from dataclasses import replace
+
+    from rabbit_retry.broker.add_lanes import describe, plan_lane_changes
+    from rabbit_retry.broker.diff import diff
+    from rabbit_retry.broker.inspect import LiveQueue, LiveState
+    from rabbit_retry.cli.provision import _held_now
+
+    two = rewards(f"{{key: {{header: user-id}}, lanes: 2, on_park: {on_park}}}")
+    four = two.replace("lanes: 2", "lanes: 4")
+    plan = compile_topology(parse_topology(two))
+    live_queues = {q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments))
+                   for q in plan.queues}
+    live = LiveState(live_queues, {}, plan.bindings)
+    path = tmp_path / "r.yml"
+    path.write_text(four)
+    four_plan = compile_topology(parse_topology(four))
+    changes = diff(four_plan, live)
+    [change] = plan_lane_changes(changes, four_plan)
+    assert _held_now(four_plan, live, changes, str(path), "v") == {}  # control: none held
+    assert not any("held now" in line for line in describe(change))
+    counts = {"rewards.points.parking": 2, "rewards.points.retry.5s": 1}
+    for name, messages in counts.items():
+        live_queues[name] = replace(live_queues[name], messages=messages)
+    held = _held_now(four_plan, live, changes, str(path), "v")
+    if on_park == "continue":  # a parked message holds no key
+        assert held == {"rewards.points": (1, 0)}
+        assert describe(change, held["rewards.points"])[1] == (
+            "  held now      keys held: 1, by parked messages: 0; a lane passes once no key it "
+            "holds is held, and keys moving from it wait until then")
+        return
+    assert held == {"rewards.points": (3, 2)}
+    assert describe(change, held["rewards.points"])[1] == (
+        "  held now      keys held: 3, by parked messages: 2 (replay or discard those); a lane "
+        "passes once no key it holds is held, and keys moving from it wait until then")
