@@ -1,8 +1,8 @@
 """How ``rabbit-retry migrate`` moves messages from one queue to another on a real broker
-(rabbit_retry/broker/migrate.py, ``_Run.move``): many more than its window, copies already at
-the destination, the marker of a refill, a source whose messages another consumer is handed,
-a copy the broker returns or refuses, the order of a quorum queue it looks at, and a window
-narrowed for large messages."""
+(rabbit_retry/broker/migrate.py, ``MigrationRun.move``): many more than its window, copies
+already at the destination, the marker of a refill, a source whose messages another consumer is
+handed, a copy the broker returns or refuses, the order of a quorum queue it looks at, and a
+window narrowed for large messages."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from support.poll import eventually
 from rabbit_retry.broker import migrate
 from rabbit_retry.broker.connect import connect
 from rabbit_retry.broker.management import Management
-from rabbit_retry.broker.migrate import WINDOW, Moved, _Run
+from rabbit_retry.broker.migrate import WINDOW, MigrationRun, Moved
 from rabbit_retry.broker.migrate_plan import MARKER_HEADER, MARKER_VALUE, Copies
 from rabbit_retry.errors import BrokerError
 from rabbit_retry.settings import Settings
@@ -36,11 +36,11 @@ MARKER = (b"", spec.Basic.Properties(headers={MARKER_HEADER: MARKER_VALUE}, deli
 
 
 @asynccontextmanager
-async def _run(settings: Settings) -> AsyncIterator[_Run]:
+async def _run(settings: Settings) -> AsyncIterator[MigrationRun]:
     connection = await connect(settings, name="test migrate move")
     try:
         with Management.for_settings(settings) as api:
-            yield _Run(connection, api, settings, lambda _: None)
+            yield MigrationRun(connection, api, settings, lambda _: None)
     finally:
         await connection.close()
 
