@@ -85,6 +85,20 @@ stage "promtool (the alert rules' tests)"
 ensure_promtool
 took "python environment, promtool" "$began"
 
+# Every test module imports, checked before any broker starts: one that does not stops every
+# stage's pytest at collection (on 2026-11-29 a rename left a test importing the old name, and
+# the run took 27 minutes to fail with no broker test run). The whole matrix only; about 15 s,
+# and the asserts it rewrites are kept for the stages.
+if [ $# -eq 0 ]; then
+    began=$SECONDS
+    stage "every test module imports (pytest --collect-only)"
+    if ! collected=$(timeout 600 pytest --collect-only -q -p no:cacheprovider tests </dev/null 2>&1); then
+        printf '%s\n' "$collected" | grep -E '^(ERROR|E) ' | head -20
+        die "a test module does not import (above); nothing else was run"
+    fi
+    took "collecting every test" "$began"
+fi
+
 # ruff and mypy --strict: their failures are reported with the rest.
 static_checks() {
     local began=$SECONDS
