@@ -88,8 +88,9 @@ def describe(change: LaneChange, held: tuple[int, int] = (0, 0)) -> list[str]:
         f"  held now      keys held: {keys}, by parked messages: {parked}"
         + (" (replay or discard those)" if parked else "") + "; a lane passes once no key it "
         "holds is held, and keys moving from it wait until then"]
-    lines = [
+    return [
         f"queue {change.queue}: from {change.before} lanes to {change.after}",
+        *now,
         f"  mark          declare {change.marker} (a change under way; run migrate again to "
         "finish it)",
         f"  gate          declare {new} and their held queues, each shut until the lanes "
@@ -100,7 +101,6 @@ def describe(change: LaneChange, held: tuple[int, int] = (0, 0)) -> list[str]:
         "before it is done and no key it held then is held",
         f"  unmark        delete {change.marker}",
     ]
-    return [lines[0], *now, *lines[1:]]
 
 
 async def add_lanes(

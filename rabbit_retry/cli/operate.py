@@ -73,10 +73,9 @@ def status(settings: Settings, file: str, as_json: bool) -> None:
 
     topology = load_topology(file)
     plan = compile_topology(topology)
-    on_park = {q.name: q.ordered.on_park for q in topology.queues if q.ordered is not None}
     with Management.for_settings(settings) as api:
         check_same_broker(settings, api)
-        report = read_status(api, settings, plan, file, on_park)
+        report = read_status(api, settings, plan, file, topology.on_park)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2, sort_keys=True))
     else:
@@ -343,7 +342,7 @@ def _rescue_plan(file: str, queues: Sequence[str]) -> tuple[Plan, dict[str, str]
     for name in queues:
         if name not in mains:
             raise InputError(f"QUEUE {name!r}: not a queue of {file}")
-    return plan, {q.name: q.ordered.on_park for q in topology.queues if q.ordered is not None}
+    return plan, topology.on_park
 
 
 def _confirm_rescue(yes: bool, queues: int) -> None:

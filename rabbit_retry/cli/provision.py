@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -60,6 +60,7 @@ from rabbit_retry.topology import Plan, compile_topology, load_topology, naming
 from rabbit_retry.topology.export import to_definitions, to_mermaid
 from rabbit_retry.topology.monitoring import to_alerts, to_grafana
 from rabbit_retry.topology.plan import Policy
+from rabbit_retry.topology.resolved import Topology
 
 if TYPE_CHECKING:
     from rabbit_retry.broker.add_lanes import LaneChange
@@ -535,19 +536,20 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
     Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
     again; a run that was stopped at any point is finished by running migrate again.
     """
-    compiled = _load(file)
+    topology = load_topology(file)
     if dry_run:
-        _migrate(settings, compiled, file, True, yes, targets, accept_evictions)
+        _migrate(settings, topology, file, True, yes, targets, accept_evictions)
         return
     with _locked(settings, "migrate", file, lock_timeout) as guard:
-        _migrate(settings, compiled, file, False, yes, targets, accept_evictions, guard)
+        _migrate(settings, topology, file, False, yes, targets, accept_evictions, guard)
 
 
-def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: bool,
+def _migrate(settings: Settings, topology: Topology, file: str, dry_run: bool, yes: bool,
              targets: Sequence[str], accept_evictions: bool, guard: Guard = _unguarded) -> None:
     from rabbit_retry.broker.add_lanes import describe, plan_lane_changes
     from rabbit_retry.broker.migrate_plan import plan_migrations, plan_renames
 
+    compiled = compile_topology(topology)
     changes, live = _read(settings, compiled, targets, checked=not dry_run)
     migrations = plan_migrations(changes, live, compiled.bindings)
     renames = plan_renames(changes, live)
@@ -556,7 +558,8 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
         click.echo(f"nothing to migrate: no queue of {file} differs in vhost {settings.vhost!r}")
         return
     _say_migrations(migrations, renames)
-    held = _held_now(compiled, live, changes, file, settings.vhost) if lanes else {}
+    held = (_held_now(compiled, live, changes, topology.on_park, file, settings.vhost)
+            if lanes else {})
     for lane_change in lanes:
         for line in describe(lane_change, held.get(lane_change.queue, (0, 0))):
             click.echo(line)
@@ -580,14 +583,12 @@ def _migrate(settings: Settings, compiled: Plan, file: str, dry_run: bool, yes: 
                guard, lanes)
 
 
-def _held_now(plan: Plan, live: LiveState, changes: Sequence[Change], file: str,
-              vhost: str) -> dict[str, tuple[int, int]]:
+def _held_now(plan: Plan, live: LiveState, changes: Sequence[Change],
+              on_park: Mapping[str, str], file: str, vhost: str) -> dict[str, tuple[int, int]]:
     """Per ordered queue with held keys: how many (as ``status`` counts them) and how many of
     them parked messages hold."""
     from rabbit_retry.status import build_status
 
-    on_park = {q.name: q.ordered.on_park for q in load_topology(file).queues
-               if q.ordered is not None}
     rows = build_status(plan, live, changes, vhost=vhost, source=file, on_park=on_park).queues
     return {row.queue: (row.held_keys, (row.parked or 0) if on_park[row.queue] == "hold" else 0)
             for row in rows if row.held_keys}

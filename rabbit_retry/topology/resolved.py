@@ -139,6 +139,11 @@ class Topology:
     def queue_names(self) -> tuple[str, ...]:
         return tuple(q.name for q in self.queues)
 
+    @property
+    def on_park(self) -> dict[str, str]:
+        """Each ordered queue's ``on_park``: ``hold`` or ``continue``."""
+        return {q.name: q.ordered.on_park for q in self.queues if q.ordered is not None}
+
 
 # --- as plain values: what crosses from the child process that checked the file (``apart``) ---
 

@@ -198,12 +198,13 @@ def test_migrate_says_how_many_keys_are_held_before_it_adds_lanes(
     four_plan = compile_topology(parse_topology(four))
     changes = diff(four_plan, live)
     [change] = plan_lane_changes(changes, four_plan)
-    assert _held_now(four_plan, live, changes, str(path), "v") == {}  # control: none held
+    on_parks = parse_topology(four).on_park
+    assert _held_now(four_plan, live, changes, on_parks, str(path), "v") == {}  # control: none held
     assert not any("held now" in line for line in describe(change))
     counts = {"rewards.points.parking": 2, "rewards.points.retry.5s": 1}
     for name, messages in counts.items():
         live_queues[name] = replace(live_queues[name], messages=messages)
-    held = _held_now(four_plan, live, changes, str(path), "v")
+    held = _held_now(four_plan, live, changes, on_parks, str(path), "v")
     if on_park == "continue":  # a parked message holds no key
         assert held == {"rewards.points": (1, 0)}
         assert describe(change, held["rewards.points"])[1] == (
