@@ -62,8 +62,9 @@ ORDERED_HOLD = "ordered-hold"
 # of 4: "2/4"). The copy goes back to that lane, not through the lanes exchange, whose
 # consistent-hash ring RabbitMQ 3.10 and 4.0 rebuild in another order when a node restarts
 # (docs/versions.md, "Ordered keys and a node restart"). A copy written before its queue got more
-# lanes still goes back to its lane; one naming a lane the queue no longer has goes through the
-# exchange.
+# lanes still goes back to its lane, and so does one written on a lane added after the file of
+# the worker that takes it (a live queue's lanes only grow); one naming a lane the broker does
+# not have (the queue made again with fewer) goes through the exchange.
 ORDERED_LANE = "ordered-lane"
 # A change of an ordered queue's lanes (``migrate``): on its entries (gate, fence, passed) the
 # lanes they concern, as "0,1,2": the lanes a new lane waits for, those a fence is for, the lane

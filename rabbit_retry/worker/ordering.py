@@ -82,12 +82,14 @@ def lane_mark(lane: int, lanes: int) -> str:
 def holding_lane(headers: Mapping[str, Any], lanes: int) -> int | None:
     """The lane a copy back at ``Q`` returns to: the one whose held queue has its hold (a
     holder's copy, replayed or released, carries it), also when the queue got more lanes since
-    (its hold is still there); None (through the lanes exchange): none carried, garbled, or a
-    lane the queue does not have."""
+    (its hold is still there) and when the copy was written by a worker on a file with more
+    lanes than ``lanes`` (a worker still on the old file while ``migrate``'s added lanes are
+    taken up: a live queue's lanes only grow, so the writer's lane is on the broker); None
+    (through the lanes exchange): none carried, garbled, or a lane neither knows."""
     lane, sep, count = (as_text(headers.get(ORDERED_LANE)) or "").partition("/")
     if not (sep and lane.isdigit() and count.isdigit()):
         return None
-    return int(lane) if int(lane) < lanes else None
+    return int(lane) if int(lane) < max(lanes, int(count)) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,10 @@ class PublishFailed(Exception):
     """The broker did not take responsibility for a copy."""
 
 
+class Unroutable(PublishFailed):
+    """The broker returned the copy: nothing is bound where it was sent."""
+
+
 class DeliveryGone(Exception):
     """The channel the delivery came on closed: the broker has already requeued it."""
 
@@ -102,7 +106,7 @@ class Publisher:
                     timeout=self._timeout,
                 )
             except aiormq.exceptions.PublishError as exc:
-                raise PublishFailed(f"unroutable: nothing bound to {where}") from exc
+                raise Unroutable(f"unroutable: nothing bound to {where}") from exc
             except aiormq.exceptions.DeliveryError as exc:
                 raise PublishFailed(f"the broker refused the copy sent to {where}") from exc
             except TimeoutError as exc:
@@ -125,16 +129,25 @@ class Publisher:
         *,
         delivery_alive: Callable[[], bool],
         context: dict[str, Any],
+        unroutable: tuple[str, str] | None = None,
     ) -> None:
-        """Publish until confirmed, backing off; ``DeliveryGone`` once the delivery is gone."""
+        """Publish until confirmed, backing off; ``DeliveryGone`` once the delivery is gone.
+        ``unroutable``: where to send it instead (exchange, routing key) if the broker returns
+        it as unroutable the first time."""
         destination = (exchange, routing_key)
         backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
         while True:
             if not delivery_alive():
                 raise DeliveryGone()
             try:
-                await self.publish(exchange, routing_key, body, properties)
+                await self.publish(*destination, body, properties)
                 break
+            except Unroutable as exc:
+                if unroutable is None:
+                    self._note_failure(destination, exc, context)
+                else:
+                    destination, unroutable = unroutable, None
+                    continue
             except PublishFailed as exc:
                 self._note_failure(destination, exc, context)
             await backoff.wait()

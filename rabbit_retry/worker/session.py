@@ -284,19 +284,19 @@ class Session:
         props = message.header.properties
         headers = dict(props.headers or {})
         try:
+            ring = (lanes, as_text(headers.get(ORDERED_KEY))
+                    or as_text(headers.get(ORIGINAL_ROUTING_KEY))
+                    or message.delivery.routing_key or "")  # type: ignore[union-attr]
             lane = holding_lane(headers, count)
-            if lane is not None:
-                exchange, routing_key = "", naming.lane_queue(stream.sub.queue, lane)
-            else:
-                exchange = lanes
-                routing_key = (as_text(headers.get(ORDERED_KEY))
-                               or as_text(headers.get(ORIGINAL_ROUTING_KEY))
-                               or message.delivery.routing_key or "")  # type: ignore[union-attr]
+            # A lane past this worker's file (migrate added it; the copy's writer had it) is
+            # on the broker unless the queue was made again with fewer: then the ring.
+            direct = None if lane is None else ("", naming.lane_queue(stream.sub.queue, lane))
             await self.publisher.publish_held(
-                exchange, routing_key, message.body,
+                *(direct or ring), message.body,
                 republish_properties(props, headers, self.user),
                 delivery_alive=lambda: not message.channel.is_closed,
                 context={"queue": stream.sub.queue, "message_id": props.message_id},
+                unroutable=ring if lane is not None and lane >= count else None,
             )
             settle.done(tag)
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):

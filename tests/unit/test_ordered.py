@@ -334,6 +334,9 @@ async def test_a_key_held_when_its_worker_dies_stays_held_for_the_next(
     (f"1/{LANES}".encode(), 1),  # a client that sends strings as bytes
     (f"{LANES}/{LANES}", None), (f"-1/{LANES}", None),  # not a lane of the queue
     (f"1/{LANES - 1}", 1), (f"1/{LANES + 1}", 1),  # written with another number of lanes
+    # written on a lane this worker's file does not give yet (migrate added it): that lane
+    (f"{LANES}/{LANES + 2}", LANES), (f"{LANES + 1}/{LANES + 2}", LANES + 1),
+    (f"{LANES + 2}/{LANES + 2}", None),
     ("1", None), (1, None), (True, None), ("x/3", None), (None, None),
 ])
 def test_only_a_lane_of_the_queue_is_taken_from_a_copy(value: object, lane: int | None) -> None:
@@ -362,6 +365,31 @@ async def test_a_holder_comes_back_to_its_lane_when_the_lanes_ring_changes(versi
         assert held(broker) == 0 and broker.discarded == []
     assert ledger.applied["alice"] == [1, 2, 3]
     never_backwards(ledger.calls)
+
+
+async def test_a_worker_on_the_old_file_sends_a_holder_back_to_a_lane_migrate_added() -> None:
+    """Rolling restart after ``migrate`` added lane 3: a worker still on the 3-lane file takes a
+    holding copy written on lane 3 (``3/4``) straight back there, not through the ring (which a
+    node restart before 4.3 may have reshuffled). A copy naming a lane the broker does not have
+    (the queue made again with fewer) goes through the ring instead of waiting unroutable."""
+    from rabbit_retry.contract import ORDERED_KEY, ORDERED_LANE
+
+    async with broker_for(topology(lanes=LANES + 1)) as broker:
+        broker.topology = parse_topology(topology(), "rewards.yml")  # the worker's old file
+        lanes = broker.memory.exchanges[f"{Q}.lanes"]
+        ring = {u: broker.memory.route(lanes, "", {"user-id": u})[0].name
+                for u in (f"u{i}" for i in range(50))}
+        user = next(u for u in ring if ring[u] != f"{Q}.lane.{LANES}")  # the ring: elsewhere
+        ledger = Ledger()
+        async with broker.worker(ledger):
+            for seq, mark in ((1, f"{LANES}/{LANES + 1}"), (2, f"{LANES + 2}/{LANES + 3}")):
+                broker.publish(json={"seq": seq}, queue=Q, message_id=f"{user}-{seq}",
+                               headers={"user-id": user, ORDERED_KEY: user, ORDERED_LANE: mark})
+                await broker.settle()
+            [copy] = broker.messages(f"{Q}.lane.{LANES}")  # no consumer on the old file
+            assert copy.message_id == f"{user}-1"
+            assert broker.messages(Q) == []
+    assert ledger.applied == {user: [2]}  # the second, through the ring to a lane here
 
 
 async def test_a_key_released_while_a_pass_hands_back_another_leaves_its_lane_tidy() -> None:
