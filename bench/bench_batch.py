@@ -5,9 +5,9 @@ Both are ``rabbit-retry worker`` processes on the same queue type and the same b
 persistent messages, inserting into a table of their own throwaway database (``insert ... on
 conflict do nothing``, so a redelivery is harmless). One at a time: ``bench.consumers:PgInsert``,
 an insert and its commit per message, ``prefetch`` handlers at once over a pool of 10
-connections. Batched: ``bench.consumers:PgInsertBatch``, ``executemany`` in one transaction per
-batch (psycopg pipelines it), two batches held at once. The figure is rows committed a second,
-first handler call to the N-th row; the aim is 5x.
+connections. Batched: ``bench.consumers:PgInsertBatch``, one statement per batch (its ids and
+bodies as two arrays, ``unnest``) and its commit, two batches held at once. The figure is rows
+committed a second, first handler call to the N-th row; the aim is 5x.
 """
 
 from __future__ import annotations
@@ -97,8 +97,8 @@ def run(
         "the N-th row (counted in the table after each run).",
         f"One at a time: `handle`, one insert and its commit per message, prefetch {prefetch} "
         "over a pool of 10 connections. Batched: `handle_batch` with `Batch(size="
-        f"{batch}, wait=0.2)`, `executemany` in one transaction per batch (psycopg pipelines "
-        "it), the default prefetch (two batches).",
+        f"{batch}, wait=0.2)`, one `insert ... select * from unnest(ids, bodies)` and its "
+        "commit per batch, the default prefetch (two batches).",
     ]
     return common.throughput_result(
         f"Batch handler: rows into PostgreSQL, batch {batch} against one at a time",
