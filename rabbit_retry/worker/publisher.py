@@ -132,8 +132,8 @@ class Publisher:
         unroutable: tuple[str, str] | None = None,
     ) -> None:
         """Publish until confirmed, backing off; ``DeliveryGone`` once the delivery is gone.
-        ``unroutable``: where to send it instead (exchange, routing key) if the broker returns
-        it as unroutable the first time."""
+        ``unroutable``: where to send it instead (exchange, routing key) once the broker
+        returns it as unroutable."""
         destination = (exchange, routing_key)
         backoff = Backoff(BACKOFF_INITIAL, BACKOFF_MAX)
         while True:
@@ -142,13 +142,10 @@ class Publisher:
             try:
                 await self.publish(*destination, body, properties)
                 break
-            except Unroutable as exc:
-                if unroutable is None:
-                    self._note_failure(destination, exc, context)
-                else:
+            except PublishFailed as exc:
+                if isinstance(exc, Unroutable) and unroutable is not None:
                     destination, unroutable = unroutable, None
                     continue
-            except PublishFailed as exc:
                 self._note_failure(destination, exc, context)
             await backoff.wait()
         self._note_success(destination, context)
