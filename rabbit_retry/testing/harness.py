@@ -67,7 +67,8 @@ class Verdict(enum.StrEnum):
     ACKED = "acked"  # acked, nothing published for it
     RETRIED = "retried"  # a copy confirmed into a tier, or nack'ed into one by the broker
     PARKED = "parked"  # a copy confirmed into the parking queue, then acked
-    SENT_BACK = "sent-back"  # a copy to the end of its own queue (a paused consumer's)
+    SENT_BACK = "sent-back"  # a copy to the end of its own queue (a paused consumer's; on an
+    # ordered queue from its lane back to ``Q``, holding its key)
     # Ordered queues: moved to its lane's held queue (an earlier message of its key waits), or
     # sent on from ``Q`` (back from a tier, replayed) to its key's lane.
     HELD = "held"
@@ -236,6 +237,8 @@ class _Journal(Observer):
             return Decision(Verdict.HELD, queue, message, to, copy)
         if role == "lane" and self._role(queue) == "main":
             return Decision(Verdict.FORWARDED, queue, message, to, copy)
+        if role == "main" and self._role(queue) == "lane":  # a paused ordered queue's
+            return Decision(Verdict.SENT_BACK, queue, message, to, copy)
         return Decision(Verdict.SENT_BACK if to == queue else Verdict.ACKED, queue, message, to,
                         copy)
 
@@ -299,7 +302,11 @@ class Worker:
         connection = self.connection
         if not self.runner.ready.is_set() or connection is None:
             return "the worker is (re)connecting"
-        held = list(connection.held())
+        # A paused ordered queue's lanes keep what has not started, waiting for a probe.
+        waiting = {naming.lane_queue(sub.queue, lane) for sub in self.runner.subscriptions
+                   if sub.breaker is not None and sub.breaker.paused and sub.config.ordered
+                   for lane in range(sub.config.ordered.lanes)}
+        held = [h for h in connection.held() if h.queue.name not in waiting]
         if held:
             ids = ", ".join(f"{h.queue.name}:{h.message.header.properties.message_id}"
                             for h in held[:5])

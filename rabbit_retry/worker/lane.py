@@ -23,7 +23,13 @@ returned, or on 3.10 stranded on the channel: docs/versions.md).
 
 A lane can also be *paused* (``pause``, a consumer's ``Pause``): its consumer is cancelled and
 every delivery that has not started yet gets the turn ``"hold"`` (the session sends it back to
-the queue unchanged) instead of running; ``resume`` consumes again at full prefetch.
+the queue unchanged) instead of running; ``resume`` consumes again at full prefetch. A ``fixed``
+lane keeps its consumer while paused (cancelled, its single active consumer would go to another
+worker while a key's message still runs here): a delivery that has not started waits, unacked,
+until the lane resumes, a probe lets it run (``probe``: the one that has waited longest), the
+lane stops, or it has waited ``PAUSED_WAIT`` seconds (then ``"hold"``: sent back, and it waits
+again as the copy; the broker closes a channel whose delivery stays unacked for its consumer
+timeout, 30 minutes by default).
 
 The session asks for a delivery's turn (``enter``, or ``turn`` when it must wait), says when its
 handler has run (``ran``) and when the delivery is gone (``left``): the rules live here, the
@@ -50,6 +56,8 @@ Mode = Literal["probation", "full"]
 # lane is paused) or stay unstarted (the lane is stopping: the broker gets it back).
 Turn = Literal["shared", "alone", "hold", "stopped"]
 PROBATION_PREFETCH = 1
+# How long a delivery waits unstarted on a paused fixed lane before it is sent back.
+PAUSED_WAIT = 300.0
 
 Task = asyncio.Task[Any]
 
@@ -94,17 +102,27 @@ class Lane:
         self._alone: Task | None = None  # a suspect running
         self._changed = asyncio.Event()
         self._waiting = 0  # deliveries and movers in ``_until``: a poke with none wakes no one
+        # A paused fixed lane's unstarted deliveries, longest waiting first, and the one a
+        # probe picked.
+        self._parked: dict[Task, None] = {}
+        self._probe: Task | None = None
 
     async def start(self, paused: bool = False) -> None:
-        """Consume (on probation), or stay paused: a pause outlives a reconnect."""
+        """Consume (on probation), or stay paused: a pause outlives a reconnect (a fixed lane
+        consumes, paused)."""
         if paused:
             self.paused = True
-            return
+            if not self.fixed:
+                return
         await self._consume(self.prefetch if self.fixed else PROBATION_PREFETCH)
 
     async def pause(self) -> None:
-        """Cancel the consumer; what has not started gets the turn "hold" as it arrives or wakes."""
+        """Cancel the consumer; what has not started gets the turn "hold" as it arrives or wakes
+        (a fixed lane's waits instead)."""
         self.paused = True
+        if self.fixed:
+            self._poke()
+            return
         await self._stop_mover()
         tag, self.tag = self.tag, None
         self._poke()  # waiting deliveries look again, and find the lane paused
@@ -120,6 +138,9 @@ class Lane:
         if not self.paused or self._stopped:
             return
         self.paused = False
+        if self.fixed:
+            self._poke()
+            return
         self.mode = self._target = "full"
         try:
             await self._consume(self.prefetch)
@@ -127,8 +148,16 @@ class Lane:
             self._on_error(f"resuming the consumer of {self.queue!r} failed: {exc!r}")
 
     async def idle(self) -> None:
-        """Until no delivery of this lane is held."""
-        await self._until(lambda: self._held == 0)
+        """Until no delivery of this lane is held but those a pause keeps waiting."""
+        await self._until(lambda: self._held == len(self._parked))
+
+    def probe(self) -> bool:
+        """A paused fixed lane: let the delivery that has waited longest run; False: none waits."""
+        if self._probe is not None or not self._parked:
+            return False
+        self._probe = next(iter(self._parked))
+        self._poke()
+        return True
 
     async def _stop_mover(self) -> None:
         if self._mover is not None and not self._mover.done():
@@ -221,8 +250,8 @@ class Lane:
         """The turn of a delivery ``enter`` did not let run, waiting for it where it must."""
         if self._stopped:
             return "stopped"
-        if self.paused:
-            return "hold"
+        if self.paused and (waited := await self._paused_turn(task)) is not None:
+            return waited
         if alone:
             return await self._alone_turn(task, message_id)
         if self.mode == "probation" and self._target == "probation":
@@ -263,6 +292,32 @@ class Lane:
             return self._not_started()
         self._alone = task
         return "alone"
+
+    async def _paused_turn(self, task: Task) -> Turn | None:
+        """Paused: ``"hold"``; a fixed lane waits, unstarted, for the lane to resume (None: the
+        usual turn follows), a probe (``"shared"``), the stop, or ``PAUSED_WAIT`` to pass
+        (``"hold"``)."""
+        if not self.fixed:
+            return "hold"
+        self._parked[task] = None
+        probed = False
+        try:
+            async with asyncio.timeout(PAUSED_WAIT):
+                await self._until(lambda: self._stopped or not self.paused or self._probe is task)
+        except TimeoutError:
+            pass
+        finally:
+            del self._parked[task]
+            if self._probe is task:
+                self._probe, probed = None, True
+        if self._stopped:
+            return "stopped"
+        if not self.paused:
+            return None
+        if probed:
+            self._shared.add(task)
+            return "shared"
+        return "hold"
 
     def _not_started(self) -> Turn:
         """Stopping: it goes back to the broker unstarted; paused: back to the queue."""

@@ -6,6 +6,11 @@ While paused, a watched failure sends its message back to the end of the queue a
 copy with its count unchanged (``decide.Outcome.HELD``), rather than a ``nack`` with requeue,
 which 3.x and 4.0-4.2 quorum queues count as a return and which marks the message redelivered.
 
+An ordered queue's lanes keep their consumers while paused (``Lane``'s fixed lanes): the
+deliveries that have not started wait, and a probe lets the one that has waited longest on the
+next lane run, in its key's turn. A watched failure then is sent back as a copy that holds its
+key (the key's later messages wait behind it), so every key keeps its order through a pause.
+
 Every replica resumes: a probe that succeeds or fails for a reason the pause does not watch
 ends the pause (so does any such answer from a delivery still in flight), and so does a probe
 that finds the queue empty while another consumer takes its messages (another replica that
@@ -41,26 +46,29 @@ def _digest(body: bytes) -> str:
 
 
 class Pausing:
-    """One consumer's ``Breaker`` (it outlives reconnects) at work on a session's ``lane``."""
+    """One consumer's ``Breaker`` (it outlives reconnects) at work on a session's ``lanes`` of
+    ``queue``: its one lane, or an ordered queue's lanes (fixed, probed where they wait)."""
 
     def __init__(
         self,
         breaker: Breaker,
-        lane: Lane,
+        queue: str,
+        lanes: list[Lane],
         consumer: str,
         metrics: QueueMetrics,
-        handle: Callable[[DeliveredMessage], Awaitable[None]],
+        handle: Callable[[DeliveredMessage], Awaitable[None]] | None,
         lost: Callable[[str], None],
     ) -> None:
         self.breaker = breaker
-        self.lane = lane
-        self.queue = lane.queue
+        self.lanes = lanes
+        self.queue = queue
         self.consumer = consumer
         self.metrics = metrics
-        self._handle = handle  # runs a probe's message like any delivery
+        self._handle = handle  # runs a probe's message like any delivery (None: fixed lanes)
         self._lost = lost
         self._probe: asyncio.Task[None] | None = None
         self._why = ""
+        self._next = 0  # the lane probed next (an ordered queue's)
 
     def heard(
         self, outcome: Outcome, error: BaseException | None, message: DeliveredMessage
@@ -100,7 +108,8 @@ class Pausing:
             self.breaker.rule.probe_every,
             extra={"queue": self.queue, "event": "paused", "reason": self._why},
         )
-        await self.lane.pause()
+        for lane in self.lanes:
+            await lane.pause()
         self.start_probe()
 
     async def resume(self, why: str) -> None:
@@ -110,7 +119,8 @@ class Pausing:
             self.queue, self.consumer, time.monotonic() - self.breaker.since, why,
             extra={"queue": self.queue, "event": "resumed", "reason": why},
         )
-        await self.lane.resume()
+        for lane in self.lanes:
+            await lane.resume()
 
     def start_probe(self) -> None:
         """Probe while paused (also after a reconnect: a pause outlives its session)."""
@@ -123,16 +133,21 @@ class Pausing:
             await shutdown.cancel([probe])
 
     async def _probing(self) -> None:
-        """Every ``probe_every`` seconds, once nothing of the lane runs, take one message with
-        ``basic.get`` and handle it; the breaker hears how it ended."""
+        """Every ``probe_every`` seconds, once nothing of the lanes runs, take one message with
+        ``basic.get`` and handle it (an ordered queue: let a waiting delivery run); the breaker
+        hears how it ended."""
         breaker = self.breaker
         try:
             while breaker.paused:
                 await asyncio.sleep(breaker.rule.probe_every)
-                await self.lane.idle()
+                for lane in self.lanes:
+                    await lane.idle()
                 if not breaker.paused:
                     return
-                channel = self.lane.channel
+                if self.lanes[0].fixed:
+                    self._probe_a_lane()
+                    continue
+                channel = self.lanes[0].channel
                 message = await channel.basic_get(self.queue, no_ack=False)
                 if not isinstance(message.delivery, spec.Basic.GetOk):
                     # Nothing to ask the downstream with. If another consumer takes the queue's
@@ -146,8 +161,21 @@ class Pausing:
                 log.info("queue=%s: probing with message_id=%s", self.queue,
                          message.header.properties.message_id,
                          extra={"queue": self.queue, "event": "probe"})
+                assert self._handle is not None
                 await self._handle(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the channel died: the session reconnects, still paused
             self._lost(f"probing {self.queue!r} failed: {exc!r}")
+
+    def _probe_a_lane(self) -> None:
+        """The next lane with a delivery waiting lets it run (none waits: nothing to ask the
+        downstream with, and the pause holds)."""
+        count = len(self.lanes)
+        for step in range(count):
+            lane = self.lanes[(self._next + step) % count]
+            if lane.probe():
+                self._next = (self._next + step + 1) % count
+                log.info("queue=%s: probing with a delivery of %s", self.queue, lane.queue,
+                         extra={"queue": self.queue, "event": "probe"})
+                return

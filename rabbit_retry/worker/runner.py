@@ -84,11 +84,6 @@ def subscribe(
                 f"{consumer.name}.queue = {consumer.queue!r} is not a queue in {topology.source}"
                 f" (it has: {known})"
             ) from None
-        if config.ordered is not None and consumer.pause is not None:
-            raise InputError(
-                f"{consumer.name}.pause: {config.name} is ordered; a pause would hand its lanes"
-                " to other workers mid-stream (not supported yet)"
-            )
         threads = None
         if consumer.batch is None and is_blocking(consumer):
             from concurrent.futures import ThreadPoolExecutor  # only blocking handlers need it

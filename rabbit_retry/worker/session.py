@@ -188,7 +188,7 @@ class Session:
                                          self._track)
             if sub.breaker is not None:
                 stream.pausing = Pausing(
-                    sub.breaker, lane, consumer.name, sub.metrics,
+                    sub.breaker, sub.queue, [lane], consumer.name, sub.metrics,
                     partial(deliver, stream, probe=True),
                     self._set_lost,
                 )
@@ -233,6 +233,9 @@ class Session:
                            fixed=True)
         self.streams.append(router)
         await router.lane.start()
+        paused = sub.breaker is not None and sub.breaker.paused
+        pausing = None if sub.breaker is None else Pausing(
+            sub.breaker, queue, [], consumer.name, sub.metrics, None, self._set_lost)
         for number in range(ordered.lanes):
             name = naming.lane_queue(queue, number)
             held = naming.held_queue(queue, number)
@@ -252,8 +255,11 @@ class Session:
             if consumer.batch is not None:
                 stream.batcher = Batcher(consumer.batch, partial(self._run_batch, sub),
                                          self._track)
+            if pausing is not None:  # one for the queue: its lanes pause and resume together
+                stream.pausing = pausing
+                pausing.lanes.append(lane)
             self.streams.append(stream)
-            await lane.start()
+            await lane.start(paused=paused)
             sub.metrics.held_sources.append(stream.order.summary)
             declared = await channel.queue_declare(held, passive=True)
             if declared.message_count:
@@ -264,9 +270,12 @@ class Session:
                     "", name, b"", spec.Basic.Properties(
                         headers={ORDERED_RELEASE: ""}, delivery_mode=2,
                         message_id=new_message_id()))
-        log.info("consuming queue=%s consumer=%s prefetch=%d (ordered, %d lanes)", queue,
+        log.info("consuming queue=%s consumer=%s prefetch=%d (ordered, %d lanes%s)", queue,
                  consumer.name, prefetch(consumer), ordered.lanes,
-                 extra={"queue": queue, "event": "consuming"})
+                 "; paused, probing" if paused else "",
+                 extra={"queue": queue, "event": "paused" if paused else "consuming"})
+        if pausing is not None and paused:
+            pausing.start_probe()
 
     async def _forward(
         self, stream: Stream, lanes: str, count: int, message: DeliveredMessage

@@ -18,7 +18,7 @@ from support.process import Ran, cli
 from support.provision import topology
 from support.worker import running
 
-from rabbit_retry import Delivery, Permanent, RetryConsumer
+from rabbit_retry import Delivery, Pause, Permanent, RetryConsumer
 from rabbit_retry.broker.management import Management
 from rabbit_retry.settings import Settings
 
@@ -172,6 +172,70 @@ async def test_migrate_adds_lanes_to_a_live_queue_and_every_key_keeps_its_order(
     assert moved, dict(calls)
     left = [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in range(4)]
     assert left == [0, 0, 0, 0]  # no gate, fence or passed entry left behind
+
+
+class LedgerDown(ConnectionError):
+    pass
+
+
+class Outage(RetryConsumer):
+    """Applies each user's events while ``state["down"]`` is False; pauses on its outage."""
+
+    queue = Q
+    prefetch = 3
+    pause = Pause(after=3, on=(LedgerDown,), probe_every=0.2)
+
+    def __init__(self, state: dict[str, bool], calls: dict[str, list[int]],
+                 attempts: dict[str, int]) -> None:
+        self.state, self.calls, self.attempts = state, calls, attempts
+
+    async def handle(self, delivery: Delivery) -> None:
+        user, seq = delivery.headers["user-id"], delivery.payload["seq"]
+        self.calls[user].append(seq)
+        if self.state["down"]:
+            raise LedgerDown("ledger service unreachable")
+        self.attempts[f"{user}-{seq}"] = delivery.attempt
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_a_pause_keeps_the_lanes_charges_only_its_trip_and_every_key_keeps_its_order(
+    fresh_vhost: Settings, management: Management, tmp_path: Path, queue_type: str,
+) -> None:
+    """Two workers, the ledger down for a while: the worker that trips keeps its lanes (they
+    would go to the other worker mid-stream), probes while its deliveries wait, and sends a
+    watched failure back holding its key. Nothing parks (with two attempts 200 ms apart, the
+    outage would park every user's first event without the pause), only the failures that
+    tripped a pause are charged, and each user's events are handled in order."""
+    enable_plugin(management, "x-consistent-hash", "rabbitmq_consistent_hash_exchange")
+    file = tmp_path / "rewards.yml"
+    file.write_text(TOPOLOGY.replace("QTYPE", queue_type))
+    assert (await asyncio.to_thread(cli, fresh_vhost, "apply", str(file))).code == 0
+    topo = topology(file.read_text())
+    state = {"down": True}
+    calls: dict[str, list[int]] = defaultdict(list)
+    attempts: dict[str, int] = {}
+    users = [f"u{n}" for n in range(12)]
+    async with running([Outage(state, calls, attempts)], topo, fresh_vhost) as first, \
+            running([Outage(state, calls, attempts)], topo, fresh_vhost) as second:
+        await publish_raw(fresh_vhost, [
+            Outgoing(f"{u}-{s}", json.dumps({"seq": s}).encode(), {"user-id": u}).wire()
+            for s in range(1, 6) for u in users], exchange="rewards", routing_key="points.x")
+        metrics = [first.metrics.for_queue(Q), second.metrics.for_queue(Q)]
+        await eventually(lambda: any(m.paused for m in metrics)
+                         and sum(map(len, calls.values())) >= 3 + 15,
+                         within=60, what="a pause and failed probes")
+        state["down"] = False
+        await eventually(lambda: len(attempts) == len(users) * 5, within=90,
+                         what="every event handled")
+        assert not any(m.paused for m in metrics)
+        pauses = sum(m.pauses for m in metrics)
+    assert 1 <= pauses <= 2
+    for user in users:
+        assert calls[user] == sorted(calls[user]), (user, calls[user])
+    charged = [message for message, attempt in attempts.items() if attempt > 1]
+    assert len(charged) <= 3 * pauses, charged
+    assert await depth(fresh_vhost, f"{Q}.parking") == 0
+    assert [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in range(3)] == [0, 0, 0]
 
 
 async def test_a_lane_change_migrate_began_is_finished_by_the_next_run_and_only_once(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from rabbit_retry import Batch, BatchResult, Delivery, Permanent, RetryConsumer
+from rabbit_retry import Batch, BatchResult, Delivery, Pause, Permanent, RetryConsumer
 from rabbit_retry.contract import release_headers
 from rabbit_retry.parking.headers import replay_headers
 from rabbit_retry.testing import TestBroker, Verdict, amqp, frames
@@ -603,21 +603,123 @@ async def test_a_graceful_stop_hands_a_lane_over_only_after_its_running_handler(
     assert order == ["start fay-1", "end fay-1", "start fay-2", "end fay-2"]
 
 
-def test_a_pause_on_an_ordered_queue_is_refused_at_start_in_one_line() -> None:
-    from rabbit_retry import Pause
-    from rabbit_retry.errors import InputError
-    from rabbit_retry.worker import Runner
+class LedgerDown(ConnectionError):
+    pass
 
-    class Paused(Ledger):
-        pause = Pause(after=3)
 
-    topo = parse_topology(topology(), "rewards.yml")
-    with pytest.raises(InputError) as caught:
-        Runner([Paused()], topology=topo)
-    assert str(caught.value) == (
-        "Paused.pause: rewards.points is ordered; a pause would hand its lanes to other workers"
-        " mid-stream (not supported yet)")
-    Runner([Ledger()], topology=topo)  # positive control: the same consumer without a pause
+class Gateway(Ledger):
+    """A ledger behind a downstream that is down until ``up``; its consumer pauses on that."""
+
+    pause = Pause(after=3, on=(LedgerDown,), probe_every=0.01)
+    prefetch = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = False
+        self.attempts: dict[str, int] = {}  # per message: the attempt it was handled at
+
+    async def handle(self, delivery: Delivery) -> None:
+        user, seq = delivery.headers["user-id"], delivery.payload["seq"]
+        self.calls[user].append(seq)
+        await asyncio.sleep(0)
+        if not self.up:
+            raise LedgerDown("ledger service unreachable")
+        self.attempts[f"{user}-{seq}"] = delivery.attempt
+        self.applied[user].append(seq)
+
+
+async def _outage(broker: TestBroker, ledger: Gateway | BatchGateway, users: list[str],
+                  long_waits: bool) -> None:
+    """Four messages per user published while the ledger is down; once the pause has probed
+    a while, the ledger comes back. Every key's messages are applied in order, none parks,
+    and only the three failures that tripped the pause were charged (retried once each)."""
+    async with broker.worker(ledger) as worker:
+        for seq in range(1, 5):
+            for user in users:
+                publish(broker, user, seq)
+        metrics = worker.runner.metrics.for_queue(Q)
+
+        def sent_back() -> list[Any]:
+            return [d for d in broker.decisions if d.verdict == Verdict.SENT_BACK]
+
+        def calls() -> int:
+            return sum(map(len, ledger.calls.values()))
+
+        await broker.wait_for(lambda: metrics.paused and calls() >= 3 + 20,
+                              what="a pause and twenty failed probes")
+        assert metrics.pauses == 1
+        connection = worker.connection
+        assert connection is not None and list(connection.held())  # waiting, unstarted
+        copies = [d.copy for d in sent_back()]
+        assert copies and all(c is not None and c.headers["ordered-hold"] for c in copies)
+        if long_waits:  # sent back the deliveries that waited past PAUSED_WAIT too
+            await broker.wait_for(lambda: len(sent_back()) > calls() - 3,
+                                  what="a delivery sent back unstarted")
+        else:  # each copy sent back is a watched failure while paused: nothing churns
+            assert len(sent_back()) <= calls() - 3
+        ledger.up = True
+        await broker.wait_for(lambda: not metrics.paused, what="a probe's success")
+        await broker.settle(retries=True)
+        assert held(broker) == 0 and broker.parked(Q) == [] and broker.discarded == []
+    assert {u: ledger.applied[u] for u in users} == {u: [1, 2, 3, 4] for u in users}
+    never_backwards(ledger.calls)
+    assert sorted(ledger.attempts.values()) == [1] * (len(users) * 4 - 3) + [2] * 3
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+async def test_a_pause_on_an_ordered_queue_charges_only_its_trip_and_keeps_every_keys_order(
+    version: str, queue_type: str
+) -> None:
+    """The lanes keep their consumers: what has not started waits (unacked) for a probe, one at
+    a time; a watched failure while paused is sent back as a copy that holds its key."""
+    async with broker_for(topology(queue_type, delays="[1s]", attempts=3), version) as broker:
+        await _outage(broker, Gateway(), [f"u{i}" for i in range(9)], long_waits=False)
+
+
+async def test_a_delivery_waiting_long_on_a_paused_ordered_queue_is_sent_back_holding_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``PAUSED_WAIT`` (here 0.05 s) a waiting delivery goes back to ``Q`` unstarted,
+    holding its key, and waits again as that copy: nothing stays unacked for the whole outage
+    (the broker closes a channel whose delivery it waits on past its consumer timeout)."""
+    from rabbit_retry.worker import lane
+
+    monkeypatch.setattr(lane, "PAUSED_WAIT", 0.05)
+    async with broker_for(topology(delays="[1s]", attempts=3)) as broker:
+        await _outage(broker, Gateway(), [f"u{i}" for i in range(9)], long_waits=True)
+
+
+class BatchGateway(RetryConsumer):
+    """``Gateway`` as a batch consumer: a batch fails whole while the ledger is down."""
+
+    queue = Q
+    batch = Batch(size=4, wait=0.01)
+    pause = Gateway.pause
+
+    def __init__(self) -> None:
+        self.up = False
+        self.applied: dict[str, list[int]] = defaultdict(list)
+        self.calls: dict[str, list[int]] = defaultdict(list)
+        self.attempts: dict[str, int] = {}
+
+    async def handle_batch(self, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            self.calls[delivery.headers["user-id"]].append(delivery.payload["seq"])
+        await asyncio.sleep(0)
+        if not self.up:
+            raise LedgerDown("ledger service unreachable")
+        for delivery in deliveries:
+            user, seq = delivery.headers["user-id"], delivery.payload["seq"]
+            self.attempts[f"{user}-{seq}"] = delivery.attempt
+            self.applied[user].append(seq)
+
+
+async def test_a_batch_consumer_pauses_an_ordered_queue_the_same_way() -> None:
+    """Each delivery of a failed batch counts towards the pause on its own: the first three
+    failures trip it and are charged, the batch's fourth and every later one are sent back."""
+    async with broker_for(topology(delays="[1s]", attempts=3)) as broker:
+        await _outage(broker, BatchGateway(), [f"u{i}" for i in range(9)], long_waits=False)
 
 
 async def test_a_worker_on_a_file_with_more_lanes_than_the_broker_says_to_run_migrate() -> None:
