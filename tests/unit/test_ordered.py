@@ -616,20 +616,25 @@ class Gateway(Ledger):
     def __init__(self) -> None:
         super().__init__()
         self.up = False
-        self.attempts: dict[str, int] = {}  # per message: the attempt it was handled at
+        self.attempts: dict[str, int] = {}  # per message: the highest attempt it was handled at
+        self.running = self.peak = 0  # handler calls at once: now, and the most since reset
 
     async def handle(self, delivery: Delivery) -> None:
         user, seq = delivery.headers["user-id"], delivery.payload["seq"]
         self.calls[user].append(seq)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
         await asyncio.sleep(0)
+        self.running -= 1
         if not self.up:
             raise LedgerDown("ledger service unreachable")
-        self.attempts[f"{user}-{seq}"] = delivery.attempt
+        name = f"{user}-{seq}"
+        self.attempts[name] = max(self.attempts.get(name, 0), delivery.attempt)
         self.applied[user].append(seq)
 
 
 async def _outage(broker: TestBroker, ledger: Gateway | BatchGateway, users: list[str],
-                  long_waits: bool) -> None:
+                  long_waits: bool, reconnect: bool = False) -> None:
     """Four messages per user published while the ledger is down; once the pause has probed
     a while, the ledger comes back. Every key's messages are applied in order, none parks,
     and only the three failures that tripped the pause were charged (retried once each)."""
@@ -657,13 +662,27 @@ async def _outage(broker: TestBroker, ledger: Gateway | BatchGateway, users: lis
                                   what="a delivery sent back unstarted")
         else:  # each copy sent back is a watched failure while paused: nothing churns
             assert len(sent_back()) <= calls() - 3
+        if reconnect:  # the deliveries waiting come back; the new session stays paused
+            assert isinstance(ledger, Gateway)
+            broker.disconnect()
+            await broker.wait_for(lambda: len(worker.connections) == 2, what="a reconnect")
+            before, ledger.peak = calls(), 0
+            await broker.wait_for(lambda: calls() >= before + 10, what="probes after it")
+            assert metrics.paused and metrics.pauses == 1
+            assert ledger.peak == 1  # probes, one at a time: the lanes are paused again
         ledger.up = True
         await broker.wait_for(lambda: not metrics.paused, what="a probe's success")
         await broker.settle(retries=True)
         assert held(broker) == 0 and broker.parked(Q) == [] and broker.discarded == []
-    assert {u: ledger.applied[u] for u in users} == {u: [1, 2, 3, 4] for u in users}
     never_backwards(ledger.calls)
     assert sorted(ledger.attempts.values()) == [1] * (len(users) * 4 - 3) + [2] * 3
+    if reconnect:  # a copy confirmed and its hold written as the connection dropped, the ack
+        # lost: the delivery comes back behind its own copy and runs again, in order
+        never_backwards(ledger.applied)
+        assert {u: sorted(set(ledger.applied[u])) for u in users} == {
+            u: [1, 2, 3, 4] for u in users}
+        return
+    assert {u: ledger.applied[u] for u in users} == {u: [1, 2, 3, 4] for u in users}
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -688,6 +707,13 @@ async def test_a_delivery_waiting_long_on_a_paused_ordered_queue_is_sent_back_ho
     monkeypatch.setattr(lane, "PAUSED_WAIT", 0.05)
     async with broker_for(topology(delays="[1s]", attempts=3)) as broker:
         await _outage(broker, Gateway(), [f"u{i}" for i in range(9)], long_waits=True)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+async def test_a_pause_on_an_ordered_queue_outlives_a_reconnect(version: str) -> None:
+    async with broker_for(topology(delays="[1s]", attempts=3), version) as broker:
+        await _outage(broker, Gateway(), [f"u{i}" for i in range(9)], long_waits=False,
+                      reconnect=True)
 
 
 class BatchGateway(RetryConsumer):
