@@ -102,9 +102,9 @@ class Lane:
         self._alone: Task | None = None  # a suspect running
         self._changed = asyncio.Event()
         self._waiting = 0  # deliveries and movers in ``_until``: a poke with none wakes no one
-        # A paused fixed lane's unstarted deliveries, longest waiting first, and the one a
-        # probe picked.
-        self._parked: dict[Task, None] = {}
+        # A paused fixed lane's unstarted deliveries (their message ids), longest waiting
+        # first, and the one a probe picked.
+        self._parked: dict[Task, str | None] = {}
         self._probe: Task | None = None
 
     async def start(self, paused: bool = False) -> None:
@@ -151,13 +151,14 @@ class Lane:
         """Until no delivery of this lane is held but those a pause keeps waiting."""
         await self._until(lambda: self._held == len(self._parked))
 
-    def probe(self) -> bool:
-        """A paused fixed lane: let the delivery that has waited longest run; False: none waits."""
+    def probe(self) -> str | None:
+        """A paused fixed lane: let the delivery that has waited longest run; its message id
+        ("" without one), or None when none waits."""
         if self._probe is not None or not self._parked:
-            return False
-        self._probe = next(iter(self._parked))
+            return None
+        self._probe, message_id = next(iter(self._parked.items()))
         self._poke()
-        return True
+        return message_id or ""
 
     async def _stop_mover(self) -> None:
         if self._mover is not None and not self._mover.done():
@@ -250,7 +251,7 @@ class Lane:
         """The turn of a delivery ``enter`` did not let run, waiting for it where it must."""
         if self._stopped:
             return "stopped"
-        if self.paused and (waited := await self._paused_turn(task)) is not None:
+        if self.paused and (waited := await self._paused_turn(task, message_id)) is not None:
             return waited
         if alone:
             return await self._alone_turn(task, message_id)
@@ -293,13 +294,13 @@ class Lane:
         self._alone = task
         return "alone"
 
-    async def _paused_turn(self, task: Task) -> Turn | None:
+    async def _paused_turn(self, task: Task, message_id: str | None) -> Turn | None:
         """Paused: ``"hold"``; a fixed lane waits, unstarted, for the lane to resume (None: the
         usual turn follows), a probe (``"shared"``), the stop, or ``PAUSED_WAIT`` to pass
         (``"hold"``)."""
         if not self.fixed:
             return "hold"
-        self._parked[task] = None
+        self._parked[task] = message_id
         probed = False
         try:
             async with asyncio.timeout(PAUSED_WAIT):

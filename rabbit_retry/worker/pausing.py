@@ -174,8 +174,9 @@ class Pausing:
         count = len(self.lanes)
         for step in range(count):
             lane = self.lanes[(self._next + step) % count]
-            if lane.probe():
+            if (message_id := lane.probe()) is not None:
                 self._next = (self._next + step + 1) % count
-                log.info("queue=%s: probing with a delivery of %s", self.queue, lane.queue,
+                log.info("queue=%s: probing with message_id=%s from %s", self.queue,
+                         message_id or None, lane.queue,
                          extra={"queue": self.queue, "event": "probe"})
                 return
