@@ -5,7 +5,8 @@ module reads and writes it, and the session asks it at three points of a deliver
 
 - ``admit`` as the delivery arrives: run it now (its key's earlier message is done), move it to
   the held queue (its key is held, or has messages waiting there), drop it (a holder's copy
-  whose hold is over: a crash left it behind) or take it as an operator's release;
+  whose hold is over, or that is here already; a delivery back from a crash whose own copy
+  holds its key) or take it as an operator's release;
 - ``hold`` / ``record`` / ``release`` while its action is carried out: a copy that goes to a
   tier, to parking (``on_park: hold``) or back to the queue holds the key; the holder handled
   (or parked with ``on_park: continue``) releases it;
@@ -127,6 +128,9 @@ class OrderedLane:
         self._syncing: set[str] = set()  # the keys the round trip under way covers
         self._sync: asyncio.Future[None] | None = None
         self._mine: dict[Task, asyncio.Future[None]] = {}
+        # The holds whose holder was admitted and has not left: a second copy of one (Q's
+        # forward written twice, its ack lost with a connection) would run beside it.
+        self._admitted: set[str] = set()
         self._seq = 0
         self._pending: dict[str, Hold | None] = {}  # holds set or ended, not yet written
         self._writes = asyncio.Lock()  # a pass's read sees every write that went before it
@@ -239,12 +243,10 @@ class OrderedLane:
             await self._ack(tag)
             return None
         if hold is not None:
-            if self._holding(key) == hold:  # the holder is back: it goes first
-                turn = self.turns[task] = Turn(key, hold)
-                return turn
-            log.info("queue=%s key=%r: a copy of hold %s came back after its hold ended (a"
-                     " crash left it behind); dropped, its message was handled", self.queue, key,
-                     hold, extra={"queue": self.queue, "event": "stale_holder"})
+            if (turn := self._holder(task, key, hold)) is None:
+                await self._ack(tag)
+            return turn
+        if self._copied(key, message):
             await self._ack(tag)
             return None
         try:
@@ -259,6 +261,38 @@ class OrderedLane:
             raise
         self.left(task)
         return None
+
+    def _holder(self, task: Task, key: str, hold: str) -> Turn | None:
+        """A copy holding ``key`` by ``hold`` is back: its turn, first of its key; None when it
+        is to be dropped (its hold ended, or a copy of it is here already)."""
+        if self._holding(key) == hold and hold not in self._admitted:
+            self._admitted.add(hold)
+            turn = self.turns[task] = Turn(key, hold)
+            return turn
+        if hold in self._admitted:
+            log.info("queue=%s key=%r: a second copy of hold %s (forwarded twice); dropped, the"
+                     " first runs", self.queue, key, hold,
+                     extra={"queue": self.queue, "event": "stale_holder"})
+        else:
+            log.info("queue=%s key=%r: a copy of hold %s came back after its hold ended (a crash"
+                     " left it behind); dropped, its message was handled", self.queue, key, hold,
+                     extra={"queue": self.queue, "event": "stale_holder"})
+        return None
+
+    def _copied(self, key: str, message: DeliveredMessage) -> bool:
+        """Whether a delivery the broker handed back holds its key already, as the copy a hold
+        read from the held queue names (a hold is written once its copy is confirmed): the
+        worker died before the broker took its ack. Acked, not moved behind that copy to run a
+        second time once the copy has."""
+        hold = self.holds.get(key)
+        message_id = message.header.properties.message_id
+        if (hold is None or not message_id or hold.holder != message_id
+                or key in self._pending or not message.delivery.redelivered):  # type: ignore[union-attr]
+            return False
+        log.info("queue=%s message_id=%s came back, and its copy holds its key (hold %s): acked,"
+                 " the copy runs it", self.queue, message_id, hold.id,
+                 extra={"queue": self.queue, "event": "copied_before"})
+        return True
 
     async def _after_the_read(self) -> None:
         """Until the held queue was read, behind every delivery that came before and waits for
@@ -287,6 +321,8 @@ class OrderedLane:
     def left(self, task: Task) -> None:
         """The delivery is settled (or gone): its key's next delivery may run."""
         turn = self.turns.pop(task, None)
+        if turn is not None and turn.hold is not None:
+            self._admitted.discard(turn.hold)
         mine = self._mine.pop(task, None)
         if mine is None:
             return
