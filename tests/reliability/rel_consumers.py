@@ -27,12 +27,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rabbit_retry import Delivery, Idempotency, Permanent, RetryConsumer
+from rabbit_retry import Delivery, Idempotency, Pause, Permanent, RetryConsumer
 
 RECORD_DIR = os.environ.get("RR_RECORD_DIR", ".")
 SLEEP_S = float(os.environ.get("RR_SLEEP_MS", "0")) / 1000
 PREFETCH = int(os.environ.get("RR_PREFETCH", "20"))
 FIXED = Path(RECORD_DIR) / "fixed"
+DOWN = Path(RECORD_DIR) / "down"
 
 
 def record(kind: str, delivery: Delivery) -> None:
@@ -124,6 +125,22 @@ class Points(_Behaviour):
     """``rel.points``, an ordered queue keyed by header ``user-id`` (test_ordered_faults)."""
 
     queue = "rel.points"
+
+
+class Outage(ConnectionError):
+    """The downstream is down: while the file $RR_RECORD_DIR/down exists (``PausedPoints``)."""
+
+
+class PausedPoints(Points):
+    """``Points`` behind a downstream that is down while ``down`` exists; its queue pauses."""
+
+    pause = Pause(after=3, on=(Outage,), probe_every=0.2)
+
+    async def handle(self, delivery: Delivery) -> None:
+        if DOWN.exists():
+            record("calls", delivery)
+            raise Outage(f"ledger unreachable ({delivery.message_id})")
+        await super().handle(delivery)
 
 
 class Order(BaseModel):

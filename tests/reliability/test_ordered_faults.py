@@ -148,6 +148,56 @@ def test_two_workers_one_killed_mid_stream_keep_every_keys_order(
           f"{sum(len(s) for s in handled.values()) - len(messages)} handled twice")
 
 
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_a_paused_ordered_queue_keeps_every_keys_order_through_a_sigkill(
+    fresh_vhost: Settings, points: Path, records: Path, worker_guard: list[Worker],
+    queue_type: str,
+) -> None:
+    """Two workers with a ``Pause``, the ledger down: the worker that trips keeps its lanes and
+    probes; it is SIGKILLed while paused (its waiting deliveries go back, its lanes to the
+    other worker, which trips in turn) and started again; then the ledger comes back. Every
+    message succeeds, none parks (five attempts 200-500 ms apart would park every key's first
+    message in the outage without the pause), per key nothing runs after a later message of
+    the key succeeded, and nothing is left anywhere."""
+    topology = points / "points.yml"
+    topology.write_text(TOPOLOGY % {"type": queue_type})
+    apply(fresh_vhost, topology)
+    (records / "down").touch()
+    workers = [Worker(fresh_vhost, topology, records, "PausedPoints", sleep_ms=5, prefetch=8,
+                      log_name=f"{name}.log") for name in ("first", "second")]
+    worker_guard += workers
+    for worker in workers:
+        worker.start()
+    rng = random.Random(f"paused-{queue_type}")
+    messages = [Outgoing(f"u{u}-{seq:03d}",
+                         spec_body(f"u{u}-{seq:03d}", fail=rng.choice([0, 0, 0, 0, 1])),
+                         {"user-id": f"u{u}"})
+                for seq in range(1, 9) for u in range(USERS)]
+    publish_sync(fresh_vhost, messages, exchange="rel", routing_key="points")
+    paused = lambda: [w for w in workers if "paused queue=rel.points" in w.log()]  # noqa: E731
+    calls = lambda: len(recorded(records, "calls"))  # noqa: E731
+    wait_for(lambda: paused() and calls() >= 3 + 10, "a pause and its probes failing")
+    victim = paused()[0]
+    victim.kill()
+    victim.start()
+    before = calls()
+    wait_for(lambda: calls() >= before + 10, "probes after the SIGKILL")
+    (records / "down").unlink()
+    ok = lambda: {m for m, _ in recorded(records, "ok")}  # noqa: E731
+    wait_for(lambda: len(ok()) == len(messages), "every message handled")
+    wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
+    for worker in workers:
+        worker.stop()
+    assert total_depth(fresh_vhost, [f"{Q}.parking"]) == 0
+    _never_back(records)
+    handled = _per_key("ok", records)
+    assert {u: sorted(set(s)) for u, s in handled.items()} == {
+        f"u{u}": list(range(1, 9)) for u in range(USERS)}
+    print(f"[reliability] paused ordered, {queue_type}: {len(messages)} messages, "
+          f"{sum('paused queue=' in line for w in workers for line in w.log().splitlines())}"
+          f" pauses, {sum(len(s) for s in handled.values()) - len(messages)} handled twice")
+
+
 def test_ordered_keys_survive_a_broker_restart(
     fresh_vhost: Settings, points: Path, records: Path, worker_guard: list[Worker],
     management: Management,
