@@ -118,6 +118,7 @@ class OrderedLane:
         self.settled = settled  # this lane's, kept by the worker process across connections
         self.holds: dict[str, Hold] = {}
         self.backlog: dict[str, int] = {}  # per key: its messages waiting in the held queue
+        self._last: dict[str, str] = {}  # per key: the message id of the last one waiting
         self.turns: dict[Task, Turn] = {}  # the running deliveries' keys
         self._tails: dict[str, asyncio.Future[None]] = {}  # per key: its last admitted delivery
         # Per key: the tag of its last delivery settled here whose ack the broker may not have
@@ -280,17 +281,22 @@ class OrderedLane:
         return None
 
     def _copied(self, key: str, message: DeliveredMessage) -> bool:
-        """Whether a delivery the broker handed back holds its key already, as the copy a hold
-        read from the held queue names (a hold is written once its copy is confirmed): the
-        worker died before the broker took its ack. Acked, not moved behind that copy to run a
-        second time once the copy has."""
-        hold = self.holds.get(key)
+        """Whether a delivery the broker handed back has a copy here already: the copy a hold
+        read from the held queue names (a hold is written once its copy is confirmed), or the
+        last of its key's messages waiting in the held queue. The worker died before the
+        broker took its ack: acked, not moved behind that copy to run a second time."""
         message_id = message.header.properties.message_id
-        if (hold is None or not message_id or hold.holder != message_id
-                or key in self._pending or not message.delivery.redelivered):  # type: ignore[union-attr]
+        if not message_id or not message.delivery.redelivered:  # type: ignore[union-attr]
             return False
-        log.info("queue=%s message_id=%s came back, and its copy holds its key (hold %s): acked,"
-                 " the copy runs it", self.queue, message_id, hold.id,
+        hold = self.holds.get(key)
+        if hold is not None and hold.holder == message_id and key not in self._pending:
+            where = f"holds its key (hold {hold.id})"
+        elif self.backlog.get(key) and self._last.get(key) == message_id:
+            where = "waits in the held queue"
+        else:
+            return False
+        log.info("queue=%s message_id=%s came back, and its copy %s: acked, the copy runs it",
+                 self.queue, message_id, where,
                  extra={"queue": self.queue, "event": "copied_before"})
         return True
 
@@ -352,6 +358,10 @@ class OrderedLane:
                               republish_properties(props, headers, self.user, expiration=None),
                               lambda: not message.channel.is_closed)
         self.backlog[key] = self.backlog.get(key, 0) + 1
+        if props.message_id:
+            self._last[key] = props.message_id
+        else:  # a message without an id cannot be told from another
+            self._last.pop(key, None)
         await self._ack(deliver.delivery_tag)  # type: ignore[arg-type]
         self.done(message)
         # It has no turn: its key is marked here, so its copy runs once the broker has taken
@@ -509,6 +519,8 @@ class OrderedLane:
                         holds[key] = pending
                 self.holds = holds
                 self.backlog = {key: len(indexes) for key, indexes in folded.waiting.items()}
+                self._last = {key: message_id for key, indexes in folded.waiting.items()
+                              if (message_id := taken[indexes[-1]].header.properties.message_id)}
                 self._garbage = 0
                 self._changes(folded)
         finally:
@@ -568,6 +580,7 @@ class OrderedLane:
             self.backlog[key] = max(0, self.backlog.get(key, 0) - 1)
         if not self.backlog.get(key):
             self.backlog.pop(key, None)
+            self._last.pop(key, None)
 
     # --- a change of the queue's lanes ----------------------------------------------------------
 

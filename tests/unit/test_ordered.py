@@ -259,6 +259,39 @@ async def test_a_delivery_back_from_a_crash_after_its_copy_and_hold_were_written
     assert ledger.calls["eve"] == [1, 2, 3]  # eve-1 once: its copy
 
 
+async def test_a_delivery_back_from_a_crash_after_it_was_moved_to_the_held_queue_runs_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker dies after moving a held key's message to the held queue, before the broker
+    took its ack: the delivery comes back while its copy waits there as the key's last. It is
+    acked, not moved a second time (both copies would run, one after the other)."""
+    from rabbit_retry.worker.ordered import OrderedLane
+
+    write, stuck = OrderedLane._write, asyncio.Event()
+
+    async def dies_after_moving(self: OrderedLane, body: bytes, properties: Any,
+                                alive: Any) -> None:
+        await write(self, body, properties, alive)
+        if properties.message_id == "hal-2":
+            stuck.set()
+            await asyncio.Event().wait()
+
+    async with broker_for(topology()) as broker:
+        for seq in (1, 2, 3):
+            publish(broker, "hal", seq)
+        monkeypatch.setattr(OrderedLane, "_write", dies_after_moving)
+        async with broker.worker(Ledger({("hal", 1): 1})) as first:
+            await asyncio.wait_for(stuck.wait(), 5)
+            await first.crash()
+        monkeypatch.setattr(OrderedLane, "_write", write)
+        ledger = Ledger()
+        async with broker.worker(ledger):
+            await broker.settle(retries=True)
+            assert held(broker) == 0
+    assert ledger.applied["hal"] == [1, 2, 3]
+    assert ledger.calls["hal"] == [1, 2, 3]
+
+
 async def test_a_holder_forwarded_twice_runs_once() -> None:
     """A retried message's copy reaches its lane twice (``Q``'s forward written, its ack lost
     with a connection): the second copy, arriving while the first waits or runs, is dropped."""
