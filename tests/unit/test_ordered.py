@@ -183,6 +183,23 @@ async def test_a_discarded_holder_releases_its_key_and_the_rest_follow() -> None
     assert ledger.applied["carol"] == [2, 3]
 
 
+async def crash_at(broker: TestBroker, monkeypatch: pytest.MonkeyPatch, name: str,
+                   instead: Any, stuck: asyncio.Event, user: str,
+                   plan: dict[tuple[str, int], Any]) -> None:
+    """Three events of ``user``; a worker (``plan``) whose ``OrderedLane.<name>`` is ``instead``
+    until that sets ``stuck``, then dies (``crash``); the method is restored."""
+    from rabbit_retry.worker.ordered import OrderedLane
+
+    original = getattr(OrderedLane, name)
+    for seq in (1, 2, 3):
+        publish(broker, user, seq)
+    monkeypatch.setattr(OrderedLane, name, instead)
+    async with broker.worker(Ledger(plan)) as first:
+        await asyncio.wait_for(stuck.wait(), 5)
+        await first.crash()
+    monkeypatch.setattr(OrderedLane, name, original)
+
+
 async def test_a_worker_killed_between_a_park_and_its_hold_leaves_two_copies_handled_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -191,20 +208,15 @@ async def test_a_worker_killed_between_a_park_and_its_hold_leaves_two_copies_han
     is not the key's: dropped), then the key's later messages follow."""
     from rabbit_retry.worker.ordered import OrderedLane
 
-    record, stuck = OrderedLane.record, asyncio.Event()
+    stuck = asyncio.Event()
 
     async def dies_first(self: OrderedLane, key: str, hold: Any) -> None:
         stuck.set()
         await asyncio.Event().wait()
 
     async with broker_for(topology()) as broker:
-        for seq in (1, 2, 3):
-            publish(broker, "dan", seq)
-        monkeypatch.setattr(OrderedLane, "record", dies_first)
-        async with broker.worker(Ledger({("dan", 1): "park"})) as first:
-            await asyncio.wait_for(stuck.wait(), 5)
-            await first.crash()
-        monkeypatch.setattr(OrderedLane, "record", record)
+        await crash_at(broker, monkeypatch, "record", dies_first, stuck, "dan",
+                       {("dan", 1): "park"})
         ledger = Ledger({("dan", 1): "park"})
         async with broker.worker(ledger):
             await broker.settle(retries=True)
@@ -240,13 +252,8 @@ async def test_a_delivery_back_from_a_crash_after_its_copy_and_hold_were_written
 
     step = "park" if on_park == "park" else 1
     async with broker_for(topology()) as broker:
-        for seq in (1, 2, 3):
-            publish(broker, "eve", seq)
-        monkeypatch.setattr(OrderedLane, "after_copy", dies_after)
-        async with broker.worker(Ledger({("eve", 1): step})) as first:
-            await asyncio.wait_for(stuck.wait(), 5)
-            await first.crash()
-        monkeypatch.setattr(OrderedLane, "after_copy", after_copy)
+        await crash_at(broker, monkeypatch, "after_copy", dies_after, stuck, "eve",
+                       {("eve", 1): step})
         ledger = Ledger()
         async with broker.worker(ledger):
             await broker.settle(retries=True)
@@ -277,13 +284,8 @@ async def test_a_delivery_back_from_a_crash_after_it_was_moved_to_the_held_queue
             await asyncio.Event().wait()
 
     async with broker_for(topology()) as broker:
-        for seq in (1, 2, 3):
-            publish(broker, "hal", seq)
-        monkeypatch.setattr(OrderedLane, "_write", dies_after_moving)
-        async with broker.worker(Ledger({("hal", 1): 1})) as first:
-            await asyncio.wait_for(stuck.wait(), 5)
-            await first.crash()
-        monkeypatch.setattr(OrderedLane, "_write", write)
+        await crash_at(broker, monkeypatch, "_write", dies_after_moving, stuck, "hal",
+                       {("hal", 1): 1})
         ledger = Ledger()
         async with broker.worker(ledger):
             await broker.settle(retries=True)
