@@ -6,7 +6,7 @@ module reads and writes it, and the session asks it at three points of a deliver
 - ``admit`` as the delivery arrives: run it now (its key's earlier message is done), move it to
   the held queue (its key is held, or has messages waiting there), drop it (a holder's copy
   whose hold is over, or that is here already; a delivery back from a crash whose own copy
-  holds its key) or take it as an operator's release;
+  holds its key or waits in the held queue) or take it as an operator's release;
 - ``hold`` / ``record`` / ``release`` while its action is carried out: a copy that goes to a
   tier, to parking (``on_park: hold``) or back to the queue holds the key; the holder handled
   (or parked with ``on_park: continue``) releases it;
