@@ -343,5 +343,5 @@ class Lane:
         """``task``'s delivery is settled, sent back or dropped."""
         self.ran(task)
         self._held -= 1
-        if self._held == 0:
+        if self._held == len(self._parked):  # what ``idle()`` waits for (0 unless paused)
             self._poke()
