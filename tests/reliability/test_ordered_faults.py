@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from rel_support import Worker, spec_body
 from rel_support import records as recorded
-from support.amqp import Outgoing, publish_sync, total_depth
+from support.amqp import Outgoing, consumers, publish_sync, total_depth
 from support.broker import enable_plugin, restart_app
 from support.poll import wait_for
 from support.process import apply, cli
@@ -153,9 +153,11 @@ def test_a_paused_ordered_queue_keeps_every_keys_order_through_a_sigkill(
     fresh_vhost: Settings, points: Path, records: Path, worker_guard: list[Worker],
     queue_type: str,
 ) -> None:
-    """Two workers with a ``Pause``, the ledger down: the worker that trips keeps its lanes and
-    probes; it is SIGKILLed while paused (its waiting deliveries go back, its lanes to the
-    other worker, which trips in turn) and started again; then the ledger comes back. Every
+    """Two workers with a ``Pause``, the ledger down: the worker on every lane trips, keeps
+    its lanes and probes; it is SIGKILLed while paused (its waiting deliveries go back, its
+    lanes to the other worker, which trips in turn with returned deliveries waiting to run
+    one at a time: they go back to ``Q`` and its probes go on) and started again; then the
+    ledger comes back. Every
     message succeeds, none parks (five attempts 200-500 ms apart would park every key's first
     message in the outage without the pause), per key nothing runs after a later message of
     the key succeeded, and nothing is left anywhere."""
@@ -166,8 +168,11 @@ def test_a_paused_ordered_queue_keeps_every_keys_order_through_a_sigkill(
     workers = [Worker(fresh_vhost, topology, records, "PausedPoints", sleep_ms=5, prefetch=8,
                       log_name=f"{name}.log") for name in ("first", "second")]
     worker_guard += workers
-    for worker in workers:
-        worker.start()
+    first, second = workers
+    first.start()  # the first takes every lane; the second waits to take them over
+    wait_for(lambda: all(consumers(fresh_vhost, f"{Q}.lane.{i}") for i in range(LANES)),
+             "the first worker on every lane")
+    second.start()
     rng = random.Random(f"paused-{queue_type}")
     messages = [Outgoing(f"u{u}-{seq:03d}",
                          spec_body(f"u{u}-{seq:03d}", fail=rng.choice([0, 0, 0, 0, 1])),
@@ -177,9 +182,9 @@ def test_a_paused_ordered_queue_keeps_every_keys_order_through_a_sigkill(
     paused = lambda: [w for w in workers if "paused queue=rel.points" in w.log()]  # noqa: E731
     calls = lambda: len(recorded(records, "calls"))  # noqa: E731
     wait_for(lambda: paused() and calls() >= 3 + 10, "a pause and its probes failing")
-    victim = paused()[0]
-    victim.kill()
-    victim.start()
+    assert paused() == [first]  # the second one has no lane: it trips once it has them
+    first.kill()
+    first.start()
     before = calls()
     wait_for(lambda: calls() >= before + 10, "probes after the SIGKILL")
     (records / "down").unlink()

@@ -356,6 +356,12 @@ def depth_sync(settings: Settings, queue: str) -> int | None:
     return blocking(depth(settings, queue))
 
 
+def consumers(settings: Settings, queue: str) -> int:
+    """Consumers of ``queue`` (exact; 0 when it does not exist)."""
+    state = blocking(counts(settings, queue))
+    return 0 if state is None else state[1]
+
+
 def total_depth(settings: Settings, queues: Iterable[str]) -> int:
     return sum(depth_sync(settings, q) or 0 for q in queues)
 
