@@ -37,11 +37,12 @@ from __future__ import annotations
 import fnmatch
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.report import add_notes
 from support.vhosts import create_vhost, delete_vhost
 
 from rabbit_retry.broker.management import Management
@@ -182,6 +183,17 @@ def classify(item: pytest.Item) -> list[pytest.MarkDecorator]:
         if _matches(patterns, path, test):
             marks.append(pytest.mark.xdist_group(group))
     return marks
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed call's report gets what its fixtures noted (support/report.py)."""
+    report: pytest.TestReport = yield
+    if report.when == "call" and report.failed:
+        add_notes(item, report)
+    return report
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by them

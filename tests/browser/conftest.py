@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from selenium import webdriver
 from support.browser import chrome, console
+from support.report import Section, on_failure
 
 
 @pytest.fixture
@@ -16,21 +17,15 @@ def browser(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[webdrive
     """A fresh headless Chromium (nothing stored from another test). When the test failed, its
     last screen and console are saved beside its temporary files and named in the report."""
     driver = chrome()
+
+    def last_screen() -> list[Section]:
+        shot = tmp_path / "failed.png"
+        driver.save_screenshot(str(shot))
+        lines = "\n".join(str(entry) for entry in console(driver))
+        return [("browser", f"screen: {shot}\nconsole:\n{lines}")]
+
+    on_failure(request.node, last_screen)
     try:
         yield driver
     finally:
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            shot = tmp_path / "failed.png"
-            driver.save_screenshot(str(shot))
-            lines = "\n".join(str(entry) for entry in console(driver))
-            report.sections.append(("browser", f"screen: {shot}\nconsole:\n{lines}"))
         driver.quit()
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    report = yield
-    if report.when == "call":
-        item.rep_call = report  # type: ignore[attr-defined]
-    return report

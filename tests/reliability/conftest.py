@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 from rel_support import Worker
 from support.broker import ctl
+from support.report import on_failure
 
 from rabbit_retry.broker.management import Management
+
+LOG_TAIL = 80  # lines of each worker's log a failed test's report shows
 
 
 @pytest.fixture
@@ -47,9 +50,13 @@ def dlx_guard(management: Management) -> Iterator[None]:
 
 
 @pytest.fixture
-def worker_guard() -> Iterator[list[Worker]]:
-    """Kills whatever worker a failed test left running."""
+def worker_guard(request: pytest.FixtureRequest) -> Iterator[list[Worker]]:
+    """Kills whatever worker a failed test left running; the report of a failed test ends with
+    the last lines of each worker's log (what a CI log needs to tell why it failed)."""
     made: list[Worker] = []
+    on_failure(request.node, lambda: [
+        (f"worker log {w.log_path}", "\n".join(w.log().splitlines()[-LOG_TAIL:]))
+        for w in made])
     yield made
     for worker in made:
         worker.ensure_dead()
