@@ -157,10 +157,9 @@ def test_a_paused_ordered_queue_keeps_every_keys_order_through_a_sigkill(
     its lanes and probes; it is SIGKILLed while paused (its waiting deliveries go back, its
     lanes to the other worker, which trips in turn with returned deliveries waiting to run
     one at a time: they go back to ``Q`` and its probes go on) and started again; then the
-    ledger comes back. Every
-    message succeeds, none parks (five attempts 200-500 ms apart would park every key's first
-    message in the outage without the pause), per key nothing runs after a later message of
-    the key succeeded, and nothing is left anywhere."""
+    ledger comes back. Every message succeeds, none parks (five attempts 200-500 ms apart
+    would park every key's first message in the outage without the pause), per key nothing
+    runs after a later message of the key succeeded, and nothing is left anywhere."""
     topology = points / "points.yml"
     topology.write_text(TOPOLOGY % {"type": queue_type})
     apply(fresh_vhost, topology)
