@@ -372,6 +372,13 @@ class Session:
                 if not lane.enter(task, alone) and not await self._turn(
                         stream, task, message, history, alone):
                     return
+            elif released is not None and lane.paused:
+                # Handed back from the held queue while paused: it waits for a probe or the
+                # resume where the lane's deliveries wait, and then runs in its turn.
+                entered = True
+                if not lane.enter(task, False) and not await self._turn(
+                        stream, task, message, history, False):
+                    return
             await self._handle(stream, task, message, history, alone)
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
             log.debug("queue=%s: a delivery's channel closed; the broker has it back", sub.queue)

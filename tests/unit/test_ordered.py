@@ -849,6 +849,68 @@ async def test_a_batch_consumer_pauses_an_ordered_queue_the_same_way() -> None:
         await _outage(broker, BatchGateway(), [f"u{i}" for i in range(9)], long_waits=False)
 
 
+class Unprobed(Gateway):
+    """``Gateway`` that parks ``carol-1`` (so it holds carol) and never probes by itself: the
+    test lets a waiting delivery run when it chooses."""
+
+    pause = Pause(after=3, on=(LedgerDown,), probe_every=3600)
+
+    async def handle(self, delivery: Delivery) -> None:
+        if delivery.message_id == "carol-1":
+            self.calls["carol"].append(1)
+            raise Permanent("carol/1: no such account yet")
+        await super().handle(delivery)
+
+
+async def test_a_key_released_while_paused_waits_for_a_probe_like_any_delivery(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A holder discarded while the queue is paused: the pass that hands its key's messages
+    back leaves the first waiting, unstarted, where the lane's deliveries wait for a probe or
+    the resume, instead of running it against the downstream that is down."""
+    from rabbit_retry.worker.lane import Lane
+
+    lanes: list[Lane] = []
+    made = Lane.__init__
+
+    def init(self: Lane, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        lanes.append(self)
+
+    monkeypatch.setattr(Lane, "__init__", init)
+    ledger = Unprobed()
+    ledger.up = True
+    users = [f"u{i}" for i in range(6)]
+    async with broker_for(topology(delays="[1s]", attempts=3)) as broker, \
+            broker.worker(ledger) as worker:
+        for seq in (1, 2, 3):
+            publish(broker, "carol", seq)
+        await broker.settle(retries=True)
+        assert [m.message_id for m in broker.parked(Q)] == ["carol-1"]  # it holds carol
+        ledger.up = False
+        for user in users:
+            publish(broker, user, 1)
+        metrics = worker.runner.metrics.for_queue(Q)
+
+        def parked() -> list[str | None]:
+            return [message_id for lane in lanes for message_id in lane._parked.values()]
+
+        await broker.wait_for(lambda: metrics.paused and parked(), what="a pause, one waiting")
+        discard(broker, "carol-1")
+        await broker.wait_for(lambda: "carol-2" in parked() or ledger.calls["carol"] != [1],
+                              what="carol-2 handed back")
+        assert ledger.calls["carol"] == [1]  # not run while paused: it waits for a probe
+        assert "carol-3" not in parked()  # behind carol-2, in the held queue still
+        ledger.up = True
+        assert any(lane.probe() is not None for lane in lanes)
+        await broker.wait_for(lambda: not metrics.paused, what="the probe's success")
+        await broker.settle(retries=True)
+        assert held(broker) == 0 and broker.parked(Q) == []
+    assert ledger.applied["carol"] == [2, 3]
+    assert {u: ledger.applied[u] for u in users} == {u: [1] for u in users}
+    never_backwards(ledger.calls)
+
+
 async def test_a_worker_on_a_file_with_more_lanes_than_the_broker_says_to_run_migrate() -> None:
     """Started with the new file before ``migrate`` (which ``apply`` would refuse): one line
     naming the missing lane and ``migrate``; a queue never applied still says ``apply``."""
