@@ -315,8 +315,10 @@ class Session:
             self.tasks.discard(task)
 
     async def _released(self, stream: Stream, message: DeliveredMessage, key: str) -> None:
-        """A message of a key that is free again, from its lane's held queue."""
-        await self._deliver(stream, message, released=key)
+        """A message of a key that is free again, from its lane's held queue: it has its key's
+        turn and runs as a probe does, unless the lane is paused: then it waits where the
+        lane's deliveries wait (for a probe or the resume)."""
+        await self._deliver(stream, message, probe=not stream.lane.paused, released=key)
 
     def _watch(self, channel: AbstractChannel, queue: str) -> None:
         def closed(future: asyncio.Future[Any]) -> None:
@@ -332,10 +334,10 @@ class Session:
         self, stream: Stream, message: DeliveredMessage, probe: bool = False,
         released: str | None = None,
     ) -> None:
-        """A delivery's task (aiormq's; a probe's ``basic.get`` runs in the probe's): its
-        history, its turn on the lane, then ``_handle``; tracked for shutdown, counted in
-        flight. One coroutine for all of it: this is most of the traffic, and each level of
-        calls costs."""
+        """A delivery's task (aiormq's; a probe's ``basic.get`` runs in the probe's, a released
+        message in its pass's): its history, its turn on the lane (``probe``: it has it), then
+        ``_handle``; tracked for shutdown, counted in flight. One coroutine for all of it:
+        this is most of the traffic, and each level of calls costs."""
         task = asyncio.current_task()
         assert task is not None
         self.tasks.add(task)
@@ -353,11 +355,9 @@ class Session:
                 history, ours = self._history(stream, message)
             else:  # a first delivery without headers (most of the traffic): nothing to read
                 ours = False
-            if order is not None:  # its key's turn first: anything it becomes is in order
-                if released is not None:
-                    order.turns[task] = Turn(released)
-                elif await order.admit(task, message, history, ours) is None:
-                    return
+            if order is not None and not await self._admit(order, task, message, history, ours,
+                                                           released):
+                return
             if history is not FIRST:
                 # Parked on arrival, counted as a return, taken at its limit: none of it runs
                 # the handler, so none of it waits for a turn.
@@ -365,21 +365,16 @@ class Session:
                 if action is not HANDLE:
                     await self._carry_out(stream, message, history, action, None)
                     return
-            alone = probe or released is not None
-            if not alone:
-                alone = history is not FIRST and runs_alone(history, stream.rules.queue_type)
+            if probe:
+                alone = True
+            else:  # its turn on the lane (a released message: beside the others, not alone)
+                alone = released is None and history is not FIRST and runs_alone(
+                    history, stream.rules.queue_type)
                 entered = True
                 if not lane.enter(task, alone) and not await self._turn(
                         stream, task, message, history, alone):
                     return
-            elif released is not None and lane.paused:
-                # Handed back from the held queue while paused: it waits for a probe or the
-                # resume where the lane's deliveries wait, and then runs in its turn.
-                entered = True
-                if not lane.enter(task, False) and not await self._turn(
-                        stream, task, message, history, False):
-                    return
-            await self._handle(stream, task, message, history, alone)
+            await self._handle(stream, task, message, history, alone or released is not None)
         except (DeliveryGone, aiormq.exceptions.ChannelInvalidStateError):
             log.debug("queue=%s: a delivery's channel closed; the broker has it back", sub.queue)
         except Exception as exc:
@@ -391,6 +386,16 @@ class Session:
                 order.left(task)
             sub.metrics.in_flight -= 1
             self.tasks.discard(task)
+
+    @staticmethod
+    async def _admit(order: OrderedLane, task: asyncio.Task[Any], message: DeliveredMessage,
+                     history: History, ours: bool, released: str | None) -> bool:
+        """Its key's turn first, so anything it becomes is in order (a released message has
+        it); False when the lane took care of it (moved, dropped, acked)."""
+        if released is not None:
+            order.turns[task] = Turn(released)
+            return True
+        return await order.admit(task, message, history, ours) is not None
 
     @staticmethod
     def _history(stream: Stream, message: DeliveredMessage) -> tuple[History, bool]:
