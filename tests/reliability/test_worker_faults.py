@@ -154,8 +154,9 @@ def test_broker_app_stopped_and_started_mid_stream_loses_nothing(
     assert not worker.exited() and worker.pid == pid, "the worker must reconnect by itself"
     # Past the broker's own retry of a dead-letter it could not deliver (180 s): one CI run on
     # 4.3 had not settled 180 s after the restart (cause not found; a failing settle now prints
-    # what each queue holds).
-    ledger = settle(fresh_vhost, worker, expected, MAIN_AND_TIERS, PARKING, within=300)
+    # what each queue holds; 240 s, so that it fails before pytest-timeout's 300 s stops the
+    # test without it, as it did on 4.3 on 2026-11-30).
+    ledger = settle(fresh_vhost, worker, expected, MAIN_AND_TIERS, PARKING, within=240)
     log = worker.log()
     lost = log.count("lost the broker")
     reconnected = re.findall(r"reconnected after ([\d.]+)s \((\d+) attempt", log)
