@@ -61,9 +61,11 @@ class BatchResult:
     failed: Mapping[Delivery[Any], BaseException] = field(default_factory=dict)
 
 
-class BatchError(TypeError):
+class BatchError(Exception):
     """``handle_batch`` returned something the worker cannot split per delivery: every delivery
-    of the batch fails with it (retried), so no message is taken for done by mistake."""
+    of the batch fails with it, so no message is taken for done by mistake. Always transient
+    (retried): not a ``TypeError``, so a consumer's ``permanent_errors`` cannot park a batch for
+    a result the handler got wrong."""
 
 
 def outcomes(
@@ -80,6 +82,11 @@ def outcomes(
             f"handle_batch returned {type(returned).__name__}; expected BatchResult or None"
         )] * len(deliveries)
     failed = returned.failed
+    if not isinstance(failed, Mapping):
+        return [BatchError(
+            f"BatchResult.failed is {type(failed).__name__}; expected a mapping of the failed"
+            " deliveries to their exceptions"
+        )] * len(deliveries)
     given = {id(d) for d in deliveries}
     for key, error in failed.items():
         if id(key) not in given:
@@ -102,7 +109,7 @@ class Batcher:
     returns its own outcome. ``track`` is told of each batch's task (shutdown waits for it and
     cancels it with the deliveries it serves)."""
 
-    __slots__ = ("_call", "_pending", "_rule", "_timer", "_track")
+    __slots__ = ("_call", "_closed", "_pending", "_rule", "_timer", "_track")
 
     def __init__(
         self,
@@ -115,13 +122,15 @@ class Batcher:
         self._track = track
         self._pending: list[Waiting] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._closed = False  # the worker is stopping: nothing waits to be collected
 
     async def join(self, delivery: Delivery[Any], *, alone: bool = False) -> Outcome | Exception:
-        """Add ``delivery`` to the next batch (or run it as a batch of one, ``alone``); its
-        outcome once the batch ran. A cancelled ``join`` leaves the batch to the others."""
+        """Add ``delivery`` to the next batch (or run it as a batch of one: ``alone``, or once
+        the batcher is closed); its outcome once the batch ran. A cancelled ``join`` leaves the
+        batch to the others."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Outcome | Exception] = loop.create_future()
-        if alone:
+        if alone or self._closed:
             self._start([(delivery, future)])
         else:
             pending = self._pending
@@ -133,8 +142,7 @@ class Batcher:
         return await future
 
     def flush(self) -> None:
-        """Hand what is collected to the handler now (its size or its wait is reached, or the
-        worker is stopping)."""
+        """Hand what is collected to the handler now (its size or its wait is reached)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -144,12 +152,21 @@ class Batcher:
         if batch:
             self._start(batch)
 
+    def close(self) -> None:
+        """The worker is stopping: what is collected runs now, and a delivery that joins later
+        (it was still on its way, an idempotency check say) runs at once, as a batch of its
+        own, within the stop's grace."""
+        self._closed = True
+        self.flush()
+
     def _start(self, batch: list[Waiting]) -> None:
         self._track(asyncio.ensure_future(self._run(batch)))
 
     async def _run(self, batch: list[Waiting]) -> None:
         try:
             results = await self._call([delivery for delivery, _ in batch])
+        except Exception as exc:  # a fault of the worker's: each delivery fails with it
+            results = [exc] * len(batch)
         except BaseException:  # cancelled (a stop, a lost connection): so are its deliveries
             for _, future in batch:
                 future.cancel()

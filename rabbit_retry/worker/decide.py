@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.resolved import QueueType, RetryPolicy
+from rabbit_retry.worker.batch import BatchError
 from rabbit_retry.worker.consumer import HandlerTimeout, Permanent
 from rabbit_retry.worker.history import History
 from rabbit_retry.worker.redelivery import WORKER_RETURN_LIMIT, Counting
@@ -155,13 +156,14 @@ def classify(
     """What a handler's exception means.
 
     A handler that read a ``payload`` that is not JSON fails ``INVALID`` whatever it raised
-    after; a timeout is ``FAILED`` (transient) even if ``TimeoutError`` is listed as permanent;
+    after; a timeout is ``FAILED`` (transient) even if ``TimeoutError`` is listed as permanent,
+    and so is a batch result the worker could not split (``BatchError``);
     ``Permanent`` and the consumer's ``permanent_errors`` are ``PERMANENT``; anything else is
     ``FAILED``.
     """
     if payload_invalid:
         return Outcome.INVALID
-    if isinstance(error, HandlerTimeout):
+    if isinstance(error, HandlerTimeout | BatchError):
         return Outcome.FAILED
     if isinstance(error, (Permanent, *permanent_errors)):
         return Outcome.PERMANENT

@@ -543,7 +543,8 @@ class Session:
         if timeout is not None:
             sub.deadlines.start(task, timeout)
         try:
-            returned = await sub.consumer.handle_batch(deliveries)
+            # A list of its own: the handler may sort or empty it; the outcomes follow ours.
+            returned = await sub.consumer.handle_batch(list(deliveries))
         except BaseException as exc:
             what = exc if timeout is None else sub.deadlines.ended(task, exc, timeout)
             if not isinstance(what, Exception):  # a cancellation (shutdown), an exit
@@ -764,7 +765,7 @@ class Session:
         await asyncio.sleep(0)  # deliveries still waiting for their turn leave, unstarted
         for stream in self.streams:
             if stream.batcher is not None:  # what a batch collected runs now, within the grace
-                stream.batcher.flush()
+                stream.batcher.close()
         self.stopping = True
         await shutdown.finish(self.tasks, grace, force)
         await self.close()

@@ -207,6 +207,78 @@ async def test_a_result_naming_a_delivery_not_in_the_batch_fails_the_batch_retri
     assert second.verdict == Verdict.ACKED
 
 
+async def test_a_handler_that_sorts_or_empties_its_list_keeps_each_outcome_on_its_delivery(
+) -> None:
+    """The handler gets a list of its own: sorted in place, the failure stays on the delivery
+    it names (before, "good" parked and "bad" was acked); emptied, the batch still settles."""
+
+    class Sorting(Loader):
+        async def handle_batch(self, deliveries: list[Delivery]) -> BatchResult | None:
+            self.batches.append([(d.message_id, d.attempt) for d in deliveries])
+            deliveries.sort(key=lambda d: d.message_id or "", reverse=True)
+            failed = {d: Permanent("no such sku") for d in deliveries if d.message_id == "bad"}
+            deliveries.clear()
+            return BatchResult(failed=failed)
+
+    consumer = Sorting()
+    consumer.batch = Batch(size=3, wait=0.05)
+    async with broker_for(orders_yaml()) as broker, broker.worker(consumer):
+        for mid in ("bad", "good", "also-good"):
+            broker.publish(b"{}", queue=Q, message_id=mid)
+        decisions = {d.message_id: d.verdict for d in await broker.settle()}
+    assert consumer.batches == [[("bad", 1), ("good", 1), ("also-good", 1)]]
+    assert decisions == {"bad": Verdict.PARKED, "good": Verdict.ACKED,
+                         "also-good": Verdict.ACKED}
+
+
+@pytest.mark.parametrize("failed", [[0], None, {0}], ids=["list", "none", "set"])
+async def test_a_result_whose_failed_is_not_a_mapping_fails_the_batch_retried(
+    failed: Any,
+) -> None:
+    """Before, ``failed.items()`` raised inside the batch's task, which cancelled every
+    delivery: each stayed unacked until its channel closed, and the prefetch ran out."""
+
+    class Malformed(Loader):
+        async def handle_batch(self, deliveries: list[Delivery]) -> BatchResult | None:
+            self.batches.append([(d.message_id, d.attempt) for d in deliveries])
+            if len(self.batches) == 1:
+                return BatchResult(failed=failed)
+            return None
+
+    consumer = Malformed()
+    consumer.batch = Batch(size=2, wait=0.05)
+    async with broker_for(orders_yaml()) as broker, broker.worker(consumer):
+        broker.publish(b"{}", queue=Q, message_id="a")
+        broker.publish(b"{}", queue=Q, message_id="b")
+        first = await broker.settle()
+        assert {d.message_id: d.verdict for d in first} == {"a": Verdict.RETRIED,
+                                                            "b": Verdict.RETRIED}
+        assert {d.headers["exception-type"] for d in first} == {
+            "rabbit_retry.worker.batch.BatchError"}
+        assert {d.headers["exception-message"] for d in first} == {
+            f"BatchResult.failed is {type(failed).__name__}; expected a mapping of the failed"
+            " deliveries to their exceptions"}
+        second = await broker.settle(retries=True)
+    assert {d.message_id: d.verdict for d in second} == {"a": Verdict.ACKED, "b": Verdict.ACKED}
+
+
+async def test_a_result_the_worker_cannot_split_is_retried_even_with_typeerror_permanent(
+) -> None:
+    """``BatchError`` is not a ``TypeError`` and is always transient: a consumer listing
+    ``TypeError`` (or ``Exception``) as permanent does not park its batch for it."""
+
+    class Strict(Loader):
+        permanent_errors = (TypeError, Exception)
+
+        async def handle_batch(self, deliveries: list[Delivery]) -> BatchResult | None:
+            return BatchResult(failed={d.message_id: RuntimeError("x") for d in deliveries})
+
+    async with broker_for(orders_yaml()) as broker, broker.worker(Strict()):
+        broker.publish(b"{}", queue=Q, message_id="m")
+        [decision] = await broker.settle()
+    assert decision.verdict == Verdict.RETRIED
+
+
 async def test_a_batch_past_its_timeout_fails_every_delivery_with_the_timeout() -> None:
     class Slow(Loader):
         handler_timeout = 0.05
@@ -331,6 +403,39 @@ async def test_a_stop_hands_over_what_was_collected_without_waiting_for_the_wait
         assert broker.messages(Q) == []
     assert sorted(mid for b in consumer.batches for mid, _ in b) == ["m-0", "m-1", "m-2"]
     assert Counter(d.verdict for d in broker.decisions) == {Verdict.ACKED: 3}
+
+
+async def test_a_delivery_that_joins_after_the_stop_began_runs_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A delivery still in its idempotency check when the stop hands the collected batch over
+    joins after it: it runs at once, as a batch of its own, instead of waiting for the batch's
+    ``wait`` (an hour here) until the grace ran out and going back unhandled."""
+    from rabbit_retry.worker import dedupe
+
+    admit = dedupe.Deduper.admit
+    checking = asyncio.Event()
+
+    async def slow_admit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        checking.set()
+        await asyncio.sleep(0.3)
+        return await admit(self, *args, **kwargs)
+
+    monkeypatch.setattr(dedupe.Deduper, "admit", slow_admit)
+
+    class Patient(Loader):
+        batch = Batch(size=100, wait=3600)
+        idempotency = Idempotency(f"sqlite:///{tmp_path / 'seen.db'}", window=3600)
+
+    consumer = Patient()
+    async with broker_for(orders_yaml()) as broker:
+        broker.publish(b"{}", queue=Q, message_id="m-0")
+        async with broker.worker(consumer, grace=30.0) as worker:
+            await checking.wait()
+            await asyncio.wait_for(worker.stop(), 10)  # the grace (30 s) would fail it
+        assert broker.messages(Q) == []
+    assert consumer.batches == [[("m-0", 1)]]
+    assert [d.verdict for d in broker.decisions] == [Verdict.ACKED]
 
 
 # --- the outcome per delivery (pure) -------------------------------------------------------------
