@@ -246,6 +246,15 @@ class OrderedLane:
         if hold is not None:
             if (turn := self._holder(task, key, hold)) is None:
                 await self._ack(tag)
+                return None
+            # Behind the key's last delivery too, and its ack taken (the one that failed may
+            # still wait in its run); and the key's next one waits behind this holder until it
+            # left, its release written: a crash before that would run the holder again after.
+            try:
+                await self._behind(task, key)
+            except BaseException:
+                self.left(task)
+                raise
             return turn
         if self._copied(key, message):
             await self._ack(tag)

@@ -635,6 +635,95 @@ async def test_a_keys_next_message_runs_only_once_the_broker_has_taken_the_ack_b
     assert frames_as_two_ran[-2:] == ["ack", "round trip"], frames_as_two_ran
 
 
+async def test_a_keys_next_message_waits_until_its_holders_release_is_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retried message's copy is handled, and its release is being written to the held
+    queue when the key's next message arrives: that one waits for the holder to leave. Before,
+    it ran at once (the key was already out of ``holds``); a crash before the release was
+    confirmed then ran the holder again, after it. Fails without the change (alice-2 handled
+    by the first worker, alice-1 again by the second)."""
+    from rabbit_retry.worker.ordered import OrderedLane
+
+    write_entry, admit = OrderedLane._write_entry, OrderedLane.admit
+    releasing = asyncio.Event()
+    admitted: list[str | None] = []
+
+    async def never_confirmed(self: OrderedLane, entry: Any) -> None:
+        if entry.kind == "release":
+            releasing.set()
+            await asyncio.Event().wait()  # the worker dies first
+        await write_entry(self, entry)
+
+    async def admitting(self: OrderedLane, task: Any, message: Any, *args: Any) -> Any:
+        admitted.append(message.header.properties.message_id)
+        return await admit(self, task, message, *args)
+
+    first, second = Ledger({("alice", 1): 1}), Ledger()
+    async with broker_for(topology()) as broker:
+        async with broker.worker(first) as worker:
+            publish(broker, "alice", 1)
+            await broker.settle()  # alice-1 failed: its copy waits in a tier, alice is held
+            monkeypatch.setattr(OrderedLane, "_write_entry", never_confirmed)
+            monkeypatch.setattr(OrderedLane, "admit", admitting)
+            due = broker.memory.next_expiry()
+            assert due is not None
+            broker.memory.expire(due)  # the copy comes back and is handled
+            await asyncio.wait_for(releasing.wait(), 5)
+            publish(broker, "alice", 2)
+            await broker.wait_for(lambda: "alice-2" in admitted, what="alice-2 admitted")
+            for _ in range(200):  # room to run, had it been let through
+                await asyncio.sleep(0)
+            assert first.calls["alice"] == [1, 1]
+            await worker.crash()
+        monkeypatch.undo()
+        async with broker.worker(second):
+            await broker.settle(retries=True)
+    assert first.calls["alice"] + second.calls["alice"] == [1, 1, 1, 2]
+
+
+async def test_a_holder_runs_once_the_ack_of_the_delivery_it_retries_was_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A retry's copy back before the failed delivery's ack left its run (behind a delivery
+    still running): the copy runs once that ack is sent and taken. Before, it ran at once and
+    its own ack took the key's place in what its next message waits for, so the failed
+    delivery's ack could still be unsent when its key's next message ran; a crash then ran the
+    failed one again after it. Fails without the change (alice: 1, 1, 2, then 1)."""
+    from rabbit_retry.worker import settle
+
+    monkeypatch.setattr(settle, "LINGER_S", 30.0)  # runs go out only when something asks
+    monkeypatch.setattr(settle, "STRAGGLER_S", 30.0)
+
+    class Stuck(Ledger):
+        ack_run = 100
+
+        async def handle(self, delivery: Delivery) -> None:
+            if delivery.headers["user-id"] == "bob":
+                self.calls["bob"].append(delivery.payload["seq"])
+                await asyncio.Event().wait()  # its tag stays open at the head of the run
+            await super().handle(delivery)
+
+    first, second = Stuck({("alice", 1): 1}), Ledger()
+    async with broker_for(topology(lanes=1)) as broker:
+        async with broker.worker(first) as worker:
+            publish(broker, "bob", 1)
+            await broker.wait_for(lambda: first.calls["bob"] == [1], what="bob-1 running")
+            publish(broker, "alice", 1)
+            await broker.wait_for(lambda: broker.memory.next_expiry() is not None,
+                                  what="alice-1's copy in its tier")
+            broker.memory.expire(broker.memory.next_expiry())  # type: ignore[arg-type]
+            await broker.wait_for(lambda: first.applied["alice"] == [1], what="the holder")
+            publish(broker, "alice", 2)
+            await broker.wait_for(lambda: first.applied["alice"] == [1, 2], what="alice-2")
+            await worker.crash()
+        monkeypatch.undo()
+        async with broker.worker(second):
+            await broker.settle(retries=True)
+    never_backwards({"alice": first.calls["alice"] + second.calls["alice"]})
+    assert second.applied["bob"] == [1]
+
+
 async def test_routing_key_keys_keep_their_order_too() -> None:
     class ByRoute(Ledger):
         async def handle(self, delivery: Delivery) -> None:
