@@ -7,7 +7,7 @@ them all again, and a delivery limit parks (or dead-letters) the bystanders with
 So a lane keeps a crash charged to the one message that caused it:
 
 - A delivery that came back without a verdict (``decide.runs_alone``) never runs beside
-  another: it waits until nothing else runs, and nothing starts while it runs.
+  another: it waits until nothing else runs, and nothing starts while it waits or runs.
 - Holding deliveries is what exposes them to a crash, so once a suspect arrives the lane stops
   taking more (``basic.cancel``), settles what it holds, and then consumes one message at a time
   (QoS 1, "probation") until a delivery that did not come back arrives; then it goes back to the
@@ -100,6 +100,7 @@ class Lane:
         self._held = 0  # deliveries received and not gone
         self._shared: set[Task] = set()  # the deliveries running side by side
         self._alone: Task | None = None  # a suspect running
+        self._suspects = 0  # suspects waiting for their turn: nothing new starts meanwhile
         self._changed = asyncio.Event()
         self._waiting = 0  # deliveries and movers in ``_until``: a poke with none wakes no one
         # A paused fixed lane's unstarted deliveries (their message ids), longest waiting
@@ -240,7 +241,7 @@ class Lane:
         """A delivery arrived (``alone``: it came back without a verdict): whether it may run
         now, beside the others (most do). When not, ``turn`` says what it may do, once it may."""
         self._held += 1
-        if (self.paused or alone or self._stopped
+        if (self.paused or alone or self._stopped or self._suspects
                 or self._alone is not None or len(self._shared) >= self.prefetch
                 or (self.mode == "probation" and self._target == "probation")):
             return False
@@ -264,12 +265,15 @@ class Lane:
             self._want("full")
             await self._until(lambda: self._stopped or self.mode == "full"
                               or self._mover is None or self._mover.done())
-        if self._alone is not None or len(self._shared) >= self.prefetch:
+        if self._alone is not None or self._suspects or len(self._shared) >= self.prefetch:
             # Leaving probation holds one delivery more than the prefetch for a moment;
-            # it waits, so no more than ``prefetch`` handlers ever run at once.
+            # it waits, so no more than ``prefetch`` handlers ever run at once. Behind a
+            # suspect waiting for its turn too: a fixed lane never stops taking deliveries, and
+            # other keys starting one after another would keep it waiting for a lull.
             await self._until(
                 lambda: self._stopped or self.paused
-                or (self._alone is None and len(self._shared) < self.prefetch)
+                or (self._alone is None and not self._suspects
+                    and len(self._shared) < self.prefetch)
             )
             if self._stopped or self.paused:
                 return self._not_started()
@@ -287,8 +291,14 @@ class Lane:
                 extra={"queue": self.queue, "event": "probation"},
             )
             self._want("probation")
-        await self._until(lambda: self._stopped or self.paused
-                          or (self._alone is None and not self._shared))
+        self._suspects += 1
+        try:
+            await self._until(lambda: self._stopped or self.paused
+                              or (self._alone is None and not self._shared))
+        finally:
+            self._suspects -= 1
+            if not self._suspects:
+                self._poke()  # the deliveries waiting behind suspects look again
         if self._stopped or self.paused:
             return self._not_started()
         self._alone = task

@@ -68,3 +68,38 @@ async def test_idle_returns_once_a_delivery_sent_back_by_the_pause_has_left() ->
     assert lane.probe() == "parked"
     await parked
     assert turns["parked"] == "shared"
+
+
+async def test_a_returned_delivery_waiting_to_run_alone_keeps_later_ones_from_starting() -> None:
+    """A fixed lane never stops taking deliveries. A returned delivery waits to run alone until
+    nothing else runs; meanwhile a later delivery does not start beside the running one, so the
+    returned one runs as soon as that one is done, then the later one. Before, each new
+    delivery started while a slot was free, and the returned one (with every later message of
+    its key) waited for a lull in the lane."""
+    lane = _lane(prefetch=2)
+    turns: dict[str, str] = {}
+
+    async def arrive(name: str, alone: bool = False) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if lane.enter(task, alone):
+            turns[name] = "shared"
+            return
+        turns[name] = await lane.turn(task, alone, name)
+
+    running = asyncio.create_task(arrive("running"))
+    await _step()
+    returned = asyncio.create_task(arrive("returned", alone=True))
+    await _step()
+    later = asyncio.create_task(arrive("later"))
+    await _step()
+    assert turns == {"running": "shared"}, turns  # a slot is free, yet "later" waits
+    lane.ran(running)
+    lane.left(running)
+    await _step()
+    assert turns == {"running": "shared", "returned": "alone"}, turns
+    lane.ran(returned)
+    lane.left(returned)
+    await _step()
+    assert turns["later"] == "shared"
+    await asyncio.gather(running, returned, later)
