@@ -69,18 +69,21 @@ class Deduper:
         consumer: str,
         timeout: float | None,
         user: str = "",
+        batch_wait: float = 0.0,
     ) -> None:
         self.rule = rule
         self.replayers = frozenset(rule.replayers if rule.replayers is not None else (user,))
         self.store = store
         self.scope = scope
         self.consumer = consumer
+        # The default covers what a claimed delivery may take: the handler's timeout, and a
+        # batch consumer's wait for its batch before that (the claim comes first).
         if rule.lease is not None:
             self.lease = rule.lease
         elif timeout is not None:
-            self.lease = timeout + LEASE_MARGIN
+            self.lease = batch_wait + timeout + LEASE_MARGIN
         else:
-            self.lease = LEASE_WITHOUT_TIMEOUT
+            self.lease = batch_wait + LEASE_WITHOUT_TIMEOUT
         self._said_no_key = False
 
     async def admit(

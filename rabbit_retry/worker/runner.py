@@ -382,8 +382,10 @@ class Runner:
 
         stores = await open_stores(rules)
         self.subscriptions = [
-            replace(sub, deduper=Deduper(rule, stores[rule.store], sub.queue, sub.consumer.name,
-                                         sub.consumer.handler_timeout, self.user))
+            replace(sub, deduper=Deduper(
+                rule, stores[rule.store], sub.queue, sub.consumer.name,
+                sub.consumer.handler_timeout, self.user,
+                batch_wait=sub.consumer.batch.wait if sub.consumer.batch is not None else 0.0))
             if (rule := sub.consumer.idempotency) is not None
             else sub
             for sub in self.subscriptions

@@ -438,6 +438,24 @@ async def test_a_delivery_that_joins_after_the_stop_began_runs_at_once(
     assert [d.verdict for d in broker.decisions] == [Verdict.ACKED]
 
 
+@pytest.mark.parametrize(("limit", "lease"), [(10.0, 20.0 + 10.0 + 30.0), (None, 20.0 + 300.0)])
+async def test_a_batch_consumers_idempotency_claim_outlasts_its_wait_for_the_batch(
+    tmp_path: Path, limit: float | None, lease: float
+) -> None:
+    """A delivery claims its key before it waits for its batch: the default lease covers that
+    wait too, or a claim could run out while its delivery still waits and a duplicate take it."""
+
+    class Slow(Loader):
+        batch = Batch(size=100, wait=20.0)
+        handler_timeout = limit
+        idempotency = Idempotency(f"sqlite:///{tmp_path / 'seen.db'}")
+
+    async with broker_for(orders_yaml()) as broker, broker.worker(Slow()) as worker:
+        await broker.wait_for(lambda: worker.runner.ready.is_set(), what="the worker ready")
+        [deduper] = [s.deduper for s in worker.runner.subscriptions]
+    assert deduper is not None and deduper.lease == lease
+
+
 # --- the outcome per delivery (pure) -------------------------------------------------------------
 
 
