@@ -1,9 +1,11 @@
-"""A fixed lane's turns while paused (an ordered queue's lane), driven step by step: the probe
-loop waits in ``idle()`` until nothing of the lane is held but what the pause keeps waiting."""
+"""A fixed lane's turns (an ordered queue's lane), driven step by step: while paused, the probe
+loop waits in ``idle()`` until nothing of the lane is held but what the pause keeps waiting; a
+returned delivery waiting to run alone keeps later ones from starting."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from rabbit_retry.worker.lane import Lane
@@ -24,6 +26,20 @@ def _lane(prefetch: int) -> Lane:
                 lambda why: None, fixed=True)
 
 
+def _arrivals(lane: Lane, turns: dict[str, str]) -> Callable[..., Coroutine[Any, Any, None]]:
+    """A delivery's way onto ``lane`` (as the session takes it), its turn noted in ``turns``."""
+
+    async def arrive(name: str, alone: bool = False) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if lane.enter(task, alone):
+            turns[name] = "shared"
+            return
+        turns[name] = await lane.turn(task, alone, name)
+
+    return arrive
+
+
 async def _step() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
@@ -37,14 +53,7 @@ async def test_idle_returns_once_a_delivery_sent_back_by_the_pause_has_left() ->
     parked delivery's ``PAUSED_WAIT`` (300 s) ran out."""
     lane = _lane(prefetch=1)
     turns: dict[str, str] = {}
-
-    async def arrive(name: str) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if lane.enter(task, False):
-            turns[name] = "shared"
-            return
-        turns[name] = await lane.turn(task, False, name)
+    arrive = _arrivals(lane, turns)
 
     running = asyncio.create_task(arrive("running"))
     await _step()
@@ -78,14 +87,7 @@ async def test_a_returned_delivery_waiting_to_run_alone_keeps_later_ones_from_st
     its key) waited for a lull in the lane."""
     lane = _lane(prefetch=2)
     turns: dict[str, str] = {}
-
-    async def arrive(name: str, alone: bool = False) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if lane.enter(task, alone):
-            turns[name] = "shared"
-            return
-        turns[name] = await lane.turn(task, alone, name)
+    arrive = _arrivals(lane, turns)
 
     running = asyncio.create_task(arrive("running"))
     await _step()
