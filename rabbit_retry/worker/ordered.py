@@ -121,11 +121,11 @@ class OrderedLane:
         self._last: dict[str, str] = {}  # per key: the message id of the last one waiting
         self.turns: dict[Task, Turn] = {}  # the running deliveries' keys
         self._tails: dict[str, asyncio.Future[None]] = {}  # per key: its last admitted delivery
-        # Per key: the tag of its last delivery settled here whose ack the broker may not have
-        # taken yet. Its ack may wait in a run, or be written and still be lost with a SIGKILL
+        # Per key: the tags of its deliveries settled here whose acks the broker may not have
+        # taken yet. An ack may wait in a run, or be written and still be lost with a SIGKILL
         # (the system drops what it had not sent), so the key's next message waits until the
         # ack is sent and a round trip on the channel was answered after it (``_confirmed``).
-        self._unconfirmed: dict[str, int] = {}
+        self._unconfirmed: dict[str, list[int]] = {}
         self._syncing: set[str] = set()  # the keys the round trip under way covers
         self._sync: asyncio.Future[None] | None = None
         self._mine: dict[Task, asyncio.Future[None]] = {}
@@ -167,19 +167,19 @@ class OrderedLane:
             self._settled(turn.key, _tag(message))
 
     def _settled(self, key: str, tag: int) -> None:
-        self._unconfirmed[key] = tag
+        self._unconfirmed.setdefault(key, []).append(tag)
         if len(self._unconfirmed) > UNCONFIRMED_CAP and (self._sync is None or self._sync.done()):
             self._round_trip()  # keys that do not come back: confirm them, keep the map small
 
     async def _confirmed(self, key: str) -> None:
-        """Until the broker has taken the ack of the key's last delivery settled here: its
+        """Until the broker has taken the acks of the key's deliveries settled here: each
         ack sent now (with its run when the run reaches it, else alone; the other done
         deliveries keep to their runs) and a round trip on the channel answered after it (the
         broker handles a channel's frames in order). An ack only written may still be lost
         with a SIGKILL, and the delivery would come back after its key's next one ran."""
-        tag = self._unconfirmed.get(key)
-        if tag is not None and self.settle.waiting(tag):
-            await self.settle.send_now(tag)
+        for tag in list(self._unconfirmed.get(key, ())):
+            if self.settle.waiting(tag):
+                await self.settle.send_now(tag)
         while key in self._unconfirmed or key in self._syncing:
             if self._sync is None or self._sync.done():
                 self._round_trip()
@@ -189,7 +189,8 @@ class OrderedLane:
     def _round_trip(self) -> None:
         """One round trip covering every key whose ack is sent by now (a key whose ack still
         waits in its run waits for a later one)."""
-        sent = {k for k, t in self._unconfirmed.items() if not self.settle.waiting(t)}
+        sent = {k for k, tags in self._unconfirmed.items()
+                if not any(self.settle.waiting(t) for t in tags)}
         for key in sent:
             del self._unconfirmed[key]
         self._syncing = sent
@@ -228,15 +229,14 @@ class OrderedLane:
         headers = message.header.properties.headers
         tag: int = message.delivery.delivery_tag  # type: ignore[union-attr,assignment]
         if self.settled_before(message):
-            await self._ack(tag)
+            await self._ack(tag)  # its key's next message waits until the broker took it
+            self._settled(self._key(message, history, ours), tag)
             return None
         if (entry := self._lane_entry(message, ours)) is not None:
             await (self._fence(entry) if entry.kind == "fence" else self._passed(entry))
             await self._ack(tag)
             return None
-        routing_key = (history.source[1] if history.source
-                       else message.delivery.routing_key or "")  # type: ignore[union-attr]
-        key = key_of(self.config.header, headers, routing_key, ours)
+        key = self._key(message, history, ours)
         hold, released = _marks(headers, ours)
         if released is not None:  # an operator discarded the holder (or a nudge: "")
             if released and self._holding(key) == released:
@@ -271,6 +271,11 @@ class OrderedLane:
             raise
         self.left(task)
         return None
+
+    def _key(self, message: DeliveredMessage, history: History, ours: bool) -> str:
+        routing_key = (history.source[1] if history.source
+                       else message.delivery.routing_key or "")  # type: ignore[union-attr]
+        return key_of(self.config.header, message.header.properties.headers, routing_key, ours)
 
     def _holder(self, task: Task, key: str, hold: str) -> Turn | None:
         """A copy holding ``key`` by ``hold`` is back: its turn, first of its key; None when it

@@ -577,6 +577,56 @@ async def test_deliveries_whose_acks_the_broker_lost_are_not_handled_again(
     assert ledger.calls["erin"] == [1, 2, 2, 3, 4], ledger.calls  # erin-2: failed, then ran
 
 
+async def test_a_delivery_acked_again_keeps_its_keys_next_message_until_the_broker_took_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Deliveries handed back after a broker lost their acks are acked again, not run again;
+    the key's next message then runs only once those acks are sent and taken, as after any
+    delivery of its key. Before, it ran with them still waiting in their run: a kill -9 then
+    would hand them back to a worker that no longer remembers them, after the next one ran."""
+    from rabbit_retry.testing.amqp import Channel
+    from rabbit_retry.worker import settle
+
+    ack = Channel.basic_ack
+    unacked_as_three_ran: list[str] = []
+
+    async def lose(self: Channel, delivery_tag: int, multiple: bool = False,
+                   wait: bool = True) -> None:
+        pass
+
+    class Probe(Ledger):
+        ack_run = 100
+
+        async def handle(self, delivery: Delivery) -> None:
+            if delivery.payload["seq"] == 3:
+                unacked_as_three_ran.extend(m for m in unacked() if m != "erin-3")
+            await super().handle(delivery)
+
+    def unacked() -> list[str]:
+        assert worker.connection is not None
+        return sorted(h.message.header.properties.message_id or ""
+                      for h in worker.connection.held())
+
+    ledger = Probe()
+    async with broker_for(topology()) as broker, broker.worker(ledger) as worker:
+        monkeypatch.setattr(Channel, "basic_ack", lose)
+        for seq in (1, 2):
+            publish(broker, "erin", seq)
+        await broker.wait_for(lambda: ledger.applied["erin"] == [1, 2])
+        monkeypatch.setattr(Channel, "basic_ack", ack)
+        monkeypatch.setattr(settle, "LINGER_S", 30.0)  # runs go out only when something asks
+        monkeypatch.setattr(settle, "STRAGGLER_S", 30.0)
+        broker.disconnect()  # the broker hands both back: each is acked again, in a run
+        await broker.wait_for(lambda: len(worker.connections) == 2
+                              and unacked() == ["erin-1", "erin-2"], what="both back")
+        await asyncio.sleep(0.05)
+        assert unacked() == ["erin-1", "erin-2"]  # positive control: their acks wait
+        publish(broker, "erin", 3)
+        await broker.wait_for(lambda: ledger.applied["erin"] == [1, 2, 3])
+    assert ledger.calls["erin"] == [1, 2, 3]
+    assert unacked_as_three_ran == [], unacked_as_three_ran
+
+
 async def test_a_keys_next_message_runs_only_once_the_broker_has_taken_the_ack_before(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
