@@ -123,15 +123,18 @@ class Outbox:
 def _refuse_autocommit(kind: Kind, conn: Any) -> None:
     """A connection in autocommit mode outside a transaction would commit the event on its own,
     whatever became of the application's other writes: that is no outbox. (A SQLAlchemy
-    ``Connection`` is looked at through its driver's connection: SQLite's or psycopg's.)"""
-    raw = conn
+    ``Connection`` is looked at through its driver's connection: SQLite's or psycopg's; a
+    ``Session`` through the connection of its transaction.)"""
+    raw, what = conn, type(conn).__name__
+    if kind == "sqlalchemy" and not hasattr(conn, "get_execution_options"):
+        conn = conn.connection()  # a Session: the connection its transaction (begun now) uses
     if kind == "sqlalchemy" and hasattr(conn, "get_execution_options"):
         if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
             raw = None
         else:
             raw = conn.connection.dbapi_connection
     if raw is None or _alone(raw):
-        raise ValueError(f"add: the {type(conn).__name__} is in autocommit mode outside a "
+        raise ValueError(f"add: the {what} is in autocommit mode outside a "
                          "transaction, so the event would commit on its own; add it inside the "
                          "transaction of the writes it belongs with; nothing was written")
 

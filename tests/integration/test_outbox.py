@@ -19,6 +19,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 from support.amqp import drain, on_channel
 from support.outbox import (
     migrated,
@@ -248,6 +249,10 @@ def test_a_connection_in_autocommit_mode_outside_a_transaction_is_refused(
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
     with engine.connect() as auto, pytest.raises(ValueError, match="autocommit mode"):
         outbox.add(auto, queue="shop.orders", body=b"", message_id="sqlalchemy-alone")
+    # A Session on that engine too (before, it was taken, and the event outlived a rollback).
+    with Session(engine) as session, pytest.raises(ValueError) as refused:
+        outbox.add(session, queue="shop.orders", body=b"", message_id="session-alone")
+    assert str(refused.value) == said.replace("Connection", "Session")
     engine.dispose()
     assert [r["message_id"] for r in rows(url)] == ["in-a-transaction"]
 
