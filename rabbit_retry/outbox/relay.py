@@ -118,6 +118,8 @@ class Sender:
         self.in_flight: dict[str, asyncio.Future[object]] = {}  # by message id
         self.known: set[str] = {""}  # exchanges seen to exist (the default one always does)
         self.wakers: set[asyncio.Event] = set()
+        # When the wait for confirms last moved: a confirm came, or publishing began after an
+        # idle spell (``expect``); ``watch`` measures its deadline from here.
         self.last_confirm = time.monotonic()
         self._opening = asyncio.Lock()
         self._isolating = asyncio.Lock()
@@ -191,6 +193,14 @@ class Sender:
                         raise
                     sent.failed.append(Failure(row, reason))
         return sent
+
+    def expect(self, message_id: str, future: asyncio.Future[object]) -> None:
+        """A publish now waits for its confirm. After an idle spell the deadline starts here,
+        not at the last confirm (minutes ago, perhaps: the watch would close a connection that
+        was about to confirm)."""
+        if not self.in_flight:
+            self.last_confirm = time.monotonic()
+        self.in_flight[message_id] = future
 
     async def watch(self, connection_lost: Callable[[str], None]) -> None:
         """One deadline for every publish: no confirm for ``CONFIRM_TIMEOUT_S`` while some wait
@@ -642,7 +652,7 @@ class _Sending:
             self.sent.suspects += batch  # perhaps written, perhaps not
             return
         for row, future in zip(batch, futures, strict=True):
-            sender.in_flight[row.message_id] = future
+            sender.expect(row.message_id, future)
             self.mine[row.id] = row
             future.add_done_callback(partial(self.settled, row))
 

@@ -86,3 +86,30 @@ async def test_a_lost_connection_is_said_with_the_brokers_reason() -> None:
     clean = Closing()
     clean.closing.set_result(None)  # closed without a reason: the error itself is said
     assert await relay_module._lost_with(clean, bare) is bare  # type: ignore[arg-type]
+
+
+async def test_the_confirm_watch_counts_from_when_publishing_began_after_an_idle_spell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watch closes the connection when no confirm came for its deadline while publishes
+    wait. After an idle spell longer than the deadline, a publish that has waited a moment is
+    not that (before, the watch counted from the last confirm, minutes ago, and closed a
+    connection about to confirm: a reconnect and the batch published again). One that waits
+    the whole deadline still is (the positive control)."""
+    from rabbit_retry.outbox.relay import Sender
+
+    monkeypatch.setattr(relay_module, "CONFIRM_TIMEOUT_S", 2.0)  # the watch looks every 0.33 s
+    closed: list[BaseException | None] = []
+
+    class Connection:
+        async def close(self, exc: BaseException | None = None) -> None:
+            closed.append(exc)
+
+    sender = Sender(Connection(), "/", "hold")  # type: ignore[arg-type]
+    watch = asyncio.create_task(sender.watch(lambda why: None))
+    sender.last_confirm -= 600  # the last confirm came ten minutes ago; nothing waited since
+    sender.expect("m-1", asyncio.get_running_loop().create_future())
+    await asyncio.sleep(0.5)
+    assert closed == [] and not watch.done()
+    await asyncio.wait_for(watch, 10)  # m-1 never confirmed: the watch ends it
+    assert [str(exc) for exc in closed] == ["no publisher confirm within 2s"]
