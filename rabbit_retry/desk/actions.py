@@ -81,20 +81,28 @@ class Actions:
         sent = 0
         while rows := await asyncio.to_thread(self.ledger.pending_releases):
             channel = await self._channel()
+            done: list[int] = []
             try:
                 for row in rows:
                     headers = contract.release_headers(stored_headers(row))
                     if headers is not None:
-                        await channel.basic_publish(
-                            b"", exchange="", routing_key=row["queue"], mandatory=True,
-                            properties=spec.Basic.Properties(
-                                headers=headers, delivery_mode=2,
-                                message_id=contract.new_message_id()))
+                        try:
+                            await channel.basic_publish(
+                                b"", exchange="", routing_key=row["queue"], mandatory=True,
+                                properties=spec.Basic.Properties(
+                                    headers=headers, delivery_mode=2,
+                                    message_id=contract.new_message_id()))
+                        except aiormq.exceptions.PublishError:
+                            # Returned: no queue of that name any more, so no key it holds.
+                            log.warning("desk: the ordered key of a discarded message of %r is"
+                                        " not released: the queue is gone", row["queue"])
+                    done.append(row["id"])
             finally:
                 with suppress(Exception):
                     await channel.close()
-            await asyncio.to_thread(self.ledger.released, [row["id"] for row in rows])
-            sent += len(rows)
+                # What went out is marked, also when a later one failed (the rest stay pending).
+                await asyncio.to_thread(self.ledger.released, done)
+            sent += len(done)
         return sent
 
     async def restore(self, selection: Selection, actor: str, reason: str | None) -> int:

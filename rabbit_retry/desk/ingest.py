@@ -113,6 +113,7 @@ class Ingest:
 
             channel.on_consumer_cancel_callbacks.add(on_cancel)
             self._pending = []
+            self._arrived.clear()
             flusher = asyncio.create_task(self._flush_forever(channel))
             try:
                 waiting = set(self.parking)
@@ -178,6 +179,8 @@ class Ingest:
             taken, self._pending = self._pending[: self.batch], self._pending[self.batch :]
             if not self._pending:
                 self._arrived.clear()
+            if not taken:  # what had arrived went with a lost connection (a new session began)
+                continue
             await self._store(taken)
             last = max(_tag(m) for _, m in taken)
             await channel.basic_ack(last, multiple=True)
