@@ -196,7 +196,8 @@ class Ingest:
         generation, grouping = self._current_grouping()
         rows = [parked(queue, m.body, m.header.properties, now=moment, grouping=grouping,
                        generation=generation) for queue, m in taken]
-        return self.store.insert(rows, moment)
+        first = [not getattr(m.delivery, "redelivered", False) for _, m in taken]
+        return self.store.insert(rows, moment, first)
 
     async def _store(self, taken: list[tuple[str, DeliveredMessage]]) -> None:
         moment = datetime.now(UTC)

@@ -11,7 +11,9 @@ database: sessions, rules and the key that signs cookies live here, not in a des
 
 from __future__ import annotations
 
+import hashlib
 import re
+import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -193,8 +195,15 @@ class Store:
 
     # --- ingest ----------------------------------------------------------------------------
 
-    def insert(self, batch: Sequence[Parked], at: datetime | None = None) -> int:
-        """Store a batch of parked copies in one transaction; returns how many were new."""
+    def insert(self, batch: Sequence[Parked], at: datetime | None = None,
+               first: Sequence[bool] | None = None) -> int:
+        """Store a batch of parked copies in one transaction; returns how many were new.
+
+        A copy alike to the byte to one stored is skipped: the same delivery again (a desk
+        stopped between its commit and its ack). ``first`` says which copies the broker
+        delivered for the first time: those cannot be stored yet, so one that shares its digest
+        is another message alike to the byte (the broker parks a message itself, without a
+        ``parked-id``, when a queue is full or a message expires) and is stored too."""
         if not batch:
             return 0
         at = at or now()
@@ -204,6 +213,8 @@ class Store:
             first_of_group.setdefault(p.group, p.group_row())
         group_rows = list(first_of_group.values())
         with self.tx() as tx:
+            if first is not None and any(first):
+                _set_apart(tx, rows, first)
             tx.execute(self.insert_ignore(groups, ["id"]), group_rows)
             # A plain executemany (RETURNING would make PostgreSQL's driver parse one huge
             # statement per batch); a copy already stored is skipped. The new rows are those
@@ -631,3 +642,16 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
+
+
+def _set_apart(tx: Connection, rows: list[dict[str, Any]], first: Sequence[bool]) -> None:
+    """Give a digest of its own to each first delivery whose digest the store or an earlier
+    copy of the batch has (it is another message, alike to the byte)."""
+    fresh = [row["digest"] for row, is_first in zip(rows, first, strict=True) if is_first]
+    taken = set(tx.execute(sa.select(messages.c.digest)
+                           .where(messages.c.digest.in_(fresh))).scalars())
+    for row, is_first in zip(rows, first, strict=True):
+        digest = row["digest"]
+        if is_first and digest in taken:
+            row["digest"] = hashlib.sha256(f"{digest}:{uuid.uuid4().hex}".encode()).hexdigest()
+        taken.add(digest)

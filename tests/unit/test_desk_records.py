@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from decimal import Decimal
+from pathlib import Path
 
 from pamqp import commands as spec
 
@@ -111,3 +112,27 @@ def test_without_parked_at_the_ingest_time_counts() -> None:
     p = parked("orders", b"x", spec.Basic.Properties(headers={}), now=NOW)
     assert p.parked_at == NOW
     assert (p.reason, p.exception_type, p.attempts, p.message_id) == (None, None, None, None)
+
+
+def test_two_messages_the_broker_parked_alike_to_the_byte_are_two_rows(tmp_path: Path) -> None:
+    """The broker parks a message itself (a full queue or an expired message with ``on_full``
+    or ``on_expire: park``): no ``parked-id``, and ``x-death`` counts whole seconds. Two such
+    messages alike (same body, no message id, the same second) have one digest. Delivered for
+    the first time, each is a message of its own and gets a row (before, the desk stored one
+    and acked both); delivered again (a desk stopped between its commit and its ack), each is
+    known and skipped."""
+    from rabbit_retry.desk.store import Store
+
+    death = {"count": 1, "reason": "maxlen", "queue": "orders", "exchange": "",
+             "time": dt.datetime(2026, 11, 23, 11, 59, 58), "routing-keys": ["orders"]}
+    props = spec.Basic.Properties(delivery_mode=2, headers={
+        "x-death": [death], "x-first-death-reason": "maxlen",
+        "x-first-death-queue": "orders", "x-first-death-exchange": ""})
+    alike = [parked("orders", b'{"event": "refresh"}', props, now=NOW) for _ in range(3)]
+    assert len({p.digest for p in alike}) == 1
+    store = Store(f"sqlite:///{tmp_path / 'desk.db'}")
+    store.migrate()
+    second = dt.timedelta(seconds=1)
+    assert store.insert(alike[:2], NOW, [True, True]) == 2
+    assert store.insert(alike[2:], NOW + second, [True]) == 1  # a third, in a later batch
+    assert store.insert(alike, NOW + 2 * second, [False, False, False]) == 0  # all again
