@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Mapping
 from contextlib import suppress
@@ -186,16 +187,29 @@ class Actions:
                 await channel.close()
 
     async def _keep_lease(self, replay: Replay) -> None:
+        """Renew the replay's lease every third of it. A renewal that fails (the store) is
+        tried again at the next; once the lease may have run out (two thirds of it without a
+        renewal), the replay stops here, as when another desk took it: the desk that takes it
+        over then is the only one publishing it."""
+        renewed = time.monotonic()
         while True:
             await asyncio.sleep(self.lease / 3)
-            held = await asyncio.to_thread(self.ledger.renew, replay.claimed.id, self.owner,
-                                           self.lease)
+            try:
+                held = await asyncio.to_thread(self.ledger.renew, replay.claimed.id, self.owner,
+                                               self.lease)
+            except Exception as exc:
+                if time.monotonic() - renewed < self.lease * 2 / 3:
+                    log.warning("desk: replay %s: renewing its lease failed (%s); trying again",
+                                replay.claimed.id, _one_line(exc))
+                    continue
+                held = False
             if not held:
-                log.error("desk: replay %s: lease lost to another desk; stopping here",
-                          replay.claimed.id)
+                log.error("desk: replay %s: its lease is lost or may have run out; stopping "
+                          "here (the desk that takes it over finishes it)", replay.claimed.id)
                 with suppress(Exception):
                     await replay.channel.close()
                 return
+            renewed = time.monotonic()
 
     async def adopt_abandoned(self) -> int:
         """Take over every replay whose desk stopped renewing its lease; returns how many."""
@@ -207,6 +221,9 @@ class Actions:
                        "confirmed (they may arrive twice)")
             log.warning(message)
             print(f"rabbit-retry {message.removeprefix('desk: ')}", flush=True)
+            earlier = self.running.get(claimed.id)
+            if earlier is not None:  # this desk's own run, stopping after its lease ran out
+                await asyncio.wait({earlier[1]})
             try:
                 await self._run(claimed, -1)
             except Exception:

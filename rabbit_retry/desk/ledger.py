@@ -235,8 +235,9 @@ class Ledger:
 
         Claimed parked rows are written ``replayed`` now (their one write; they count as
         ``replaying`` until settled); rows it claimed before (a replay taken over from a desk
-        that died) come back as they are. No rows: none is left, or an operator asked the
-        replay to stop (``cancel_by``)."""
+        that died) come back as they are. Once an operator asked the replay to stop
+        (``cancel_by``) only those come back, to be sent again and settled (their copies may be
+        out): nothing more is claimed. No rows: none is left, or the replay stops."""
         m, item = messages.c, replay_items.c
         first = True
         while True:
@@ -251,13 +252,16 @@ class Ledger:
                                     .where(replays.c.id == replay_id)).first()
                 if replay is None:
                     return Claim([])
-                if replay.cancel_by is not None:
-                    return Claim([], replay.cancel_by)
+                cancelled = replay.cancel_by is not None
                 ids = list(tx.execute(
                     sa.select(item.message_id)
-                    .where(item.replay_id == replay_id, item.message_id > after)
+                    .where(item.replay_id == replay_id, item.message_id > after,
+                           *([] if not cancelled else [
+                               item.message_id == m.id, m.status == "replayed"]))
                     .order_by(item.message_id).limit(limit)
                 ).scalars())
+                if cancelled and not ids:
+                    return Claim([], replay.cancel_by)
                 if not ids:
                     return Claim([])
                 # Rows an earlier run claimed and did not settle: their copies may be out; the
@@ -286,7 +290,7 @@ class Ledger:
                 rows = [dict(row._mapping) for row in tx.execute(query)]
             after = ids[-1]
             if rows:
-                return Claim(rows)
+                return Claim(rows, replay.cancel_by)
             # (a page of rows another desk discarded first: go on)
 
     def _settle(self, tx: Connection, replay_id: str, ids: Sequence[int]) -> int:

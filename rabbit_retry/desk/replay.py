@@ -36,6 +36,7 @@ import aiormq.exceptions
 from pamqp import commands as spec
 
 from rabbit_retry import contract
+from rabbit_retry.backoff import Backoff
 from rabbit_retry.broker.batch import publish_batch
 from rabbit_retry.desk.ledger import Claim, Claimed, Ledger
 from rabbit_retry.desk.records import generated_message_id, stored_body, stored_properties
@@ -49,6 +50,7 @@ log = logging.getLogger("rabbit_retry.desk")
 WINDOW = 512  # rows claimed and not yet settled (copies out, or about to be), at most
 CHUNK = 128  # rows claimed (and answered rows settled) in one transaction
 SETTLE_MIN = 64  # answered rows written without waiting for the next claim
+SETTLE_RETRY_FIRST_S, SETTLE_RETRY_MAX_S = 0.5, 10.0  # writing them again after a store error
 CONFIRM_TIMEOUT_S = 60.0
 
 
@@ -195,11 +197,22 @@ class Replay:
         return len(self._flight.confirmed) + len(self._flight.refused)
 
     async def _settle_meanwhile(self) -> None:
-        """Write the broker's answers while the publisher waits, or once they are many."""
+        """Write the broker's answers while the publisher waits, or once they are many. A
+        store that fails is tried again (the answers stay in memory meanwhile): the replay
+        waits for them, and a helper that died of it would leave it waiting for good."""
+        backoff = Backoff(SETTLE_RETRY_FIRST_S, SETTLE_RETRY_MAX_S)
         while True:
             await self._until(lambda: self._answered() > 0 and (
                 self._idle or self._answered() >= SETTLE_MIN))
-            await self._step(0, 0)
+            try:
+                await self._step(0, 0)
+            except Exception as exc:
+                if backoff.failures == 0:
+                    log.warning("desk: replay %s: writing what the broker confirmed failed (%s);"
+                                " trying again", self.claimed.id, exc)
+                await asyncio.sleep(backoff.failed())
+                continue
+            backoff.succeeded()
 
     def _room(self) -> int:
         """Rows the next step may claim: the window less the rows claimed and not settled once
@@ -213,8 +226,13 @@ class Replay:
         async with self._writing:
             confirmed, flight.confirmed = flight.confirmed, []
             refused, flight.refused = flight.refused, {}
-            claim = await asyncio.to_thread(self.ledger.step, self.claimed.id, confirmed,
-                                            list(refused), after, limit)
+            try:
+                claim = await asyncio.to_thread(self.ledger.step, self.claimed.id, confirmed,
+                                                list(refused), after, limit)
+            except BaseException:  # not written: the next step writes them
+                flight.confirmed[:0] = confirmed
+                flight.refused = {**refused, **flight.refused}
+                raise
             flight.unsettled -= len(confirmed) + len(refused)
         self.result.replayed += len(confirmed)
         self.result.refused += len(refused)
@@ -223,17 +241,16 @@ class Replay:
         return claim
 
     async def _publish(self) -> None:
+        """Claim and send, a chunk at a time. Once cancelled, the rows an earlier run of this
+        replay claimed (a desk that died: their copies may be out) are still sent again and
+        settled; nothing more is claimed."""
         after = 0
-        while self.state is State.PUBLISHING:
+        while self.state in (State.PUBLISHING, State.CANCELLING):
             with self._waiting():
-                await self._until(lambda: self.state is not State.PUBLISHING
-                                  or self._room() >= self.chunk)
-            if self.state is not State.PUBLISHING:
-                return
+                await self._until(lambda: self._room() >= self.chunk)
             claim = await self._step(after, self.chunk)
             if claim.cancel_by is not None:
                 self.cancel(claim.cancel_by)
-                return
             if not claim.rows:
                 return
             after = claim.rows[-1]["id"]
