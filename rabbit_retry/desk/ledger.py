@@ -27,10 +27,12 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from rabbit_retry import contract
+from rabbit_retry import contract, wire
 from rabbit_retry.desk.errors import NotFound, Nothing
+from rabbit_retry.desk.records import stored_headers
 from rabbit_retry.desk.schema import audit, groups, message_events, messages, replay_items, replays
 from rabbit_retry.desk.store import Selection, Store, no_index, now
+from rabbit_retry.parking.message import jsonable
 
 EVENTS_BATCH = 5000
 
@@ -148,6 +150,8 @@ class Ledger:
                            .where(messages.c.id.in_([row.id for row in moved]),
                                   holds.is_not(None))
                            .values(release_pending=True))
+            else:
+                _hold_again_or_let_go(tx, [row.id for row in moved])
             kind = "discarded" if action == "discard" else "restored"
             self.store.add_totals(tx, kind, Counter(str(row.queue) for row in moved))
             tx.execute(audit.update().where(audit.c.id == entry)
@@ -428,3 +432,22 @@ def _let_go(tx: Connection, replay_id: str, ids: Sequence[int]) -> list[int]:
         .where(replay_items.c.replay_id == replay_id, replay_items.c.message_id.in_(ids))
         .returning(replay_items.c.message_id)
     ).scalars())
+
+
+def _hold_again_or_let_go(tx: Connection, ids: Sequence[int]) -> None:
+    """Restored holders of ordered keys: one whose release has not gone out holds its key again
+    (the release is not sent); one whose release went out let its key go on, so its copy no
+    longer names the hold (replayed with it, the worker would take it for a stale copy of a
+    hold that ended and drop it): replayed, it runs as the key's newest message."""
+    m = messages.c
+    holds = m.headers[contract.ORDERED_HOLD].as_string()
+    let_go = tx.execute(sa.select(m.id, m.headers_raw).where(
+        m.id.in_(ids), holds.is_not(None), m.release_pending.is_(False))).all()
+    tx.execute(messages.update().where(m.id.in_(ids), m.release_pending.is_(True))
+               .values(release_pending=False))
+    for row in let_go:
+        headers = stored_headers(dict(row._mapping))
+        headers.pop(contract.ORDERED_HOLD, None)
+        headers.pop(contract.ORDERED_LANE, None)
+        tx.execute(messages.update().where(m.id == row.id).values(
+            headers=jsonable(headers), headers_raw=wire.encode_table(headers)))

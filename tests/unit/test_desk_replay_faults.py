@@ -139,3 +139,40 @@ async def test_a_failed_lease_renewal_is_tried_again_until_the_lease_may_have_ru
     assert keeping.done() is stopped and bool(closed) is stopped
     assert len(calls) == (2 if stopped else 4)
     keeping.cancel()
+
+
+def test_a_restored_holder_holds_its_key_again_or_no_longer_names_a_hold_that_ended(
+    tmp_path: Path,
+) -> None:
+    """Two discarded holders of ordered keys are restored: the one whose release had not gone
+    out holds its key again (its release is not sent); the one whose release went out let its
+    key go on, so its copy no longer names the hold. Before, the release was sent after the
+    restore anyway, and a holder replayed after its release named a hold that had ended: the
+    worker took it for a stale copy and dropped it."""
+    from rabbit_retry import contract
+    from rabbit_retry.desk.records import stored_headers
+
+    store = Store(f"sqlite:///{tmp_path / 'desk.db'}")
+    store.migrate()
+    store.insert([parked("rewards.points", b"{}", spec.Basic.Properties(
+        message_id=f"{user}-1", headers={
+            "parked-id": uuid.uuid4().hex, contract.ORDERED_KEY: user,
+            contract.ORDERED_HOLD: uuid.uuid4().hex, contract.ORDERED_LANE: "1/4"}), now=NOW)
+        for user in ("alice", "bob")], NOW)
+    ledger = Ledger(store)
+    assert ledger.discard(Selection(ids=(1, 2)), "ana", "wrong account") == 2
+    assert [r["id"] for r in ledger.pending_releases()] == [1, 2]
+    ledger.released([1])  # alice's release went out; bob's waits
+    assert ledger.restore(Selection(ids=(1, 2)), "ana", "not wrong after all") == 2
+    assert ledger.pending_releases() == []
+    with store.tx() as tx:
+        import sqlalchemy as sa
+
+        from rabbit_retry.desk.schema import messages
+
+        rows = {r.id: dict(r._mapping) for r in tx.execute(sa.select(messages))}
+    alice, bob = stored_headers(rows[1]), stored_headers(rows[2])
+    assert contract.ORDERED_HOLD not in alice and contract.ORDERED_LANE not in alice
+    assert alice[contract.ORDERED_KEY] == "alice"
+    assert contract.ORDERED_HOLD not in rows[1]["headers"]
+    assert contract.ORDERED_HOLD in bob and bob[contract.ORDERED_LANE] == "1/4"
