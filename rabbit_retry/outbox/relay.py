@@ -396,8 +396,10 @@ class Relay:
                 if len(claimed.claim.rows) < self.batch:
                     await self._idle(running)  # what was there is claimed: let it settle
         finally:
-            watchdog.cancel()
-            results = await asyncio.gather(*running, return_exceptions=True)
+            try:  # the watch stays until the claims in flight end: a silent broker ends them
+                results = await asyncio.gather(*running, return_exceptions=True)
+            finally:
+                watchdog.cancel()
             for result in results:
                 if isinstance(result, BaseException) and not isinstance(
                         result, asyncio.CancelledError):

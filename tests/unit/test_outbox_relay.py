@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -113,3 +114,59 @@ async def test_the_confirm_watch_counts_from_when_publishing_began_after_an_idle
     assert closed == [] and not watch.done()
     await asyncio.wait_for(watch, 10)  # m-1 never confirmed: the watch ends it
     assert [str(exc) for exc in closed] == ["no publisher confirm within 2s"]
+
+
+async def test_a_stop_while_the_broker_no_longer_confirms_ends_within_the_confirm_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relay asked to stop waits for the claims in flight; the confirm watch stays until they
+    end, so a broker that stopped confirming (a resource alarm: its heartbeats go on) ends them
+    at the deadline. Before, the watch was cancelled first, and the stop waited for good."""
+    import sqlalchemy as sa
+
+    from rabbit_retry.outbox import Outbox
+    from rabbit_retry.outbox.relay import Sender, Sent
+
+    (tmp_path / "shop.yml").write_text(TOPOLOGY)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    store.close()
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        Outbox(tmp_path / "shop.yml").add(conn, queue="shop.orders", body=b"1", message_id="m-1")
+    engine.dispose()
+    monkeypatch.setattr(relay_module, "CONFIRM_TIMEOUT_S", 0.3)
+
+    class Connection:
+        is_closed = False
+
+        def __init__(self) -> None:
+            self.closing = asyncio.get_running_loop().create_future()
+
+        async def channel(self, **_: Any) -> object:
+            return object()
+
+        async def close(self, exc: BaseException | None = None) -> None:
+            self.is_closed = True
+            if not self.closing.done():
+                self.closing.set_result(None)
+
+    class Silent(Sender):
+        async def send(self, rows: Any, messages: Any) -> Any:  # out, never confirmed
+            for row in rows:
+                self.expect(row.message_id, asyncio.get_running_loop().create_future())
+            await self.connection.closing  # type: ignore[attr-defined]
+            return Sent(suspects=list(rows), broken=ConnectionError("closed"))
+
+    monkeypatch.setattr(relay_module, "Sender", Silent)
+    relay = Relay(url, tmp_path / "shop.yml", Settings.from_env("amqp://guest:guest@127.0.0.1:1/"))
+    relay._leased.set()
+    connection = Connection()
+    publishing = asyncio.create_task(relay._publish(connection))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    relay.stop()
+    done, _ = await asyncio.wait({publishing}, timeout=5)
+    relay.store.close()
+    assert done, "the stop still waits for a confirm that never comes"
+    assert connection.is_closed  # the watch closed the silent connection
