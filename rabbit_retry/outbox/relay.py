@@ -459,7 +459,11 @@ class Relay:
         """Publish one claim and write what became of it; returns how many were published.
         Raises (after writing what is known) when the broker went away."""
         claim = claimed.claim
-        rows = [r for r in claim.rows if r.id in claimed.messages]
+        # With hold, an event that cannot be read fails and holds its key: the key's later
+        # events of this claim stay pending (the next claim holds them behind it).
+        held = {f.row.order_key for f in claimed.unreadable
+                if f.row.order_key is not None} if sender.hold else set()
+        rows = [r for r in claim.rows if r.id in claimed.messages and r.order_key not in held]
         try:
             sent = await sender.send(rows, claimed.messages)
             sent.failed += claimed.unreadable

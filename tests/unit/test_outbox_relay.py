@@ -170,3 +170,50 @@ async def test_a_stop_while_the_broker_no_longer_confirms_ends_within_the_confir
     relay.store.close()
     assert done, "the stop still waits for a confirm that never comes"
     assert connection.is_closed  # the watch closed the silent connection
+
+
+async def test_with_hold_an_event_that_cannot_be_read_holds_its_keys_later_events(
+    tmp_path: Path,
+) -> None:
+    """An event the relay cannot read (a damaged row) fails, and with ``--on-failure hold`` it
+    holds its key: the key's next event of the same claim is not published before it (it stays
+    pending). Before, only the unreadable one was held back."""
+    from datetime import UTC, datetime
+
+    import sqlalchemy as sa
+
+    from rabbit_retry.outbox import Outbox
+    from rabbit_retry.outbox.relay import Sent
+
+    (tmp_path / "shop.yml").write_text(TOPOLOGY)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    store.close()
+    engine = sa.create_engine(url)
+    outbox = Outbox(tmp_path / "shop.yml")
+    with engine.begin() as conn:
+        for n in (1, 2):
+            outbox.add(conn, queue="shop.orders", body=b"x", message_id=f"k-{n}", key="K")
+        outbox.add(conn, queue="shop.orders", body=b"x", message_id="other", key="L")
+        conn.execute(sa.text("update rabbit_retry_outbox set properties = '{\"bogus\": 1}' "
+                             "where message_id = 'k-1'"))
+    sent: list[str] = []
+
+    class Sender:
+        hold = True
+        connection = type("Open", (), {"is_closed": False})()
+
+        async def send(self, rows: Any, messages: Any) -> Any:
+            sent.extend(r.message_id for r in rows)
+            return Sent(published=[(r, datetime.now(UTC)) for r in rows])
+
+    relay = Relay(url, tmp_path / "shop.yml", Settings.from_env("amqp://guest:guest@127.0.0.1:1/"))
+    await relay._carry(Sender(), await relay._claim())  # type: ignore[arg-type]
+    relay.store.close()
+    with engine.connect() as conn:
+        statuses = dict(conn.execute(sa.text(
+            "select message_id, status from rabbit_retry_outbox")).all())
+    engine.dispose()
+    assert sent == ["other"]  # positive control: another key's event goes out
+    assert statuses == {"k-1": "failed", "k-2": "pending", "other": "published"}
