@@ -110,6 +110,12 @@ class Pausing:
         )
         for lane in self.lanes:
             await lane.pause()
+        if not self.breaker.paused:
+            # A delivery answered after this pause was decided and before it was carried out
+            # (its failure's copy waited for a confirm): that resume found the lanes not paused
+            # yet, and no probe would ever run. Resume now.
+            await self.resume("a message was handled as the pause began")
+            return
         self.start_probe()
 
     async def resume(self, why: str) -> None:

@@ -232,6 +232,51 @@ async def test_a_pause_stops_the_queue_after_its_trip_and_a_probe_resumes_it() -
     assert rest and all(d.verdict == "acked" for d in rest)
 
 
+async def test_a_delivery_answered_while_a_pause_is_carried_out_resumes_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trip's failure waits for its copy's confirm before the lanes pause; a delivery that
+    succeeds meanwhile resumes the breaker, and finds the lanes not paused yet. The pause then
+    resumes at once. Before, the lanes stayed paused with no probe to resume them: the queue
+    was never consumed again (only a reconnect did)."""
+    from rabbit_retry.worker.publisher import Publisher
+
+    publish = Publisher.publish
+
+    async def slow(self: Publisher, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.2)  # the confirm's round trip: the other delivery answers first
+        return await publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Publisher, "publish", slow)
+
+    class Racing(RetryConsumer):
+        queue = Q
+        prefetch = 2
+        pause = Pause(after=1, on=(GatewayDown,), probe_every=3600)
+
+        def __init__(self) -> None:
+            self.failed = asyncio.Event()
+            self.calls: list[str | None] = []
+
+        async def handle(self, delivery: Delivery) -> None:
+            self.calls.append(delivery.message_id)
+            if delivery.message_id == "a":
+                self.failed.set()
+                raise GatewayDown("payment gateway unreachable")
+            if delivery.message_id == "b":
+                await self.failed.wait()
+
+    consumer = Racing()
+    async with broker_for(orders_yaml()) as broker, broker.worker(consumer) as worker:
+        broker.publish(b"{}", queue=Q, message_id="a")
+        broker.publish(b"{}", queue=Q, message_id="b")
+        await broker.wait_for(lambda: worker.runner.metrics.for_queue(Q).pauses == 1,
+                              what="the pause")
+        broker.publish(b"{}", queue=Q, message_id="c")
+        await broker.wait_for(lambda: "c" in consumer.calls, what="c handled")
+        assert worker.runner.metrics.for_queue(Q).paused == 0
+
+
 async def test_idempotency_acks_a_duplicate_without_calling_the_handler(tmp_path: Path) -> None:
     class Once(Scripted):
         idempotency = Idempotency(f"sqlite:///{tmp_path / 'dedupe.db'}", window=3600)
