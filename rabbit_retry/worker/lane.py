@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from typing import Any, Literal
@@ -188,8 +189,10 @@ class Lane:
 
     async def _consume(self, prefetch: int) -> None:
         await self.channel.basic_qos(prefetch_count=prefetch)
-        ok = await self.channel.basic_consume(self.queue, self._deliver)
-        self.tag = ok.consumer_tag
+        # The tag is known before the broker answers: a consume cut short (a pause cancels the
+        # mover) may still register the consumer, and ``pause`` or ``stop`` must cancel it.
+        self.tag = f"rabbit-retry.{uuid.uuid4().hex}"
+        await self.channel.basic_consume(self.queue, self._deliver, consumer_tag=self.tag)
 
     def _poke(self) -> None:
         if self._waiting:
