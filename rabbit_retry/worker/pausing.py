@@ -67,6 +67,7 @@ class Pausing:
         self._handle = handle  # runs a probe's message like any delivery (None: fixed lanes)
         self._lost = lost
         self._probe: asyncio.Task[None] | None = None
+        self._handling: asyncio.Task[None] | None = None  # a probe loop handling its message
         self._why = ""
         self._next = 0  # the lane probed next (an ordered queue's)
 
@@ -134,8 +135,11 @@ class Pausing:
             self._probe = asyncio.create_task(self._probing())
 
     async def stop(self) -> None:
+        """No more probes. One whose message is being handled finishes, within the stop's
+        grace (the session waits for its task, as for any delivery's); a probe loop that only
+        waits is cancelled."""
         probe, self._probe = self._probe, None
-        if probe is not None and not probe.done():
+        if probe is not None and not probe.done() and self._handling is not probe:
             await shutdown.cancel([probe])
 
     async def _probing(self) -> None:
@@ -168,7 +172,13 @@ class Pausing:
                          message.header.properties.message_id,
                          extra={"queue": self.queue, "event": "probe"})
                 assert self._handle is not None
-                await self._handle(message)
+                self._handling = asyncio.current_task()
+                try:
+                    await self._handle(message)
+                finally:
+                    self._handling = None
+                if self._probe is not asyncio.current_task():
+                    return  # stopped meanwhile
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the channel died: the session reconnects, still paused

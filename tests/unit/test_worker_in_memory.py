@@ -277,6 +277,98 @@ async def test_a_delivery_answered_while_a_pause_is_carried_out_resumes_the_queu
         assert worker.runner.metrics.for_queue(Q).paused == 0
 
 
+async def test_a_pause_during_a_change_of_consumer_leaves_no_consumer_behind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A returned delivery moves the lane to probation (cancel, consume again) and trips the
+    pause while the new consume is on the wire (the broker registers a consumer before its
+    ConsumeOk comes back). Before, the pause cut the consume short without knowing its tag: a
+    consumer nobody knew of kept delivering to the paused lane, which sent each message back as
+    a copy, over and over, until a probe resumed it."""
+    from rabbit_retry.testing.amqp import Channel
+
+    consume = Channel.basic_consume
+
+    async def answered_later(self: Channel, *args: Any, **kwargs: Any) -> Any:
+        answer = await consume(self, *args, **kwargs)  # registered at once
+        await asyncio.sleep(0.03)  # the ConsumeOk, a round trip later
+        return answer
+
+    monkeypatch.setattr(Channel, "basic_consume", answered_later)
+    from rabbit_retry.worker.publisher import Publisher
+
+    publish = Publisher.publish
+
+    async def confirmed_later(self: Publisher, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.015)  # the failure's copy confirmed while the consume is out
+        return await publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Publisher, "publish", confirmed_later)
+
+    class Tripping(RetryConsumer):
+        queue = Q
+        prefetch = 2
+        pause = Pause(after=1, on=(GatewayDown,), probe_every=3600)
+
+        def __init__(self) -> None:
+            self.calls: list[str | None] = []
+
+        async def handle(self, delivery: Delivery) -> None:
+            self.calls.append(delivery.message_id)
+            if delivery.message_id == "returned":
+                raise GatewayDown("payment gateway unreachable")
+
+    consumer = Tripping()
+    async with broker_for(orders_yaml()) as broker, broker.worker(consumer) as worker:
+        broker.publish(b"{}", queue=Q, message_id="first")  # the lane leaves probation
+        await broker.wait_for(lambda: "first" in consumer.calls, what="first handled")
+        await broker.settle()
+        broker.publish(b"{}", queue=Q, message_id="returned", redelivered=True)
+        metrics = worker.runner.metrics.for_queue(Q)
+        await broker.wait_for(lambda: metrics.paused == 1, what="the pause")
+        connection = worker.connection
+        assert connection is not None
+        await broker.wait_for(lambda: Q not in connection.consumed(),
+                              what="no consumer left on the paused queue")
+        broker.publish(b"{}", queue=Q, message_id="later")
+        await broker.settle()
+        assert [m.message_id for m in broker.messages(Q)] == ["later"]  # waits, unconsumed
+
+
+async def test_a_graceful_stop_lets_a_probe_in_flight_finish_within_the_grace() -> None:
+    """A stop while a pause's probe is being handled: it finishes (acked), as any delivery in
+    flight does within the grace. Before, the stop cancelled it at once and its message went
+    back unacked (on a quorum queue, a return counted toward the delivery limit)."""
+
+    class Slow(RetryConsumer):
+        queue = Q
+        prefetch = 1
+        pause = Pause(after=1, on=(GatewayDown,), probe_every=0.05)
+
+        def __init__(self) -> None:
+            self.started = asyncio.Event()
+            self.finished: list[str | None] = []
+
+        async def handle(self, delivery: Delivery) -> None:
+            if delivery.message_id == "trip":
+                raise GatewayDown("payment gateway unreachable")
+            self.started.set()
+            await asyncio.sleep(0.3)  # well within the grace
+            self.finished.append(delivery.message_id)
+
+    consumer = Slow()
+    async with broker_for(orders_yaml()) as broker:
+        async with broker.worker(consumer, grace=10.0) as worker:
+            broker.publish(b"{}", queue=Q, message_id="trip")
+            metrics = worker.runner.metrics.for_queue(Q)
+            await broker.wait_for(lambda: metrics.paused == 1, what="the pause")
+            broker.publish(b"{}", queue=Q, message_id="probe")  # the next probe takes it
+            await asyncio.wait_for(consumer.started.wait(), 10)
+            await worker.stop()
+        assert consumer.finished == ["probe"]
+        assert {d.message_id: d.verdict for d in broker.decisions}["probe"] == Verdict.ACKED
+
+
 async def test_idempotency_acks_a_duplicate_without_calling_the_handler(tmp_path: Path) -> None:
     class Once(Scripted):
         idempotency = Idempotency(f"sqlite:///{tmp_path / 'dedupe.db'}", window=3600)
