@@ -233,6 +233,14 @@ def _queue_change(queue: Queue, live: LiveState) -> Change:
         replicas = _replicas_change(live_queue, queue, live)
         if replicas is not None:
             return replicas
+    if differences and queue.role in ("lane", "held") and held is None:
+        # Moved through a holding queue, a lane would leave the lanes exchange's ring for a
+        # while and come back in another place: keys would run in another lane than their
+        # earlier messages, and a held queue's entries would wait apart from their lane.
+        return Change("conflict", "queue", queue.name, (
+            f"{'; '.join(differences)}; an ordered queue's lanes cannot be rebuilt in place "
+            "without breaking its keys' order: declare a new ordered queue and move the "
+            "publishers to it"), queue)
     if differences or held is not None:
         # The broker cannot change a queue's type or arguments in place: ``migrate`` builds
         # it again beside a holding queue and moves every message.

@@ -174,6 +174,30 @@ def test_more_lanes_is_a_migrate_fewer_are_refused_and_a_change_under_way_is_res
     assert "a plain queue on the broker that messages reach directly" in line
 
 
+def test_a_change_of_type_of_a_live_ordered_queue_is_refused_at_its_lanes() -> None:
+    """``migrate`` rebuilds a queue through a holding queue bound where it was: a lane taken out
+    of the lanes exchange and bound again comes back at another place of the ring, and keys
+    would run in another lane than their earlier messages. So the lanes and held queues of a
+    live ordered queue whose type changes are a conflict (the rest of the queue would migrate:
+    the positive control)."""
+    from rabbit_retry.broker.diff import diff
+    from rabbit_retry.broker.inspect import LiveQueue, LiveState
+
+    classic = compile_topology(parse_topology(rewards(qtype="classic")))
+    live = LiveState({q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                                        0, 0, 0, 0) for q in classic.queues}, {},
+                     classic.bindings)
+    changes = diff(compile_topology(parse_topology(rewards(qtype="quorum"))), live)
+    kinds = {c.name: c.kind for c in changes if c.object == "queue"}
+    lanes = [n for n in kinds if ".lane." in n]
+    assert len(lanes) == 6 and {kinds[n] for n in lanes} == {"conflict"}
+    assert kinds["rewards.points"] == "migrate"
+    [detail] = {c.detail for c in changes if c.name == "rewards.points.lane.0"}
+    assert detail.endswith("an ordered queue's lanes cannot be rebuilt in place without "
+                           "breaking its keys' order: declare a new ordered queue and move the "
+                           "publishers to it")
+
+
 @pytest.mark.parametrize("on_park", ["hold", "continue"])
 def test_migrate_says_how_many_keys_are_held_before_it_adds_lanes(
     on_park: str, tmp_path: Path
