@@ -611,6 +611,10 @@ async def _release(run: MigrationRun, queue: Queue, hold: str, outcome: Outcome)
                 if ok.message_count:
                     break  # drain again
                 if not ok.consumer_count and not await _consumed(run, publishers):
+                    if _held_unacked(run, name):
+                        # Taken with basic.get and not settled yet: drain them once back.
+                        await asyncio.sleep(RELEASE_WATCH)
+                        break
                     # A classic queue checks both at once; a quorum queue cannot
                     # (NOT_IMPLEMENTED), so it relies on the exact count just read.
                     await channel.queue_delete(
@@ -629,6 +633,15 @@ async def _release(run: MigrationRun, queue: Queue, hold: str, outcome: Outcome)
         f"{name} kept getting consumers or messages through {RELEASE_ATTEMPTS} attempts to "
         f"delete it; its messages are safe in {hold}; stop its consumers and run migrate again"
     )
+
+
+def _held_unacked(run: MigrationRun, name: str) -> bool:
+    """Whether a client holds messages of ``name`` unacked without consuming it (``basic.get``:
+    ``parking show``, a paused worker's probe). Neither the exact counts nor ``if-empty`` see
+    them, and deleting the queue would lose them when they are given back. The management
+    statistics do, a few seconds late."""
+    stats = run.api.queue(run.vhost, name) or {}
+    return int(stats.get("messages_unacknowledged") or 0) > 0
 
 
 def _publishers(run: MigrationRun, queue: Queue) -> list[str]:

@@ -207,3 +207,49 @@ def test_larger_messages_move_with_a_smaller_window_each_once_and_in_order(
     assert (moved.moved, moved.dropped) == (400, 0)
     assert _ready(fresh_vhost, SOURCE) == 0
     assert [str(m.message_id) for m in drain_sync(fresh_vhost, TARGET)] == ids
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_a_queue_whose_messages_a_client_holds_taken_with_get_is_deleted_only_once_they_are_back(
+    fresh_vhost: Settings, queue_type: str
+) -> None:
+    """Releasing a queue (delete it once empty and unused) while another client holds one of
+    its messages taken with ``basic.get`` (``parking show``, a paused worker's probe): neither
+    the exact counts nor ``if-empty`` see it, and before, the queue was deleted and the message
+    lost when it was given back. Now release waits for it, drains it too, then deletes."""
+    import asyncio
+
+    from rabbit_retry.broker.migrate import Outcome, _release
+    from rabbit_retry.topology.plan import Queue
+
+    arguments: dict[str, object] = {"x-queue-type": queue_type}
+    blocking(_declare(fresh_vhost, SOURCE, arguments))
+    blocking(_declare(fresh_vhost, TARGET, {"x-queue-type": "quorum"}))
+    blocking(publish_raw(fresh_vhost, [_message(f"m-{n}") for n in range(3)],
+                         routing_key=SOURCE))
+
+    async def go() -> None:
+        holder = await aiormq.connect(fresh_vhost.url)
+        try:
+            channel = await holder.channel()
+            got = await channel.basic_get(SOURCE, no_ack=False)
+            assert isinstance(got.delivery, spec.Basic.GetOk)
+            with Management.for_settings(fresh_vhost) as api:
+                await eventually(lambda: (api.queue(fresh_vhost.vhost, SOURCE) or {}).get(
+                    "messages_unacknowledged") == 1, what="the taken message in the statistics")
+
+            async def give_back() -> None:
+                await asyncio.sleep(3)
+                await channel.basic_nack(got.delivery.delivery_tag, requeue=True)
+
+            back = asyncio.create_task(give_back())
+            async with _run(fresh_vhost) as run:
+                await _release(run, Queue(SOURCE, "user", SOURCE, arguments), TARGET,
+                               Outcome(SOURCE))
+            await back
+        finally:
+            await holder.close()
+
+    blocking(go(), timeout=200)
+    assert blocking(counts(fresh_vhost, SOURCE)) is None  # deleted
+    assert _ids(fresh_vhost, TARGET) == Counter({"m-0": 1, "m-1": 1, "m-2": 1})
