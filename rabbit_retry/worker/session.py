@@ -733,7 +733,8 @@ class Session:
         """A bug of ours, not the handler's. The delivery must not sit unacked holding a slot of
         the queue's prefetch: it is charged one failed attempt with the error (retried or
         parked like any failure), or if even that fails, sent through its retry tiers by the
-        broker (``nack``). Counted in ``rabbit_retry_internal_errors_total``."""
+        broker (``nack``) where its dead letters go there; elsewhere it stays unacked rather
+        than be dropped. Counted in ``rabbit_retry_internal_errors_total``."""
         sub = stream.sub
         sub.metrics.internal_errors += 1
         message_id = message.header.properties.message_id
@@ -748,6 +749,14 @@ class Session:
             await self._carry_out(stream, message, history,
                                   decide(history, Outcome.FAILED, stream.rules), exc)
         except Exception:
+            if not stream.rules.native:
+                # Its dead letters go to the parking queue or nowhere (on_full / on_expire), or
+                # it is an ordered queue's lane: a nack would not take it to a tier. It stays
+                # with the broker, unacked, until the channel closes.
+                log.exception("queue=%s message_id=%s: the failure could not be carried out "
+                              "either; left unacked (the broker has it back when the channel "
+                              "closes)", sub.queue, message_id)
+                return
             log.exception("queue=%s message_id=%s: the failure could not be carried out either;"
                           " the broker retries it (nack)", sub.queue, message_id)
             if stream.lane.settle.is_open(tag) and not message.channel.is_closed:

@@ -369,6 +369,45 @@ async def test_a_graceful_stop_lets_a_probe_in_flight_finish_within_the_grace() 
         assert {d.message_id: d.verdict for d in broker.decisions}["probe"] == Verdict.ACKED
 
 
+async def test_an_internal_error_twice_leaves_a_message_unacked_where_a_nack_would_drop_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug of the worker's while carrying out a failure, and again while charging it: the
+    fallback nacks it into its retry tiers only where the queue's dead letters go there. With
+    ``on_full: drop`` they go nowhere: the message stays unacked and goes back to the queue
+    with the channel. Before, the nack dropped it."""
+    from rabbit_retry.worker import copies
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("a bug in the worker")
+
+    monkeypatch.setattr(copies, "retry_headers", broken)
+    yaml = f"""\
+version: 1
+queues:
+  {Q}:
+    queue_type: classic
+    arguments: {{x-max-length: 10000}}
+    on_full: drop
+    retry: {{delays: [1s, 2s], max_attempts: 3}}
+"""
+
+    class Failing(RetryConsumer):
+        queue = Q
+
+        async def handle(self, delivery: Delivery) -> None:
+            raise RuntimeError("transient")
+
+    async with broker_for(yaml) as broker:
+        broker.publish(b"{}", queue=Q, message_id="m")
+        async with broker.worker(Failing()) as worker:
+            metrics = worker.runner.metrics.for_queue(Q)
+            await broker.wait_for(lambda: metrics.internal_errors == 1, what="the bug")
+            await worker.stop()
+        assert broker.discarded == []
+        assert [m.message_id for m in broker.messages(Q)] == ["m"]
+
+
 async def test_idempotency_acks_a_duplicate_without_calling_the_handler(tmp_path: Path) -> None:
     class Once(Scripted):
         idempotency = Idempotency(f"sqlite:///{tmp_path / 'dedupe.db'}", window=3600)
