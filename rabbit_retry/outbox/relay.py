@@ -515,12 +515,29 @@ class Relay:
     async def _lease(self) -> None:
         """SQLite: hold the one relay's lease (renewed every third of it), or wait for it."""
         waiting_said = False
+        loop = asyncio.get_running_loop()
+        expiry: asyncio.TimerHandle | None = None
+
+        def run_out() -> None:
+            if self._leased.is_set():
+                log.warning("relay: its lease may have run out (renewing it takes too long); "
+                            "stops publishing until it is renewed")
+                self._leased.clear()
+
         while True:
+            asked = loop.time()
             try:
                 held = await asyncio.to_thread(self.store.take_lease, self.owner, LEASE_S)
             except Exception as exc:
                 log.warning("relay: cannot renew its lease (%s)", _first_line(exc))
                 held = False
+            if expiry is not None:
+                expiry.cancel()
+            if held:
+                # Counted from before the renewal was asked (the store's clock started later):
+                # a renewal slower than the lease (a locked database) must not leave this
+                # relay publishing while another takes the lease over.
+                expiry = loop.call_at(asked + LEASE_S * 0.8, run_out)
             if held and not self._leased.is_set():
                 log.info("relay: holds the lease of %s; publishing", shown(self.store.url))
                 waiting_said = False

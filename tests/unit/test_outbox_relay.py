@@ -217,3 +217,46 @@ async def test_with_hold_an_event_that_cannot_be_read_holds_its_keys_later_event
     engine.dispose()
     assert sent == ["other"]  # positive control: another key's event goes out
     assert statuses == {"k-1": "failed", "k-2": "pending", "other": "published"}
+
+
+async def test_a_relay_whose_lease_renewal_hangs_stops_publishing_before_the_lease_runs_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SQLite: a renewal that hangs (the database locked by the application) no longer leaves
+    the relay publishing past its lease, while another relay may take it over: it stops at
+    four fifths of the lease, counted from when it asked, and publishes again once renewed."""
+    import threading
+
+    (tmp_path / "shop.yml").write_text(TOPOLOGY)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    store.close()
+    monkeypatch.setattr(relay_module, "LEASE_S", 0.6)  # renewed every 0.2 s
+    relay = Relay(url, tmp_path / "shop.yml", Settings.from_env("amqp://guest:guest@127.0.0.1:1/"))
+    unlocked, calls = threading.Event(), []
+    loop, hanging = asyncio.get_running_loop(), asyncio.Event()
+
+    def take_lease(owner: str, seconds: float) -> bool:
+        calls.append(owner)
+        if len(calls) == 2:
+            loop.call_soon_threadsafe(hanging.set)
+            unlocked.wait(10)  # the second renewal hangs until the test lets it go
+        return True
+
+    monkeypatch.setattr(relay.store, "take_lease", take_lease)
+    leasing = asyncio.create_task(relay._lease())
+    try:
+        await asyncio.wait_for(relay._leased.wait(), 5)  # positive control: it holds the lease
+        await asyncio.wait_for(hanging.wait(), 5)
+        for _ in range(200):  # the lease was asked for at about 0.2 s; 0.48 s later it stops
+            if not relay._leased.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert not relay._leased.is_set(), "still publishing on a lease that may have run out"
+        unlocked.set()
+        await asyncio.wait_for(relay._leased.wait(), 5)  # renewed: publishing again
+    finally:
+        unlocked.set()
+        leasing.cancel()
+        relay.store.close()
