@@ -22,6 +22,16 @@ queues:
 """
 
 
+
+def _migrated(tmp_path: Path) -> str:
+    """A SQLite outbox with its tables, and the topology file ``shop.yml`` beside it."""
+    (tmp_path / "shop.yml").write_text(TOPOLOGY)
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    store = OutboxStore(url)
+    store.migrate()
+    store.close()
+    return url
+
 async def test_an_unreachable_broker_is_tried_again_with_growing_waits_and_said_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -127,11 +137,7 @@ async def test_a_stop_while_the_broker_no_longer_confirms_ends_within_the_confir
     from rabbit_retry.outbox import Outbox
     from rabbit_retry.outbox.relay import Sender, Sent
 
-    (tmp_path / "shop.yml").write_text(TOPOLOGY)
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    store = OutboxStore(url)
-    store.migrate()
-    store.close()
+    url = _migrated(tmp_path)
     engine = sa.create_engine(url)
     with engine.begin() as conn:
         Outbox(tmp_path / "shop.yml").add(conn, queue="shop.orders", body=b"1", message_id="m-1")
@@ -185,11 +191,7 @@ async def test_with_hold_an_event_that_cannot_be_read_holds_its_keys_later_event
     from rabbit_retry.outbox import Outbox
     from rabbit_retry.outbox.relay import Sent
 
-    (tmp_path / "shop.yml").write_text(TOPOLOGY)
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    store = OutboxStore(url)
-    store.migrate()
-    store.close()
+    url = _migrated(tmp_path)
     engine = sa.create_engine(url)
     outbox = Outbox(tmp_path / "shop.yml")
     with engine.begin() as conn:
@@ -227,11 +229,7 @@ async def test_a_relay_whose_lease_renewal_hangs_stops_publishing_before_the_lea
     four fifths of the lease, counted from when it asked, and publishes again once renewed."""
     import threading
 
-    (tmp_path / "shop.yml").write_text(TOPOLOGY)
-    url = f"sqlite:///{tmp_path / 'app.db'}"
-    store = OutboxStore(url)
-    store.migrate()
-    store.close()
+    url = _migrated(tmp_path)
     monkeypatch.setattr(relay_module, "LEASE_S", 0.6)  # renewed every 0.2 s
     relay = Relay(url, tmp_path / "shop.yml", Settings.from_env("amqp://guest:guest@127.0.0.1:1/"))
     unlocked, calls = threading.Event(), []

@@ -232,6 +232,19 @@ async def test_a_pause_stops_the_queue_after_its_trip_and_a_probe_resumes_it() -
     assert rest and all(d.verdict == "acked" for d in rest)
 
 
+def _confirms_later(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """The worker's copies are confirmed ``seconds`` after they are published."""
+    from rabbit_retry.worker.publisher import Publisher
+
+    publish = Publisher.publish
+
+    async def later(self: Publisher, *args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(seconds)
+        return await publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Publisher, "publish", later)
+
+
 async def test_a_delivery_answered_while_a_pause_is_carried_out_resumes_the_queue(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -239,15 +252,7 @@ async def test_a_delivery_answered_while_a_pause_is_carried_out_resumes_the_queu
     succeeds meanwhile resumes the breaker, and finds the lanes not paused yet. The pause then
     resumes at once. Before, the lanes stayed paused with no probe to resume them: the queue
     was never consumed again (only a reconnect did)."""
-    from rabbit_retry.worker.publisher import Publisher
-
-    publish = Publisher.publish
-
-    async def slow(self: Publisher, *args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0.2)  # the confirm's round trip: the other delivery answers first
-        return await publish(self, *args, **kwargs)
-
-    monkeypatch.setattr(Publisher, "publish", slow)
+    _confirms_later(monkeypatch, 0.2)  # the confirm's round trip: the other one answers first
 
     class Racing(RetryConsumer):
         queue = Q
@@ -295,15 +300,7 @@ async def test_a_pause_during_a_change_of_consumer_leaves_no_consumer_behind(
         return answer
 
     monkeypatch.setattr(Channel, "basic_consume", answered_later)
-    from rabbit_retry.worker.publisher import Publisher
-
-    publish = Publisher.publish
-
-    async def confirmed_later(self: Publisher, *args: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(0.015)  # the failure's copy confirmed while the consume is out
-        return await publish(self, *args, **kwargs)
-
-    monkeypatch.setattr(Publisher, "publish", confirmed_later)
+    _confirms_later(monkeypatch, 0.015)  # the failure's copy, while the consume is out
 
     class Tripping(RetryConsumer):
         queue = Q
