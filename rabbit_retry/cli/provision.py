@@ -365,6 +365,7 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
     destinations = _destinations(compiled, file)
     changes, live = _read(settings, compiled, targets)
     waiting = pending(apply_work(changes, targeted=bool(targets)), prune=prune)
+    evicted = evictions(select(compiled, targets) if targets else compiled, live)
     if as_json:
         document = {
             "format": PLAN_FORMAT,
@@ -376,7 +377,7 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
             "changes": [c.to_json() for c in changes],
             "policy_notes": policy_notes(compiled, live),
             "policy_hazards": [h.to_json() for h in policy_hazards(compiled, live)],
-            "evictions": [e.to_json() for e in evictions(compiled, live)],
+            "evictions": [e.to_json() for e in evicted],
             "outbox_destinations": {"exchanges": sorted(destinations.exchanges),
                                     "queues": sorted(destinations.queues)},
         }
@@ -384,7 +385,7 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
     else:
         _print_changes(changes, settings.vhost, everything=everything)
         _notes(compiled, live)
-        _print_evictions(evictions(compiled, live))
+        _print_evictions(evicted)
     totals = count(changes)
     if totals["conflict"]:
         raise ConflictError(
@@ -467,10 +468,7 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
     if refused:
         raise ConflictError("\n".join(refused))
     part = select(compiled, targets) if targets else compiled
-    evicted = evictions(part, live)
-    if not dry_run and (why := _evictions_refused(evicted, accept_evictions)):
-        raise ConflictError(why)
-    evicted = evictions(compiled, live)
+    evicted = evictions(part, live)  # only what this apply changes: the targeted part
     if not dry_run and (why := _evictions_refused(evicted, accept_evictions)):
         raise ConflictError(why)
     names = unsendable(changes)

@@ -213,3 +213,49 @@ def test_migrate_moves_only_a_route_to_parking_or_nowhere_never_to_a_tier_not_ma
     # Back to a tier (here a new one, which apply declares): left to apply.
     later = compile_topology(parse_topology(_file("classic", "").replace("[2s]", "[5s]"), "t"))
     assert dead_letter_routes(later, diff(later, _live(parked, ready=0)), ["q"]) == []
+
+
+def test_apply_with_a_target_reports_and_refuses_only_the_evictions_it_makes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``apply --target a`` changes nothing of queue ``b``: a lower limit the file gives ``b``
+    (800 messages held, 600 in the file) is not this apply's eviction. Before, apply checked the
+    whole file a second time and refused (exit 3) naming ``b``, or with --accept-evictions said
+    it evicted from ``b``; plan --target listed it too."""
+    from rabbit_retry.broker.diff import select
+    from rabbit_retry.cli import provision
+
+    text = """\
+version: 1
+queues:
+  a:
+    queue_type: classic
+    retry: {delays: [2s]}
+  b:
+    queue_type: classic
+    retry: {delays: [2s]}
+    policy: {max_length: 600}
+    on_full: park
+"""
+    plan = compile_topology(parse_topology(text, "t.yml"))
+    live = LiveState(
+        {q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                           messages=800 if q.name == "b" else 0,
+                           messages_ready=800 if q.name == "b" else 0)
+         for q in plan.queues if q.name != "a.retry.2s"},  # a has work: its tier is missing
+        {}, tuple(plan.bindings),
+        (LivePolicy("rabbit-retry:b", "^b$", "queues", {"max-length": 800}, 10),))
+    assert evictions(plan, live) and not evictions(select(plan, ["a"]), live)  # the control
+    changes = diff(plan, live, targets=["a"])
+
+    class Past(Exception):
+        """The eviction check was passed."""
+
+    def past(_changes: object) -> list[str]:
+        raise Past
+
+    monkeypatch.setattr(provision, "_read", lambda *args, **kwargs: (changes, live))
+    monkeypatch.setattr(provision, "unsendable", past)
+    settings = dataclasses.make_dataclass("S", [("vhost", str)])("/")
+    with pytest.raises(Past):
+        provision._apply(settings, plan, "t.yml", False, False, False, ["a"], False)
