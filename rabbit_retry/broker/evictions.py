@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from rabbit_retry.broker.diff import Change
-from rabbit_retry.broker.inspect import LivePolicy, LiveQueue, LiveState
+from rabbit_retry.broker.hazards import matches, top
+from rabbit_retry.broker.inspect import LiveQueue, LiveState
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label
@@ -80,18 +81,31 @@ def _route(plan: Plan, queue: Queue) -> str | None:
 def evictions(plan: Plan, live: LiveState) -> list[Eviction]:
     """Every eviction applying ``plan``'s policies to ``live`` makes at once, and every one a
     ``migrate`` makes when it refills a main queue under a lower ``x-max-length``."""
-    ours: Mapping[str, LivePolicy] = {p.name: p for p in live.policies if not p.operator}
     files = {p.queue: p.definition for p in plan.policies}
     out: list[Eviction] = []
     for queue in plan.main_queues:
         there = live.queues.get(queue.name)
         if there is None or not there.messages_ready:
             continue
-        current = ours.get(naming.policy_name(queue.name))
-        was: Mapping[str, Any] = current.definition if current is not None else {}
+        was = _in_effect(live, queue)
         file = files.get(queue.name, {})
         out += _evicted(plan, queue, there, dict(file), was)
     return out
+
+
+def _in_effect(live: LiveState, queue: Queue) -> Mapping[str, Any]:
+    """What the live policies set on ``queue`` now: the winning policy's definition (ours, or
+    another with a higher priority: then ours, raised above it, brings its limits in at once),
+    with an operator policy's lower limits merged in."""
+    matching = [p for p in live.policies if matches(p, queue.name, queue.queue_type)]
+    regular = top([p for p in matching if not p.operator])
+    effective = dict(regular[0].definition) if regular else {}
+    for operator in top([p for p in matching if p.operator])[:1]:
+        for key, value in operator.definition.items():
+            mine = effective.get(key)
+            effective[key] = value if mine is None or not isinstance(value, int) else (
+                min(mine, value) if isinstance(mine, int) else value)
+    return effective
 
 
 def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any],

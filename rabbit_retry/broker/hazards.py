@@ -81,7 +81,7 @@ def matches(policy: LivePolicy, name: str, queue_type: str) -> bool:
         return True
 
 
-def _top(policies: list[LivePolicy]) -> list[LivePolicy]:
+def top(policies: list[LivePolicy]) -> list[LivePolicy]:
     if not policies:
         return []
     best = max(p.priority for p in policies)
@@ -100,8 +100,8 @@ def policy_hazards(plan: Plan, live: LiveState) -> list[PolicyHazard]:
     found: list[PolicyHazard] = []
     for queue in plan.queues:
         matching = [p for p in live.policies if matches(p, queue.name, queue.queue_type)]
-        regular = _top([p for p in matching if not p.operator])
-        operators = _top([p for p in matching if p.operator])
+        regular = top([p for p in matching if not p.operator])
+        operators = top([p for p in matching if p.operator])
         # The file's own policy (as apply sets it) and the others that apply: the operator
         # policy is merged with them, and where one sets a lower value, that one is in effect.
         applied = [ours[p.name].definition if p.name in ours else p.definition for p in regular]

@@ -244,7 +244,7 @@ queues:
                            messages_ready=800 if q.name == "b" else 0)
          for q in plan.queues if q.name != "a.retry.2s"},  # a has work: its tier is missing
         {}, tuple(plan.bindings),
-        (LivePolicy("rabbit-retry:b", "^b$", "queues", {"max-length": 800}, 10),))
+        policies=(LivePolicy("rabbit-retry:b", "^b$", "queues", {"max-length": 800}, 10),))
     assert evictions(plan, live) and not evictions(select(plan, ["a"]), live)  # the control
     changes = diff(plan, live, targets=["a"])
 
@@ -259,3 +259,24 @@ queues:
     settings = dataclasses.make_dataclass("S", [("vhost", str)])("/")
     with pytest.raises(Past):
         provision._apply(settings, plan, "t.yml", False, False, False, ["a"], False)
+
+
+def test_raising_the_policys_priority_over_a_winning_one_evicts_what_its_limit_leaves_out() -> None:
+    """Our policy (max-length 100) loses to another of a higher priority that sets no limit,
+    so the classic queue holds 500. Raising ``policy.priority`` above it brings our limit in at
+    once: 400 leave the queue. Before, the eviction was measured against our policy as it is
+    on the broker (100 then, 100 after: nothing), and apply went on without
+    --accept-evictions."""
+    text = ("version: 1\nqueues:\n  q:\n    queue_type: classic\n    retry: {delays: [2s]}\n"
+            "    policy: {max_length: 100, priority: 60}\n    on_full: park\n")
+    plan = compile_topology(parse_topology(text, "t.yml"))
+    live = LiveState(
+        queues={q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
+                           messages=500 if q.name == "q" else 0,
+                           messages_ready=500 if q.name == "q" else 0) for q in plan.queues},
+        exchanges={}, bindings=tuple(plan.bindings),
+        policies=(LivePolicy("rabbit-retry:q", "^q$", "queues", {"max-length": 100}, 10),
+                  LivePolicy("team", "^q", "queues", {"queue-mode": "lazy"}, 50)))
+    assert [c.kind for c in diff(plan, live) if c.object == "policy"] == ["update"]
+    [evicted] = evictions(plan, live)
+    assert (evicted.queue, evicted.count) == ("q", 400)
