@@ -678,7 +678,16 @@ class OrderedLane:
         try:
             while passable := self._passable():
                 change = passable[0]
-                lanes, _ = self.fences[change]
+                lanes, keys = self.fences[change]
+                # The keys' last messages have run and the broker took their acks: a crash
+                # after ``passed`` must not hand one back to run after the key's next, which
+                # the new lane runs from then on.
+                while running := [t for t, turn in self.turns.items() if turn.key in keys]:
+                    await asyncio.wait(running)
+                for key in keys:
+                    await self._confirmed(key)
+                if change not in self._passable():
+                    continue  # a key is busy again meanwhile
                 passed = Entry("passed", "", 0, change, lanes=(self.number,)).headers()
                 for lane in lanes:
                     await self.publisher.publish(

@@ -1208,3 +1208,63 @@ async def test_keys_moved_to_an_added_lane_wait_for_their_earlier_messages(gated
             assert held(broker) == 0 and not broker.messages(f"{Q}.lane.{LANES}.held")
     assert {u: ledger.applied[u] for u in users} == {u: list(range(1, 9)) for u in users}
     never_backwards(ledger.calls)
+
+
+@pytest.mark.parametrize("linger", [None, 0.5], ids=["default-runs", "slow-runs"])
+async def test_a_lane_passes_only_once_the_broker_took_the_acks_of_its_keys_last_messages(
+    monkeypatch: pytest.MonkeyPatch, linger: float | None
+) -> None:
+    """A key that moves to an added lane is held by a retry in its old lane; once its earlier
+    messages there ran, the old lane sends ``passed`` and the new lane runs the key's next.
+    The old lane's worker then dies. Before, ``passed`` could go out while the ack of the last
+    message it handed back still waited in its run: the broker gave that message back, and a
+    new worker ran it after the key's next one (found by a review: u: 1, 1, 2, 3, 2, 3)."""
+    from rabbit_retry.held import Entry, change_id
+    from rabbit_retry.worker import settle
+
+    if linger is not None:  # a busy channel: a run waits longer for more acks
+        monkeypatch.setattr(settle, "LINGER_S", linger)
+        monkeypatch.setattr(settle, "STRAGGLER_S", linger)
+    lanes, change = LANES + 1, change_id(LANES, LANES + 1)
+    async with broker_for(topology(lanes=lanes)) as probe:  # a key the added lane takes
+        for n in range(24):
+            publish(probe, f"u{n}", 0)
+        user = next(m.headers["user-id"] for m in probe.messages(f"{Q}.lane.{LANES}"))
+
+    class Dies(Ledger):
+        ack_run = 1000  # acks wait in long runs
+
+        def __init__(self) -> None:
+            super().__init__({(user, 1): 1})  # held by a retry in its old lane
+            self.reached = asyncio.Event()
+
+        async def handle(self, delivery: Delivery) -> None:
+            if delivery.payload["seq"] == 3:  # in the added lane: the process dies here
+                self.calls[user].append(3)
+                self.reached.set()
+                await asyncio.Event().wait()
+            await super().handle(delivery)
+
+    first, second = Dies(), Ledger()
+    async with broker_for(topology(lanes=lanes)) as broker:
+        binding = _add_lane(broker, lanes)
+        broker.publish(queue=f"{Q}.lane.{LANES}.held",
+                       headers=Entry("gate", "", 0, change, lanes=tuple(range(LANES))).headers())
+        publish(broker, user, 1)
+        publish(broker, user, 2)
+        async with broker.worker(first) as worker:
+            await broker.settle()  # user-1 in its tier, user-2 held in the old lane
+            broker.memory.bindings[f"{Q}.lanes"].append(binding)  # bound: the key moves
+            publish(broker, user, 3)
+            for lane in range(LANES):
+                broker.publish(queue=f"{Q}.lane.{lane}",
+                               headers=Entry("fence", "", 0, change, lanes=(LANES,)).headers())
+            settling = asyncio.ensure_future(broker.settle(retries=True))
+            await asyncio.wait_for(first.reached.wait(), 10)
+            settling.cancel()
+            await worker.crash()
+        async with broker.worker(second):
+            await broker.settle(retries=True)
+    calls = first.calls[user] + second.calls[user]
+    assert 2 not in calls[calls.index(3):], calls
+    assert second.applied[user][-1:] == [3]
