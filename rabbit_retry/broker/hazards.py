@@ -22,6 +22,7 @@ from typing import Any
 
 from rabbit_retry.broker.inspect import LivePolicy, LiveState
 from rabbit_retry.text import plural
+from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label
 from rabbit_retry.topology.plan import Plan, Queue
 
@@ -97,9 +98,13 @@ def policy_hazards(plan: Plan, live: LiveState) -> list[PolicyHazard]:
     messages of a queue of ``plan`` (main queues, lanes, tiers, parking and held queues)."""
     ours = {p.name: p for p in plan.policies}
     by_queue = {p.queue: p for p in plan.policies}
+    # The file's queues' own policies it no longer declares: apply deletes them, and what they
+    # hid on their queue applies then.
+    deleted = {naming.policy_name(q.name) for q in plan.main_queues} - set(ours)
     found: list[PolicyHazard] = []
     for queue in plan.queues:
-        matching = [p for p in live.policies if matches(p, queue.name, queue.queue_type)]
+        matching = [p for p in live.policies if matches(p, queue.name, queue.queue_type)
+                    and (p.operator or p.name not in deleted)]
         regular = top([p for p in matching if not p.operator])
         operators = top([p for p in matching if p.operator])
         # The file's own policy (as apply sets it) and the others that apply: the operator

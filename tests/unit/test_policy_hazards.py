@@ -153,3 +153,24 @@ def test_status_reports_a_hazard_as_a_problem_not_as_no_drift() -> None:
     assert "no drift" not in text
     assert "POLICIES: other policies on the broker drop, expire or limit the messages of" in text
     assert "not safe: the broker has every object t.yml derives, but other policies drop" in text
+
+
+def test_a_policy_the_file_no_longer_gives_a_queue_uncovers_what_it_hid_and_is_warned() -> None:
+    """The file drops queue q's ``policy`` block: apply deletes ``rabbit-retry:q``, and a
+    company-wide policy of a lower priority (a 3 s message-ttl) applies to q from then on:
+    its messages expire into the retry tier over and over until the broker drops them. That
+    is the warning, on q. Before, the hazards were read from the broker as it is (our policy
+    winning): q got no warning."""
+    before = compile_topology(parse_topology(
+        "version: 1\nqueues:\n  q:\n    queue_type: classic\n    retry: {delays: [2s]}\n"
+        "    policy: {max_length: 1000}\n    on_full: park\n", "t.yml"))
+    after = compile_topology(parse_topology(
+        "version: 1\nqueues:\n  q:\n    queue_type: classic\n    retry: {delays: [2s]}\n",
+        "t.yml"))
+    live = _live(before, LivePolicy("rabbit-retry:q", "^q$", "queues", {"max-length": 1000}, 10),
+                 LivePolicy("company-ttl", ".*", "all", {"message-ttl": 3000}, 0))
+    assert [c.detail for c in diff(after, live) if c.object == "policy"] == [
+        "no longer in the file: deleted"]
+    lines = hazard_lines(policy_hazards(after, live))
+    assert any("company-ttl" in line and "main queue q:" in line for line in lines), lines
+    assert not any("rabbit-retry:q" in line for line in lines), lines
