@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rabbit_retry.broker.diff import Change
-from rabbit_retry.broker.hazards import matches, top
+from rabbit_retry.broker.hazards import lowest_limits, matches, top
 from rabbit_retry.broker.inspect import LiveQueue, LiveState
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
@@ -100,12 +100,8 @@ def _in_effect(live: LiveState, queue: Queue) -> Mapping[str, Any]:
     matching = [p for p in live.policies if matches(p, queue.name, queue.queue_type)]
     regular = top([p for p in matching if not p.operator])
     effective = dict(regular[0].definition) if regular else {}
-    for operator in top([p for p in matching if p.operator])[:1]:
-        for key, value in operator.definition.items():
-            mine = effective.get(key)
-            effective[key] = value if mine is None or not isinstance(value, int) else (
-                min(mine, value) if isinstance(mine, int) else value)
-    return effective
+    operators = [p.definition for p in top([p for p in matching if p.operator])[:1]]
+    return {**effective, **lowest_limits([effective, *operators])}
 
 
 def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any],

@@ -112,18 +112,24 @@ def policy_hazards(plan: Plan, live: LiveState) -> list[PolicyHazard]:
         applied = [ours[p.name].definition if p.name in ours else p.definition for p in regular]
         if queue.role == "main" and queue.name in by_queue:
             applied.append(by_queue[queue.name].definition)
-        lower: dict[str, int] = {}
-        for definition in applied:
-            for key in KEYS:
-                value = _number(definition.get(key))
-                if value is not None:
-                    lower[key] = min(value, lower.get(key, value))
+        lower = lowest_limits(applied)
         for policy in regular:
             if policy.name not in ours:
                 found += _hazards(policy, queue, {})
         for policy in operators:
             found += _hazards(policy, queue, lower)
     return found
+
+
+def lowest_limits(definitions: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Per key of ``KEYS``, the lowest number the definitions set."""
+    lower: dict[str, int] = {}
+    for definition in definitions:
+        for key in KEYS:
+            value = _number(definition.get(key))
+            if value is not None:
+                lower[key] = min(value, lower.get(key, value))
+    return lower
 
 
 def _hazards(policy: LivePolicy, queue: Queue, lower: Mapping[str, Any]) -> list[PolicyHazard]:

@@ -243,24 +243,19 @@ class OrderedLane:
                 await self.release(key, released)
             await self._ack(tag)
             return None
-        if hold is not None:
-            if (turn := self._holder(task, key, hold)) is None:
-                await self._ack(tag)
-                return None
-            # Behind the key's last delivery too, and its ack taken (the one that failed may
-            # still wait in its run); and the key's next one waits behind this holder until it
-            # left, its release written: a crash before that would run the holder again after.
-            try:
-                await self._behind(task, key)
-            except BaseException:
-                self.left(task)
-                raise
-            return turn
-        if self._copied(key, message):
+        holder = None if hold is None else self._holder(task, key, hold)
+        dropped = holder is None if hold is not None else self._copied(key, message)
+        if dropped:
             await self._ack(tag)
             return None
         try:
+            # A holder waits behind the key's last delivery too, and its ack taken (the one
+            # that failed may still wait in its run); the key's next one waits behind the
+            # holder until it left, its release written: a crash before that would run the
+            # holder again after it.
             await self._behind(task, key)
+            if holder is not None:
+                return holder
             if key in self.holds or self.backlog.get(key) or self.gates:
                 await self._defer(key, message, history)
             else:
