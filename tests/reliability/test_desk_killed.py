@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-from support.amqp import blocking, depth_sync, drain
+from support.amqp import blocking, consumers, depth_sync, drain
 from support.desk import DeskProcess, store_url
 from support.parked import Parked, park
 from support.poll import wait_for
@@ -89,6 +89,10 @@ def test_desk_killed_twice_while_ingesting_loses_and_duplicates_nothing(
             desk.start()
             wait_for(lambda n=at_least: _stored(desk) >= n, f"{at_least} stored", interval=0.05)
             desk.kill()
+            # The broker gives the dead desk's unacked messages back as it closes its channel,
+            # a moment after the kill (CI once read 4,000 of them still out: 9,909 + 6,091).
+            wait_for(lambda: consumers(fresh_vhost, "orders.parking") == 0,
+                     "the dead desk's consumer gone", interval=0.05)
             rows, _, _ = _rows(url)
             left = depth_sync(fresh_vhost, "orders.parking")
             # Positive control: the kill came mid-stream, with messages still to ingest.
