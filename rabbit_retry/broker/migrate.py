@@ -738,7 +738,8 @@ def finish_later(what: str, steps: Sequence[str] = ()) -> Iterator[None]:
 
 
 async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
-    """Unbind the old queue from every exchange, move each of its queues' messages where
+    """Unbind the old queue from every exchange, route its retry exchange to where its queues
+    are moved (``_redirect_dead_letters``), move each of its queues' messages where
     ``rename.moves`` says (``MigrationRun.move``: each copy confirmed before its original is acked),
     delete each queue once emptied, then its exchanges and policy. Run again after a stop at
     any point, it finds what is left: the bindings are read again, the queues already deleted
@@ -760,6 +761,7 @@ async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
         await run.rebind(source, feeding, bind=False)
         if feeding:
             run.say(f"{source}: unbound from {', '.join(sorted({b.source for b in feeding}))}")
+    await _redirect_dead_letters(run, rename)
     for source, target in rename.moves:
         if await run.count(source) is None:
             continue  # moved and deleted by an earlier run
@@ -797,6 +799,28 @@ async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
             )
         run.say(f"policy {rename.policy} deleted")
     return total
+
+
+async def _redirect_dead_letters(run: MigrationRun, rename: Rename) -> None:
+    """Bind ``old``'s retry exchange to where each of its queues is moved, then unbind it from
+    them, before anything is moved or deleted. What ``old`` dead-letters (a message that expires
+    or overflows in it, or passes a quorum queue's delivery limit) goes through that exchange
+    to its first tier or its parking queue, which are moved and deleted before ``old``; and
+    ``old`` cannot go first, its tiers expire into it through the default exchange, which no
+    binding can redirect. Without this, a message ``old`` dead-lettered once its first tier was
+    deleted had no route and the broker dropped it; now it goes where the move would take it
+    (``NEW``, ``NEW.parking``), and ``old``'s queues get nothing more from the exchange. Bound
+    before unbound: a message dead-lettered in between reaches both, a copy rather than a loss.
+    A run stopped after this finds no such binding left and skips it; the bindings go with the
+    exchange, deleted last."""
+    retry = naming.retry_exchange(rename.old)
+    for source, target in rename.moves:
+        routes = [b for b in run.bindings_to(source) if b.source == retry]
+        if not routes:
+            continue
+        await run.rebind(target, routes, bind=True)
+        await run.rebind(source, routes, bind=False)
+        run.say(f"{retry}: routes to {target} in place of {source}")
 
 
 async def _delete_emptied(run: MigrationRun, queue: str) -> None:

@@ -263,7 +263,10 @@ def plan_renames(changes: Sequence[Change], live: LiveState) -> list[Rename]:
     """The renames ``changes`` (``diff``) hold, with what to move where; pure. Tiers first
     (a retrying message goes back early, to the new queue, rather than through the old one),
     then the parking queue, then the holding queue and the old queue, which is deleted last of
-    its queues: while it exists, its objects are still found as its own."""
+    its queues: its tiers expire into it (through the default exchange, which nothing can
+    redirect), and while it exists its objects are still found as its own. Its own dead
+    letters, which go to its first tier or parking queue, are routed first to where those are
+    moved (``migrate._redirect_dead_letters``)."""
     out = []
     for change in changes:
         if change.kind != "migrate" or change.renamed_to is None:
@@ -286,7 +289,10 @@ def plan_renames(changes: Sequence[Change], live: LiveState) -> list[Rename]:
 def describe_rename(rename: Rename) -> list[str]:
     """What ``migrate`` will do for one rename, one line per step."""
     lines = [f"queue {rename.old} -> {rename.new}: renamed in the file; {rename.detail}",
-             f"  unbind        unbind {rename.old} from every exchange: no new copies arrive"]
+             f"  unbind        unbind {rename.old} from every exchange: no new copies arrive",
+             f"  reroute       {naming.retry_exchange(rename.old)} to where each of its "
+             f"queues is moved: what {rename.old} dead-letters meanwhile never reaches a "
+             "deleted queue"]
     for source, target in rename.moves:
         lines.append(f"  move          the messages of {source} into {target}, each confirmed "
                      f"before it is acked; delete {source}")

@@ -120,3 +120,46 @@ def test_a_renamed_queue_moves_every_message_once_and_the_old_objects_go(
     assert Counter(str(m.message_id) for m in parked) == Counter(
         f"park-{i}" for i in range(PARKED))
     assert all(m.headers["parked-reason"] in ("exhausted", b"exhausted") for m in parked)
+
+
+@pytest.mark.parametrize("kind", ["quorum", "classic"])
+def test_what_the_old_queue_dead_letters_after_its_tier_is_deleted_reaches_the_new_one(
+    kind: str, tmp_path: Path, fresh_vhost: Settings, monkeypatch: pytest.MonkeyPatch,
+    run_cli: Callable[..., Any],
+) -> None:
+    """The old queue's dead letters go through its retry exchange to its first tier, which the
+    rename deletes before the old queue (whose tiers expire into it). A message the old queue
+    dead-letters once its tier is gone (one that expires there, or overflows, or is rejected:
+    rejected here, right after the tier's deletion, so that it happens in that window every
+    time) used to have no route, and the broker dropped it. Now it reaches the new queue."""
+    from rabbit_retry.broker import migrate
+
+    old = _write(tmp_path, "old.yml", FILE.format(name=OLD, kind=kind, extra=""))
+    new = _write(tmp_path, "new.yml",
+                 FILE.format(name=NEW, kind=kind, extra=f"    renamed_from: {OLD}\n"))
+    assert run_cli("apply", old, settings=fresh_vhost).code == 0
+    _fill(fresh_vhost)
+    assert run_cli("apply", new, settings=fresh_vhost).code == 0
+    rejected: list[str] = []
+    delete_emptied = migrate._delete_emptied
+
+    async def then_reject(run: migrate.MigrationRun, queue: str) -> None:
+        await delete_emptied(run, queue)
+        if queue != TIER_OF[OLD]:
+            return
+        channel = await run.channel()
+        got = await channel.basic_get(OLD, no_ack=False)
+        assert got.delivery_tag is not None and got.header.properties.message_id
+        rejected.append(got.header.properties.message_id)
+        await channel.basic_reject(got.delivery_tag, requeue=False)
+        await channel.close()
+
+    monkeypatch.setattr(migrate, "_delete_emptied", then_reject)
+    migrated = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert migrated.code == 0, migrated.out + migrated.err
+    assert rejected == ["main-0"]
+    assert depth_sync(fresh_vhost, TIER_OF[NEW]) == 0
+    assert _ids(fresh_vhost, NEW) == Counter([*(f"main-{i}" for i in range(MAIN)),
+                                              *(f"tier-{i}" for i in range(RETRYING))])
+    assert _ids(fresh_vhost, naming.parking_queue(NEW)) == Counter(
+        f"park-{i}" for i in range(PARKED))

@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from test_check import found, queues
@@ -21,7 +25,15 @@ from rabbit_retry.broker.diff import (
     refusal,
 )
 from rabbit_retry.broker.inspect import LiveState
-from rabbit_retry.broker.migrate_plan import describe_rename, plan_migrations, plan_renames
+from rabbit_retry.broker.migrate import MigrationRun, Moved, _run_rename
+from rabbit_retry.broker.migrate_plan import (
+    Copies,
+    describe_rename,
+    plan_migrations,
+    plan_renames,
+)
+from rabbit_retry.topology import naming
+from rabbit_retry.topology.plan import Binding
 
 RENAMED = FILE.replace("audit.log:", "audit.trail:\n    renamed_from: audit.log")
 
@@ -180,3 +192,114 @@ def test_status_counts_a_pending_rename_as_drift_of_the_new_queue() -> None:
     [drift] = [d for d in drift_of(diff(plan, old_broker()), plan)
                if d.object == "queue" and " -> " in d.name]
     assert (drift.kind, drift.owner, drift.role) == ("different", "audit.trail", "rename")
+
+
+class _Vhost:
+    """Just enough of a vhost for ``_run_rename``: queues with their arguments and ready
+    counts, exchanges and bindings; after each change it checks that every queue's dead
+    letters still reach a queue, as the broker would route them (a tier's through the default
+    exchange to its main queue, a main queue's through its retry exchange), and records the
+    queues whose dead letters would have been dropped, with the change that left them so."""
+
+    def __init__(self, live: LiveState) -> None:
+        self.vhost = "/"
+        self.arguments = {n: dict(q.arguments) for n, q in live.queues.items()}
+        self.ready = {n: q.messages for n, q in live.queues.items()}
+        self.exchanges = set(live.exchanges)
+        self.bindings = {(b.source, b.destination, b.routing_key) for b in live.bindings}
+        self.unrouted: list[tuple[str, str]] = []
+        self.api = self
+        self.closed = False
+        self.is_closed = False
+
+    def say(self, line: str) -> None:
+        pass
+
+    def _check(self, change: str) -> None:
+        for name, arguments in self.arguments.items():
+            if "x-dead-letter-exchange" not in arguments:
+                continue
+            exchange = arguments["x-dead-letter-exchange"]
+            key = arguments.get("x-dead-letter-routing-key", name)
+            routed = (key in self.arguments if exchange == "" else any(
+                (exchange, d, key) in self.bindings for d in self.arguments))
+            if not routed and (name, change) not in self.unrouted:
+                self.unrouted.append((name, change))
+
+    # MigrationRun
+    async def count(self, queue: str) -> tuple[int, int] | None:
+        return (self.ready[queue], 0) if queue in self.arguments else None
+
+    def bindings_to(self, queue: str) -> list[Binding]:
+        return [Binding(s, d, k) for s, d, k in sorted(self.bindings) if d == queue]
+
+    async def rebind(self, queue: str, bindings: Sequence[Binding], *, bind: bool) -> None:
+        for b in bindings:
+            if bind:
+                self.bindings.add((b.source, queue, b.routing_key))
+            else:
+                self.bindings.discard((b.source, queue, b.routing_key))
+            self._check(f"{'bind' if bind else 'unbind'} {b.source} -> {queue}")
+
+    async def peek(self, queue: str) -> Copies:
+        return Copies()
+
+    async def move(self, source: str, target: str, copies: Copies, *, marker: bool) -> Moved:
+        moved, self.ready[source] = self.ready[source], 0
+        self.ready[target] += moved
+        return Moved(moved)
+
+    async def channel(self) -> _Vhost:
+        return self
+
+    # the management API
+    def queue(self, vhost: str, name: str) -> dict[str, str] | None:
+        return {"type": "classic"} if name in self.arguments else None
+
+    def request(self, method: str, path: str) -> Any:
+        return SimpleNamespace(status_code=204)
+
+    # a channel
+    async def queue_delete(self, queue: str, **_: object) -> None:
+        assert self.ready[queue] == 0
+        del self.arguments[queue]
+        self.bindings = {b for b in self.bindings if b[1] != queue}
+        self._check(f"delete {queue}")
+
+    async def exchange_delete(self, exchange: str, **_: object) -> None:
+        self.exchanges.discard(exchange)
+        self.bindings = {b for b in self.bindings if b[0] != exchange}
+        self._check(f"delete exchange {exchange}")
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("audit.log", "audit.trail"),  # its dead letters go to its first tier
+    ("orders.email", "orders.mail"),  # ... to its parking queue (on_full: park)
+])
+def test_a_rename_never_leaves_a_queue_of_the_old_name_without_a_dead_letter_route(
+        old: str, new: str) -> None:
+    """The old queue's dead letters (one that expires or overflows in it, or passes a quorum
+    queue's delivery limit) go through its retry exchange to its first tier or parking queue,
+    which the rename deletes before it: once they were gone, such a message had no route and
+    the broker dropped it. Its tiers expire into it, so it cannot go first either: its retry
+    exchange is routed to where its queues are moved before anything is deleted."""
+    plan = plan_of(FILE.replace(f"  {old}:", f"  {new}:\n    renamed_from: {old}"))
+    live = old_broker() if old == "audit.log" else live_of(plan_of(FILE))
+    live = dataclasses.replace(
+        live, queues={**live.queues, **live_of(plan).queues},
+        exchanges={**live.exchanges, **live_of(plan).exchanges},
+        bindings=live.bindings + live_of(plan).bindings)
+    [rename] = plan_renames(diff(plan, live), live)
+    vhost = _Vhost(live)
+    held = sum(n for q, n in vhost.ready.items() if q == old or q.startswith(f"{old}."))
+    before = vhost.ready[new] + vhost.ready[naming.parking_queue(new)]
+    moved = asyncio.run(_run_rename(cast(MigrationRun, vhost), rename))
+
+    assert vhost.unrouted == []
+    assert not any(q == old or q.startswith(f"{old}.") for q in vhost.arguments)
+    assert naming.retry_exchange(old) not in vhost.exchanges
+    assert moved.moved == held
+    assert vhost.ready[new] + vhost.ready[naming.parking_queue(new)] == before + held
