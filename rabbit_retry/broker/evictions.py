@@ -8,7 +8,8 @@ its messages and refuses new publishes until it is below it: nothing leaves, not
 
 Counts come from what the broker shows (exact ready counts where ``apply`` reads them,
 ``provision._read``); a TTL's count is an upper bound: which messages are older than the new TTL
-only the broker knows.
+only the broker knows. ``apply`` counts the queues again just before it sets their policies
+(``provision._evicting``): messages that arrived since it read them leave too.
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ class Eviction:
 
     def line(self) -> str:
         return f"evicts    queue    {self.queue}  ({self.detail})"
+
+    def done(self) -> str:
+        """What ``apply`` says once it set the policy, with ``count`` read just before: what
+        arrived in between (a few milliseconds) left too, so an exact count is a floor and an
+        upper bound may be passed."""
+        many = f"{'at least' if self.exact else 'up to'} {self.count} of its " \
+               f"{plural(self.held, 'message')}"
+        fate = f"parked in {self.to}" if self.to else "dropped (the file says drop)"
+        more = "left too" if self.exact else "may have left too"
+        return (f"evicted from {self.queue}: {self.setting} {self.was} -> {self.becomes}: "
+                f"{many} left it, {fate} (counted just before the policy was set; messages "
+                f"that arrived in between {more})")
 
     def to_json(self) -> dict[str, Any]:
         return {"queue": self.queue, "setting": self.setting, "live": self.was,

@@ -498,6 +498,7 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
         return
     before, after = around_routes(compiled, work)  # never a limit without its route
     guard()
+    evicted = _evicting(settings, part, live, before, accept_evictions)
     with Management.for_settings(settings) as api:
         done = apply_policies(api, settings.vhost, before)
     with _progress(work_count(work, prune=prune), guard) as advance:
@@ -509,11 +510,40 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
     # An orphan's policy goes once its queues are gone (a policy removal is an update).
     gone = [replace(c, kind="update") for c in report.policies]
     guard()
+    try:
+        evicted += _evicting(settings, part, live, after, accept_evictions)
+    finally:
+        for line in done:
+            click.echo(line)
     with Management.for_settings(settings) as api:
-        for line in [*done, *apply_policies(api, settings.vhost, [*after, *gone])]:
+        for line in apply_policies(api, settings.vhost, [*after, *gone]):
             click.echo(line)
     for eviction in evicted:  # accepted with --accept-evictions
-        click.echo(f"evicted from {eviction.queue}: {eviction.detail}")
+        click.echo(eviction.done())
+
+
+def _evicting(settings: Settings, part: Plan, live: LiveState, changes: Sequence[Change],
+              accepted: bool) -> list[Eviction]:
+    """The evictions that setting the policies of ``changes`` makes, their queues counted
+    exactly again just before: the count ``apply`` read first is seconds old, and what
+    arrived since is evicted too (a limit that evicted nothing then may now). Without
+    ``accepted``, such an eviction stops ``apply`` before these policies are set. What
+    arrives between this count and the broker applying the policy (a few milliseconds) is
+    not counted, which ``Eviction.done`` says."""
+    queues = sorted({c.item.queue for c in policy_work(changes) if isinstance(c.item, Policy)
+                     and c.item.queue in live.queues})
+    if not queues:
+        return []
+    now = with_exact_counts(live, asyncio.run(ready_and_consumers(settings, queues)))
+    found = [e for e in evictions(part, now) if e.queue in queues]
+    if found and not accepted:
+        lines = [f"queue {e.queue}: {e.detail}" for e in found]
+        raise ConflictError("\n".join([
+            *lines, f"messages arrived after apply counted {plural(len(found), 'queue')}: "
+            f"{'its policy was' if len(found) == 1 else 'their policies were'} not set (what "
+            "apply changed before stays); pass --accept-evictions to make "
+            f"{'this change' if len(found) == 1 else 'these changes'}"]))
+    return found
 
 
 @click.command()

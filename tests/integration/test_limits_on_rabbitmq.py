@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiormq import spec
 from support.amqp import blocking, depth, drain, on_channel, publish, publish_each, publish_raw
 from support.poll import wait_for
@@ -194,13 +195,57 @@ def test_lowering_a_live_limit_names_the_evicted_and_applies_only_when_accepted(
     assert _depths(fresh_vhost, q, f"{q}.parking") == {q: 800, f"{q}.parking": 0}
 
     accepted = _apply(run_cli, fresh_vhost, limited, "--accept-evictions")
-    assert (f"evicted from {q}: max_length absent -> 600: 200 of its 800 messages leave it at "
-            f"once, parked in {q}.parking") in accepted.out
+    assert (f"evicted from {q}: max_length absent -> 600: at least 200 of its 800 messages left "
+            f"it, parked in {q}.parking (counted just before the policy was set; messages that "
+            "arrived in between left too)") in accepted.out
     wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == 200,
              "200 messages parked")
     assert _depths(fresh_vhost, q, f"{q}.retry.2s") == {q: 600, f"{q}.retry.2s": 0}
     again = run_cli("plan", limited, settings=fresh_vhost)
     assert again.code == 0 and "evicts" not in again.out
+
+
+@pytest.mark.parametrize("accept", [True, False])
+def test_messages_that_arrive_while_apply_runs_are_counted_before_a_lower_limit_evicts_them(
+    accept: bool, tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any],
+    management: Management, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """apply counted the queue when it read the broker and set the policy later: what arrived
+    in between was evicted too and never counted (150 held, 100 arriving, a limit of 100:
+    150 evicted, "50 of its 150" said), and a queue below the limit then, over it when the
+    policy came, lost messages without --accept-evictions. The 100 are published once apply
+    has read the queue and decided, as its policies are about to be set."""
+    from rabbit_retry.cli import provision
+
+    q = "lim.late"
+    held = 150 if accept else 80
+    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
+    _apply(run_cli, fresh_vhost, plain)
+    blocking(publish(fresh_vhost, b"x", routing_key=q, count=held))
+    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
+        q, "classic", "    policy: {max_length: 100}\n    on_full: park\n"), "limited.yml")
+    around_routes = provision.around_routes
+
+    def arriving(*args: Any) -> Any:
+        blocking(publish(fresh_vhost, b"late", routing_key=q, count=100))
+        return around_routes(*args)
+
+    monkeypatch.setattr(provision, "around_routes", arriving)
+    if accept:
+        done = _apply(run_cli, fresh_vhost, limited, "--accept-evictions")
+        assert (f"evicted from {q}: max_length absent -> 100: at least 150 of its 250 messages "
+                f"left it, parked in {q}.parking") in done.out
+        return
+    refused = run_cli("apply", limited, settings=fresh_vhost)  # 80 < 100: nothing to accept
+    assert refused.code == 3, refused.out + refused.err
+    assert refused.err.strip().splitlines() == [
+        f"error: queue {q}: max_length absent -> 100: 80 of its 180 messages leave it at once, "
+        f"parked in {q}.parking",
+        "error: messages arrived after apply counted 1 queue: its policy was not set (what "
+        "apply changed before stays); pass --accept-evictions to make this change",
+    ]
+    assert (management.queue(fresh_vhost.vhost, q) or {}).get("policy") is None
+    assert _depths(fresh_vhost, q, f"{q}.parking") == {q: 180, f"{q}.parking": 0}
 
 
 def test_why_a_classic_queue_may_not_refuse_publishes_a_returning_retry_is_dropped(
