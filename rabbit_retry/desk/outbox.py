@@ -60,7 +60,7 @@ class DeskOutbox:
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise BrokerError(f"--outbox {self.name}: cannot read it: {first}") from None
-        if found != HEAD:
+        if not self.store.up_to_date(found):
             state = "no outbox tables" if found is None else f"outbox revision {found}"
             raise BrokerError(
                 f"--outbox {self.name}: has {state}; the desk reads revision {HEAD} (run "

@@ -149,8 +149,9 @@ class Sender:
         return gone
 
     async def send(self, rows: list[Row], messages: dict[int, Message]) -> Sent:
-        """Publish ``rows`` (a claim's, in id order): each key's one at a time, the rest
-        together; returns when every one is confirmed, refused or unknown."""
+        """Publish ``rows`` (a claim's, in the claim's order, which is each key's order:
+        ``OutboxStore.claim``): each key's one at a time, the rest together; returns when
+        every one is confirmed, refused or unknown."""
         sending = _Sending(self, rows, messages, await self.missing({r.exchange for r in rows}))
         self.wakers.add(sending.woke)
         try:

@@ -11,7 +11,9 @@ three agree.
   (written, not yet published), ``published`` (the broker confirmed it), ``failed`` (the broker
   returned or refused it; tried again at ``due_at``), ``dead`` (failed ``max_attempts`` times;
   an operator retries or discards it) or ``discarded``. ``order_key`` is the event's order key:
-  rows of one key are published in ``id`` order.
+  rows of one key are published in ``id`` order on SQLite, in ``(xid, id)`` order on PostgreSQL.
+  On PostgreSQL only, ``xid`` is the id of the transaction that added the row (``xid8``, filled
+  in by ``pg_current_xact_id()``; revision 0002): see ``POSTGRESQL_COLUMNS`` below.
 - ``rabbit_retry_outbox_history``: what happened to a row besides being added and published
   (those two are the row's ``created_at`` and ``published_at``): each failure with the broker's
   reason, dead, an operator's retry or discard with who and why. Written in the transaction
@@ -27,6 +29,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
+from sqlalchemy.sql.selectable import NamedFromClause
 from sqlalchemy.types import TypeDecorator
 
 from rabbit_retry.outbox.names import (
@@ -90,10 +93,11 @@ outbox = sa.Table(
     sa.Column("last_error", sa.Text),
     sa.Column("changed_at", Timestamp),  # the last change of status after pending
     sa.Column("published_at", Timestamp),
-    # The relay's scan: waiting rows in id order.
+    # The relay's scan: waiting rows in id order (PostgreSQL: (xid, id), POSTGRESQL_INDEXES).
     sa.Index("ix_rabbit_retry_outbox_waiting", "id",
              **_partial("status IN ('pending', 'failed')")),
-    # A key's first unpublished rows, in order (a claim checks it has them).
+    # A key's first unpublished rows, in order (a claim checks it has them; PostgreSQL:
+    # (order_key, xid, id)).
     sa.Index("ix_rabbit_retry_outbox_key", "order_key", "id",
              **_partial("status IN ('pending', 'failed', 'dead') AND order_key IS NOT NULL")),
     # "Does a failed or dead row hold this key?": one probe per keyed row, into the few rows
@@ -124,6 +128,28 @@ history = sa.Table(
     sa.Index("ix_rabbit_retry_outbox_history_event", "event_id", "id"),
     sqlite_autoincrement=True,
 )
+
+# PostgreSQL only (revision 0002). ``xid``: the id of the transaction that added the row,
+# ``xid8 NOT NULL DEFAULT pg_current_xact_id()`` (the top-level transaction's, 64 bits: it never
+# wraps around), after the table's other columns; rows added before revision 0002 have 0. The
+# relay publishes a row only once every transaction that took its id before the row's has ended
+# (``xid < pg_snapshot_xmin(pg_current_snapshot())``), in ``(xid, id)`` order, so no row can
+# appear later ahead of one already published (``store.OutboxStore.claim``). SQLite has one
+# writer at a time, so ``id`` order is already commit order there: it has no such column. The
+# column is not in ``outbox`` above (``select(outbox)`` reads both databases alike); queries
+# name it with ``xid_of``.
+POSTGRESQL_COLUMNS: dict[str, tuple[str, ...]] = {TABLE: ("xid",)}
+# Indexes whose columns differ on PostgreSQL: the two ordered scans, by ``(xid, id)``.
+POSTGRESQL_INDEXES: dict[str, tuple[str, ...]] = {
+    "ix_rabbit_retry_outbox_waiting": ("xid", "id"),
+    "ix_rabbit_retry_outbox_key": ("order_key", "xid", "id"),
+}
+
+
+def xid_of(table: NamedFromClause) -> sa.ColumnElement[Any]:
+    """PostgreSQL: the ``xid`` column of ``table`` (``outbox`` or an alias of it)."""
+    return sa.literal_column(f"{table.name}.xid")
+
 
 lease = sa.Table(
     LEASE_TABLE,

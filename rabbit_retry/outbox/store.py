@@ -4,6 +4,18 @@ SQLite lease, retention, the figures metrics report, and an operator's retry and
 
 A claim is a page of waiting events, oldest first, that no other relay can publish meanwhile:
 
+- Which events, in which order. On PostgreSQL a claim takes only events whose transaction
+  (``xid``, the id of the transaction that added the row) is older than every transaction still
+  running (``xid < pg_snapshot_xmin(pg_current_snapshot())``: each such transaction has ended,
+  so its rows are all visible now, or rolled back for good), in ``(xid, id)`` order. A row that
+  appears later was added by a transaction still running then, whose id is at least that
+  snapshot's xmin: it sorts after every row taken so far, so no event of a key can turn up
+  ahead of one already published. A key's events thus go out in the order their transactions
+  took their ids (at their first write), each transaction's in the order it added them.
+  (Ordering by ``id`` among the rows committed so far, as before revision 0002, published a
+  key's later event first whenever its transaction committed while an earlier one was still
+  open.) On SQLite one transaction writes at a time: ``id`` order is commit order.
+
 - On PostgreSQL the page is read ``FOR UPDATE SKIP LOCKED`` in a transaction that stays open
   while its events are published and commits their new status: several relays share the work
   and never take one row together, and a relay that dies holds nothing (its transaction rolls
@@ -44,13 +56,16 @@ from rabbit_retry.outbox.names import (
     TABLE,
     WAITING,
 )
-from rabbit_retry.outbox.schema import Timestamp, history, lease, outbox
+from rabbit_retry.outbox.schema import Timestamp, history, lease, outbox, xid_of
 from rabbit_retry.settings import shown
 
 log = logging.getLogger("rabbit_retry.outbox")
 
 OnFailure = Literal["hold", "continue"]
-HEAD = "0001"  # the newest migration: what this code reads and writes
+HEAD = "0002"  # the newest migration: what this code reads and writes
+# Older revisions this code reads and writes as they are, per database: 0002 changed only
+# PostgreSQL's tables.
+SAME_AS_HEAD = {"sqlite": frozenset({"0001"})}
 # pg_try_advisory_xact_lock(class, key): the class keeps our locks apart from the application's.
 ADVISORY_CLASS = 0x52524F42
 _MIGRATION_LOCK = 0x52524F42_00000001  # pg_advisory_xact_lock: one relay migrates at a time
@@ -155,10 +170,14 @@ class OutboxStore:
                                                  opts={"version_table": VERSION_TABLE})
             return context.get_current_revision()
 
+    def up_to_date(self, found: str | None) -> bool:
+        """Whether the revision ``found`` is one this code reads and writes on this database."""
+        return found == HEAD or found in SAME_AS_HEAD.get(self.dialect, ())
+
     def check_schema(self) -> None:
         """For ``--no-migrate``: the schema must be the one this code needs, as it is."""
         found = self.revision()
-        if found != HEAD:
+        if not self.up_to_date(found):
             state = "no outbox tables" if found is None else f"revision {found}"
             raise BrokerError(
                 f"store {shown(self.url)}: has {state}; this relay needs revision {HEAD} "
@@ -169,7 +188,9 @@ class OutboxStore:
 
     def claim(self, limit: int, *, on_failure: OnFailure = "hold", at: datetime | None = None,
               busy_ids: Iterable[int] = (), busy_keys: Iterable[str] = ()) -> Claim:
-        """Up to ``limit`` waiting events, oldest first, that this relay may publish now.
+        """Up to ``limit`` waiting events, oldest first (PostgreSQL: in ``(xid, id)`` order,
+        only those whose transaction is older than any still running; see the module's
+        docstring), that this relay may publish now.
 
         ``busy_keys`` are keys to leave out (this relay has them in flight, or another relay had
         them a moment ago); ``busy_ids`` (SQLite) rows this relay has in flight."""
@@ -177,18 +198,29 @@ class OutboxStore:
         o, earlier = outbox, outbox.alias("earlier")
         waiting = sa.and_(status_in(o.c.status, WAITING),
                           sa.or_(status_in(o.c.status, (PENDING,)), o.c.due_at <= at))
+        # A key's order: ``id`` on SQLite, ``(xid, id)`` on PostgreSQL.
+        order: list[sa.ColumnElement[Any]] = [o.c.id]
+        before: sa.ColumnElement[bool] = earlier.c.id < o.c.id
+        if self.locking:
+            order = [xid_of(o), o.c.id]
+            before = sa.tuple_(xid_of(earlier), earlier.c.id) < sa.tuple_(xid_of(o), o.c.id)
+            # Only rows whose transaction is older than every one still running (its rows are
+            # all there, or rolled back): the xmin of this statement's own snapshot. The
+            # index on (xid, id) reads them in order and stops at the limit.
+            waiting = sa.and_(waiting, xid_of(o) < sa.func.pg_snapshot_xmin(
+                sa.func.pg_current_snapshot()))
         keys = sorted(set(busy_keys))
         keyed: sa.ColumnElement[bool] = o.c.order_key.not_in(keys) if keys else sa.true()
         if on_failure == "hold":
             # A key whose earlier event failed (until its next try) or died is held.
             keyed = sa.and_(keyed, ~sa.exists().where(
-                earlier.c.order_key == o.c.order_key, earlier.c.id < o.c.id,
+                earlier.c.order_key == o.c.order_key, before,
                 status_in(earlier.c.status, (FAILED, DEAD)),
                 sa.or_(status_in(earlier.c.status, (DEAD,)),
                        sa.and_(status_in(earlier.c.status, (FAILED,)),
                                earlier.c.due_at > at))))
         query = (sa.select(*_CLAIMED).where(waiting, sa.or_(o.c.order_key.is_(None), keyed))
-                 .order_by(o.c.id).limit(limit))
+                 .order_by(*order).limit(limit))
         if not self.locking:
             ids = sorted(set(busy_ids))
             if ids:
@@ -215,8 +247,9 @@ class OutboxStore:
                         at: datetime) -> set[str]:
         """PostgreSQL: the order keys of ``rows`` this claim may not publish. A key is this
         claim's when it takes the key's advisory lock and its rows of the key are the key's
-        first waiting events as they stand now (read after the lock: another relay may just
-        have published some, or hold some without the key)."""
+        first waiting events, in ``(xid, id)`` order, as they stand now (read after the lock:
+        another relay may just have published some, or hold some without the key). Rows
+        committed since the claim's scan sort after its rows (see ``claim``)."""
         taken: dict[str, list[int]] = {}
         for row in rows:
             if row.order_key is not None:
@@ -235,8 +268,8 @@ class OutboxStore:
         if mine:
             for key, event_id in connection.execute(sa.text(
                     "SELECT k, e.id FROM unnest(CAST(:keys AS text[])) AS k CROSS JOIN LATERAL "
-                    f"(SELECT id FROM {TABLE} WHERE order_key = k AND {statuses} "
-                    "ORDER BY id LIMIT :n) AS e ORDER BY k, e.id"),
+                    f"(SELECT xid, id FROM {TABLE} WHERE order_key = k AND {statuses} "
+                    "ORDER BY xid, id LIMIT :n) AS e ORDER BY k, e.xid, e.id"),
                     {"keys": sorted(mine), "n": max(len(ids) for ids in taken.values()),
                      "at": at}):
                 firsts.setdefault(key, []).append(event_id)

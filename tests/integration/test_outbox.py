@@ -455,6 +455,105 @@ async def test_two_relays_on_one_postgresql_outbox_never_publish_an_event_twice(
     assert out_of_order([c.body for c in copies]) == []
 
 
+def _open_transaction(url: str, outbox: Outbox, *events: dict[str, Any],
+                      write_first: bool = False) -> Any:
+    """A psycopg connection whose transaction added ``events`` and is still open (the caller
+    commits or rolls it back, and closes it). ``write_first``: it takes its transaction id at
+    once (as a first write of its own would), before adding anything."""
+    import psycopg
+
+    conn = psycopg.connect(url)
+    if write_first:
+        conn.execute("SELECT pg_current_xact_id()")
+    for event in events:
+        outbox.add(conn, **event)
+    return conn
+
+
+def _status(url: str, message_id: str) -> str | None:
+    return next((r["status"] for r in rows(url) if r["message_id"] == message_id), None)
+
+
+def _claimed(url: str) -> list[str]:
+    """The message ids a claim takes now (released at once: nothing is published)."""
+    store = OutboxStore(url)
+    try:
+        claim = store.claim(100)
+        store.release(claim)
+        return [r.message_id for r in claim.rows]
+    finally:
+        store.close()
+
+
+def test_on_postgresql_a_keys_event_waits_for_an_earlier_transaction_still_open(
+    tmp_path: Path,
+) -> None:
+    """T1 adds e1 for key k and stays open; T2 adds e2 for k and commits: no claim takes e2
+    while T1 runs (before revision 0002 the relay took it at once, and e1 after it). T1
+    commits: e1, e2. The order is the transactions' ids' (taken at their first write), not the
+    rows' ids: T3 took its id before T4, T4 added e3 first, T3 e4 after it; T4 committed
+    first. Nothing of theirs goes out while T3 runs; then e4 (T3's), e3."""
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        t1 = _open_transaction(url, outbox, _to("order.created", "e1", "k"))
+        t2 = _open_transaction(url, outbox, _to("order.created", "e2", "k"))
+        t2.commit()
+        assert _claimed(url) == []
+        t1.commit()
+        assert _claimed(url) == ["e1", "e2"]
+
+        engine = sa.create_engine(_sqlalchemy_url(url))
+        with engine.begin() as conn:  # as if published: out of the claims
+            conn.execute(sa.text("UPDATE rabbit_retry_outbox SET status = 'published'"))
+        engine.dispose()
+        t3 = _open_transaction(url, outbox, write_first=True)
+        t4 = _open_transaction(url, outbox, _to("order.created", "e3", "k"))
+        outbox.add(t3, **_to("order.created", "e4", "k"))
+        t4.commit()
+        assert _claimed(url) == []
+        t3.commit()
+        assert _claimed(url) == ["e4", "e3"]
+        for conn in (t1, t2, t3, t4):
+            conn.close()
+
+
+async def test_on_postgresql_the_relay_publishes_a_keys_events_in_transaction_order(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    """The relay against the broker: T1 adds e1 for key k and stays open, T2 adds e2 for k and
+    commits; T0, which took its transaction id before T1, adds ``before`` and commits after
+    T2. Once the relay has published ``before`` (so it has looked since T2 committed) and
+    stopped, e2 is still pending and nothing else arrived; after T1 commits, e1 then e2."""
+    outbox = Outbox(topology)
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        t0 = _open_transaction(url, outbox, write_first=True)
+        t1 = _open_transaction(url, outbox, _sequenced(1, "k"))
+        t2 = _open_transaction(url, outbox, _sequenced(2, "k"))
+        t2.commit()
+        outbox.add(t0, **_to("order.created", "before"))
+        t0.commit()
+        try:
+            async with relay_running(url, topology, fresh_vhost):
+                await eventually(lambda: _status(url, "before") == "published",
+                                 what="'before' published")
+            # (e-1 is not committed yet: no one else sees it)
+            assert {r["message_id"]: r["status"] for r in rows(url)} == {
+                "before": "published", "e-2": "pending"}
+            assert [c.message_id for c in await drain(fresh_vhost, "shop.orders")] == [
+                "before"]
+            t1.commit()
+            async with relay_running(url, topology, fresh_vhost) as relay:
+                await eventually(lambda: relay.published == 2, what="e-1 and e-2 published")
+            copies = await drain(fresh_vhost, "shop.orders")
+            assert [c.message_id for c in copies] == ["e-1", "e-2"]
+            assert out_of_order([c.body for c in copies]) == []
+        finally:
+            for conn in (t0, t1, t2):
+                conn.close()
+
+
 @pytest.mark.parametrize("kind", STORES)
 def test_published_and_discarded_events_older_than_keep_are_removed_with_their_history(
     tmp_path: Path, kind: str,
@@ -536,7 +635,7 @@ def test_the_relay_command_refuses_bad_input_in_one_line(topology: Path, tmp_pat
               "--no-migrate")
     assert (ran.code, ran.err.strip()) == (
         1, f"error: store sqlite:///{tmp_path / 'a.db'}: has no outbox tables; this relay needs "
-           "revision 0001 (apply rabbit_retry/outbox/sql/*.sql, or start the relay without "
+           "revision 0002 (apply rabbit_retry/outbox/sql/*.sql, or start the relay without "
            "--no-migrate to migrate it)")
     with sqlite3.connect(tmp_path / "a.db") as c:  # --no-migrate made no table
         assert c.execute("SELECT name FROM sqlite_master").fetchall() == []

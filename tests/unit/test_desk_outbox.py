@@ -226,7 +226,7 @@ def test_an_outbox_without_its_tables_is_refused_in_one_line(tmp_path: Path) -> 
     with pytest.raises(BrokerError) as caught:
         open_outbox(f"sqlite:///{_empty_database(tmp_path / 'empty.db')}")
     assert str(caught.value).startswith("--outbox sqlite:///")
-    assert "has no outbox tables; the desk reads revision 0001 (run `rabbit-retry relay`" \
+    assert "has no outbox tables; the desk reads revision 0002 (run `rabbit-retry relay`" \
         in str(caught.value)
     # No such file: said, and none made (connecting would make an empty database).
     with pytest.raises(InputError) as missing:

@@ -1,7 +1,7 @@
 -- The rabbit-retry outbox's tables on PostgreSQL, for teams that manage their own schema.
 --
 -- The same tables `rabbit-retry relay` creates with its Alembic migrations, up to revision
--- 0001, and that revision recorded in rabbit_retry_outbox_version (the outbox's own version
+-- 0002, and that revision recorded in rabbit_retry_outbox_version (the outbox's own version
 -- table, never the application's alembic_version). Run it once in the application's database,
 -- in its migration tool of choice; then `rabbit-retry relay --no-migrate` only checks that the
 -- schema is the one it needs and never changes it.
@@ -22,11 +22,14 @@ CREATE TABLE rabbit_retry_outbox (
     due_at TIMESTAMP WITH TIME ZONE,
     last_error TEXT,
     changed_at TIMESTAMP WITH TIME ZONE,
-    published_at TIMESTAMP WITH TIME ZONE
+    published_at TIMESTAMP WITH TIME ZONE,
+    -- The transaction that added the row: the relay publishes a key's events in (xid, id)
+    -- order, each once every transaction that took its id earlier has ended.
+    xid XID8 NOT NULL DEFAULT pg_current_xact_id()
 );
-CREATE INDEX ix_rabbit_retry_outbox_waiting ON rabbit_retry_outbox (id)
+CREATE INDEX ix_rabbit_retry_outbox_waiting ON rabbit_retry_outbox (xid, id)
     WHERE status IN ('pending', 'failed');
-CREATE INDEX ix_rabbit_retry_outbox_key ON rabbit_retry_outbox (order_key, id)
+CREATE INDEX ix_rabbit_retry_outbox_key ON rabbit_retry_outbox (order_key, xid, id)
     WHERE status IN ('pending', 'failed', 'dead') AND order_key IS NOT NULL;
 CREATE INDEX ix_rabbit_retry_outbox_held ON rabbit_retry_outbox (order_key, id)
     WHERE status IN ('failed', 'dead') AND order_key IS NOT NULL;
@@ -57,4 +60,4 @@ CREATE TABLE rabbit_retry_outbox_version (
     version_num VARCHAR(32) NOT NULL,
     CONSTRAINT rabbit_retry_outbox_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO rabbit_retry_outbox_version (version_num) VALUES ('0001');
+INSERT INTO rabbit_retry_outbox_version (version_num) VALUES ('0002');

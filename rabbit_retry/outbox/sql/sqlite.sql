@@ -1,10 +1,11 @@
 -- The rabbit-retry outbox's tables on SQLite, for teams that manage their own schema.
 --
 -- The same tables `rabbit-retry relay` creates with its Alembic migrations, up to revision
--- 0001, and that revision recorded in rabbit_retry_outbox_version (the outbox's own version
+-- 0002, and that revision recorded in rabbit_retry_outbox_version (the outbox's own version
 -- table, never the application's alembic_version). Run it once on the application's database
 -- file; then `rabbit-retry relay --no-migrate` only checks that the schema is the one it needs
--- and never changes it.
+-- and never changes it. (Revision 0002 changed the PostgreSQL tables only: a file made from the
+-- 0001 script is as good, and the relay takes it as it is.)
 
 CREATE TABLE rabbit_retry_outbox (
     id INTEGER NOT NULL PRIMARY KEY AUTOINCREMENT,
@@ -57,4 +58,4 @@ CREATE TABLE rabbit_retry_outbox_version (
     version_num VARCHAR(32) NOT NULL,
     CONSTRAINT rabbit_retry_outbox_version_pkc PRIMARY KEY (version_num)
 );
-INSERT INTO rabbit_retry_outbox_version (version_num) VALUES ('0001');
+INSERT INTO rabbit_retry_outbox_version (version_num) VALUES ('0002');
