@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from support.outbox import migrated, outbox_store
+from support.outbox import claimable, migrated, outbox_store
 
 from rabbit_retry.outbox import Outbox
 from rabbit_retry.outbox.schema import POSTGRESQL_COLUMNS, POSTGRESQL_INDEXES, metadata
@@ -170,6 +170,7 @@ def test_an_outbox_of_revision_0001_upgrades_and_its_waiting_events_go_out_first
             assert _shape(url) == _shape(new)
             with engine.begin() as conn:
                 outbox.add(conn, queue="shop.orders", body=b"", message_id="new", key="k")
+            claimable(url)
             store = OutboxStore(url)
             try:
                 assert store.revision() == HEAD
