@@ -511,7 +511,7 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
     gone = [replace(c, kind="update") for c in report.policies]
     guard()
     try:
-        evicted += _evicting(settings, part, live, after, accept_evictions)
+        evicted += _evicting(settings, part, live, after, accept_evictions, changed=True)
     finally:
         for line in done:
             click.echo(line)
@@ -523,13 +523,14 @@ def _apply(settings: Settings, compiled: Plan, file: str, prune: bool, discard: 
 
 
 def _evicting(settings: Settings, part: Plan, live: LiveState, changes: Sequence[Change],
-              accepted: bool) -> list[Eviction]:
+              accepted: bool, *, changed: bool = False) -> list[Eviction]:
     """The evictions that setting the policies of ``changes`` makes, their queues counted
     exactly again just before: the count ``apply`` read first is seconds old, and what
     arrived since is evicted too (a limit that evicted nothing then may now). Without
     ``accepted``, such an eviction stops ``apply`` before these policies are set. What
     arrives between this count and the broker applying the policy (a few milliseconds) is
-    not counted, which ``Eviction.done`` says."""
+    not counted, which ``Eviction.done`` says. ``changed``: apply has changed the broker
+    already (what it changed stays)."""
     queues = sorted({c.item.queue for c in policy_work(changes) if isinstance(c.item, Policy)
                      and c.item.queue in live.queues})
     if not queues:
@@ -540,8 +541,9 @@ def _evicting(settings: Settings, part: Plan, live: LiveState, changes: Sequence
         lines = [f"queue {e.queue}: {e.detail}" for e in found]
         raise ConflictError("\n".join([
             *lines, f"messages arrived after apply counted {plural(len(found), 'queue')}: "
-            f"{'its policy was' if len(found) == 1 else 'their policies were'} not set (what "
-            "apply changed before stays); pass --accept-evictions to make "
+            f"{'its policy was' if len(found) == 1 else 'their policies were'} not set "
+            f"({'what apply changed before stays' if changed else 'nothing was changed'}); "
+            "pass --accept-evictions to make "
             f"{'this change' if len(found) == 1 else 'these changes'}"]))
     return found
 
