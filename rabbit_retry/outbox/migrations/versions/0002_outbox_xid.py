@@ -23,7 +23,7 @@ there but the revision.
 
 Revision ID: 0002
 Revises: 0001
-Create Date: 2027-01-15
+Create Date: 2026-11-30
 """
 
 from __future__ import annotations
