@@ -1,15 +1,18 @@
 """The entries of an ordered lane's held queue, as messages: the contract between the worker
 that keeps a lane (``worker/ordering.py`` says what each entry means and how a lane folds them)
 and ``migrate``, which writes a gate into a new lane's held queue and a fence into each old lane
-when it adds lanes (``broker/add_lanes.py``).
+when it adds lanes (``broker/lane_changes.py``).
 
 An entry is a message whose ``ordered-entry`` header names its kind; ``ordered-key`` and
 ``ordered-seq`` (the lane's sequence number) come with every kind, ``ordered-hold`` with every
-kind but a message, ``ordered-lanes`` with the entries of a change of the queue's lanes.
+kind but a message, ``ordered-lanes`` with the entries of a change of the queue's lanes. When
+``migrate`` takes lanes away, a removed lane's fence and the ``passed`` entry it sends carry in
+their body the keys it hands over (a JSON list of strings).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -54,6 +57,24 @@ def change_id(before: int, after: int) -> str:
     return f"lanes {before} to {after}"
 
 
+def change_sizes(change: str) -> tuple[int, int] | None:
+    """The lanes before and after the change ``change`` (``change_id``); None if garbled."""
+    found = re.fullmatch(r"lanes (\d+) to (\d+)", change)
+    return None if found is None else (int(found[1]), int(found[2]))
+
+
+def removes_lanes(change: str) -> bool:
+    """Whether the change of lanes ``change`` takes lanes away."""
+    sizes = change_sizes(change)
+    return sizes is not None and sizes[1] < sizes[0]
+
+
+def moved_hold(change: str, lane: int) -> str:
+    """The hold by which a remaining lane holds the keys removed lane ``lane`` handed over in
+    ``change``, until that lane releases each."""
+    return f"{change}, from lane {lane}"
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One entry of a held queue (``worker/ordering.py`` says what each kind means)."""
@@ -66,6 +87,13 @@ class Entry:
     why: str = ""  # a hold's: retry | parked | sent-back
     holder: str | None = None  # a hold's: the holding message's message_id
     lanes: tuple[int, ...] = ()  # a gate's, a fence's, a passed entry's: the lanes it names
+    keys: tuple[str, ...] = ()  # a removed lane's fence or passed entry: the keys it hands over
+
+    def body(self) -> bytes:
+        """The entry's body (a message entry keeps its own)."""
+        import json  # only a change of the lanes writes keys
+
+        return json.dumps(list(self.keys)).encode() if self.keys else b""
 
     def headers(self) -> dict[str, Any]:
         """The headers that mark a message as this entry (a message entry keeps its own)."""
@@ -83,7 +111,7 @@ class Entry:
         return out
 
 
-def read_entry(headers: Mapping[str, Any] | None) -> Entry | None:
+def read_entry(headers: Mapping[str, Any] | None, body: bytes = b"") -> Entry | None:
     """The entry a held queue's message is, or None when it is none (garbled, or put there by
     something else than a worker)."""
     if not headers:
@@ -103,6 +131,11 @@ def read_entry(headers: Mapping[str, Any] | None) -> Entry | None:
         lanes = read_lanes(headers.get(ORDERED_LANES))
         if lanes is None:
             return None
+    keys: tuple[str, ...] | None = ()
+    if kind in ("fence", "passed") and body:
+        keys = _read_keys(body)
+        if keys is None:
+            return None
     since = headers.get(ORDERED_SINCE)
     return Entry(
         kind, key, seq, hold,
@@ -110,4 +143,18 @@ def read_entry(headers: Mapping[str, Any] | None) -> Entry | None:
         as_text(headers.get(ORDERED_WHY)) or "",
         as_text(headers.get(ORDERED_HOLDER)),
         lanes or (),
+        keys or (),
     )
+
+
+def _read_keys(body: bytes) -> tuple[str, ...] | None:
+    """The keys a body lists, or None when garbled."""
+    import json  # only a change of the lanes reads keys
+
+    try:
+        keys = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return None
+    return tuple(keys)

@@ -582,8 +582,10 @@ def _lanes_under_way(main: str, live: LiveState) -> tuple[int, int] | None:
 def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
     """A live queue whose ordering the file changes. More lanes is a ``migrate`` (it adds them
     so that a key that moves to a new lane runs there only after its earlier messages in the
-    old one); fewer lanes, or ordered keys turned on or off, would send some keys' messages
-    down another path while earlier ones wait on the old one: refused."""
+    old one); so is fewer on RabbitMQ 4.3 and later (the last lanes are taken away, and their
+    keys wait in the remaining ones until the removed ones are done with them). Fewer lanes on
+    older versions, or ordered keys turned on or off, would send some keys' messages down
+    another path while earlier ones wait on the old one: refused."""
     for main in plan.main_queues:
         if main.name not in live.queues:
             continue
@@ -591,8 +593,8 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
         there = _live_lanes(main.name, live)
         under_way = _lanes_under_way(main.name, live)
         if under_way is not None and under_way[1] == len(wanted):
-            yield Change("migrate", "queue", main.name, _adding(*under_way, resumed=True), main,
-                         lanes=under_way)
+            yield Change("migrate", "queue", main.name, _lanes_text(*under_way, resumed=True),
+                         main, lanes=under_way)
             continue
         if under_way is not None:
             detail = (f"migrate began taking it from {under_way[0]} to {under_way[1]} lanes; the "
@@ -615,19 +617,37 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
             detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
                       "live ordered queue cannot be made plain yet")
         elif there == {naming.lane_queue(main.name, n) for n in range(len(there))} and (
-                len(wanted) > len(there)):
+                len(wanted) > len(there) or _ring_kept(live.version)):
             lanes = (len(there), len(wanted))
-            yield Change("migrate", "queue", main.name, _adding(*lanes), main, lanes=lanes)
+            yield Change("migrate", "queue", main.name, _lanes_text(*lanes), main, lanes=lanes)
             continue
         else:
             detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
                       f"file: the remaining lanes would take some keys while their earlier "
                       f"messages wait in the others; keep lanes: {len(there)} (a live ordered "
-                      "queue can get more lanes, not fewer)")
+                      f"queue can get fewer lanes on RabbitMQ 4.3 and later, not on "
+                      f"{live.version or 'this version'}: before 4.3 a node restart reorders "
+                      "the lanes exchange's ring)")
         yield Change("conflict", "queue", main.name, detail, main)
 
 
-def _adding(before: int, after: int, *, resumed: bool = False) -> str:
+def _ring_kept(version: str) -> bool:
+    """Whether the lanes exchange keeps its ring in lane order through a node restart (4.3 and
+    later), so that taking the last lanes away moves only their keys."""
+    parts = version.split(".")[:2]
+    return all(p.isdigit() for p in parts) and len(parts) == 2 and (
+        int(parts[0]), int(parts[1])) >= (4, 3)
+
+
+def _lanes_text(before: int, after: int, *, resumed: bool = False) -> str:
+    if after < before:
+        gone = numbered("lane", after, before)
+        said = ("migrate began taking away" if resumed else
+                f"ordered with {before} lanes on the broker, {after} in the file: migrate takes "
+                "away")
+        return (f"{said} {gone}; their keys go to the remaining lanes and run there once their "
+                "earlier messages in the removed lane are done, and a removed lane is deleted "
+                "once it is")
     new = numbered("lane", before, after)
     said = ("migrate began adding" if resumed else
             f"ordered with {before} lanes on the broker, {after} in the file: migrate adds")

@@ -67,6 +67,7 @@ class LiveState:
     nodes: tuple[str, ...] = ()  # every node of the cluster, running or not
     vhost: str = ""
     policies: tuple[LivePolicy, ...] = ()  # policies and operator policies of the vhost
+    version: str = ""  # RabbitMQ's, e.g. "4.3.6" ("": not read)
 
     @classmethod
     def empty(cls) -> LiveState:
@@ -178,8 +179,10 @@ def read_live(api: Management, vhost: str) -> LiveState:
         raise BrokerError(f"vhost {vhost!r} does not exist on the broker") from None
     queues = {q.name: q for q in map(parse_queue, raw_queues)}
     exchanges = {e.name: e for e in map(parse_exchange, raw_exchanges) if e.name}
+    overview = api.overview()
     return LiveState(queues=queues, exchanges=exchanges, bindings=parse_bindings(raw_bindings),
-                     nodes=_cluster_nodes(api), vhost=vhost, policies=policies)
+                     nodes=_cluster_nodes(api), vhost=vhost, policies=policies,
+                     version=str(overview.get("rabbitmq_version") or ""))
 
 
 def _cluster_nodes(api: Management) -> tuple[str, ...]:

@@ -63,7 +63,7 @@ from rabbit_retry.topology.plan import Policy
 from rabbit_retry.topology.resolved import Topology
 
 if TYPE_CHECKING:
-    from rabbit_retry.broker.add_lanes import LaneChange
+    from rabbit_retry.broker.lane_changes import LaneChange
     from rabbit_retry.broker.migrate_plan import Migration, Rename
     from rabbit_retry.outbox.destinations import Destinations
 
@@ -561,7 +561,7 @@ def _evicting(settings: Settings, part: Plan, live: LiveState, changes: Sequence
 def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
             accept_evictions: bool, targets: tuple[str, ...], lock_timeout: float) -> None:
     """Rebuild every queue of FILE the broker cannot change in place, keeping its messages,
-    and add the lanes FILE gives an ordered queue, keeping each key's order.
+    and add or take away the lanes FILE gives an ordered queue, keeping each key's order.
 
     Each queue waits in a holding queue (QUEUE.migrating) while it is deleted and declared
     again; a run that was stopped at any point is finished by running migrate again.
@@ -576,7 +576,7 @@ def migrate(settings: Settings, file: str, dry_run: bool, yes: bool,
 
 def _migrate(settings: Settings, topology: Topology, file: str, dry_run: bool, yes: bool,
              targets: Sequence[str], accept_evictions: bool, guard: Guard = _unguarded) -> None:
-    from rabbit_retry.broker.add_lanes import describe, plan_lane_changes
+    from rabbit_retry.broker.lane_changes import describe, plan_lane_changes
     from rabbit_retry.broker.migrate_plan import plan_migrations, plan_renames
 
     compiled = compile_topology(topology)
@@ -697,10 +697,11 @@ def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequen
             + ", ".join(o.name for o in outcomes)
         )
     if lanes:
-        from rabbit_retry.broker.add_lanes import add_lanes
+        from rabbit_retry.broker.lane_changes import change_lanes
 
-        asyncio.run(add_lanes(settings, lanes, say=say))
-        click.echo(f"added lanes in vhost {settings.vhost!r}: " + ", ".join(
+        asyncio.run(change_lanes(settings, lanes, say=say))
+        verb = "added" if all(c.after > c.before for c in lanes) else "changed"
+        click.echo(f"{verb} lanes in vhost {settings.vhost!r}: " + ", ".join(
             f"{c.queue} ({c.before} -> {c.after})" for c in lanes))
     if renames:
         moved = asyncio.run(run_renames(settings, renames, say=say))

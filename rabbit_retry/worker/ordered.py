@@ -19,6 +19,9 @@ or writes its held queue.
 When ``migrate`` adds lanes (``ordering``'s gate, fence and passed entries), a new lane moves
 every delivery to its held queue until each lane before it has passed; a lane that gets a fence
 settles everything before it, waits until no key it held then is held, and sends ``passed``.
+When it takes lanes away, a remaining lane gets its gate in the lane itself; a removed lane
+that gets its fence settles everything before it and passes at once, handing over the keys it
+still holds, which it releases one by one as they go on here.
 """
 
 from __future__ import annotations
@@ -39,12 +42,20 @@ from rabbit_retry.contract import (
     ORDERED_HOLD,
     ORDERED_KEY,
     ORDERED_LANE,
+    ORDERED_LANES,
     ORDERED_RELEASE,
     as_text,
     new_message_id,
     republish_properties,
 )
-from rabbit_retry.held import Entry, lane_list, read_entry
+from rabbit_retry.held import (
+    Entry,
+    change_sizes,
+    lane_list,
+    moved_hold,
+    read_entry,
+    removes_lanes,
+)
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.resolved import OrderedConfig
@@ -61,7 +72,7 @@ from rabbit_retry.worker.ordering import (
     lane_mark,
     plan,
 )
-from rabbit_retry.worker.publisher import Publisher
+from rabbit_retry.worker.publisher import Publisher, Unroutable
 from rabbit_retry.worker.settle import Settler
 
 log = logging.getLogger("rabbit_retry.worker")
@@ -154,6 +165,12 @@ class OrderedLane:
         self.fences: dict[str, tuple[tuple[int, ...], set[str]]] = {}
         self._fencing: asyncio.Task[None] | None = None
         self._shut_since = 0.0  # when this worker found the lane gated
+        # Lanes taken away: the changes whose ``passed`` this removed lane sent (in this process:
+        # a new one sends it again, which counts once), and the round trip that confirms the
+        # ack of a gate that came in the lane (a pass is taken only after it: the gate must
+        # never come back once its change is over here).
+        self._announced: set[str] = set()
+        self._gate_acked: asyncio.Future[None] | None = None
 
     # --- a delivery's way ----------------------------------------------------------------------
 
@@ -233,8 +250,7 @@ class OrderedLane:
             self._settled(self._key(message, history, ours), tag)
             return None
         if (entry := self._lane_entry(message, ours)) is not None:
-            await (self._fence(entry) if entry.kind == "fence" else self._passed(entry))
-            await self._ack(tag)
+            await self._lane_change(entry, tag)
             return None
         key = self._key(message, history, ours)
         hold, released = _marks(headers, ours)
@@ -405,7 +421,8 @@ class OrderedLane:
             return None
         hold = self.hold(turn.key, why, holder)
         headers[ORDERED_HOLD] = hold.id
-        headers[ORDERED_LANE] = lane_mark(self.number, self.config.lanes)
+        # (a lane being taken away is past the file's lanes: its copies must still come back)
+        headers[ORDERED_LANE] = lane_mark(self.number, max(self.config.lanes, self.number + 1))
         return hold
 
     async def after_copy(self, turn: Turn, hold: Hold | None) -> None:
@@ -420,10 +437,10 @@ class OrderedLane:
         if turn is not None and turn.hold is not None:
             await self.release(turn.key, turn.hold)
 
-    def hold(self, key: str, why: HoldWhy, holder: str | None) -> Hold:
+    def hold(self, key: str, why: HoldWhy, holder: str | None, hold_id: str | None = None) -> Hold:
         """A new hold of ``key``, in force at once (its copy may come back before it is
         written); ``record`` writes it once the copy is confirmed, ``forget`` takes it back."""
-        hold = Hold(new_message_id(), -1, time.time(), why, holder)
+        hold = Hold(hold_id or new_message_id(), -1, time.time(), why, holder)
         if key in self.holds:
             self._garbage += 1
         self.holds[key] = hold
@@ -476,7 +493,7 @@ class OrderedLane:
     async def _write_entry(self, entry: Entry) -> None:
         properties = spec.Basic.Properties(headers=entry.headers(), delivery_mode=2,
                                            message_id=new_message_id())
-        await self._write(b"", properties, lambda: not self.channel.is_closed)
+        await self._write(entry.body(), properties, lambda: not self.channel.is_closed)
 
     async def _write(self, body: bytes, properties: spec.Basic.Properties,
                      alive: Callable[[], bool]) -> None:
@@ -516,7 +533,7 @@ class OrderedLane:
         try:
             async with self._writes:
                 taken = await self._take_all()
-                entries = [read_entry(m.header.properties.headers) for m in taken]
+                entries = [read_entry(m.header.properties.headers, m.body) for m in taken]
                 folded = fold(entries)
                 self._seq = max(self._seq, folded.top)
                 todo = plan(entries, folded)
@@ -602,18 +619,53 @@ class OrderedLane:
                      extra={"queue": self.queue, "event": "lane_gated"})
         self.gates = {change: set(lanes) for change, lanes in folded.gates.items()}
         self._shut_since = (self._shut_since or time.time()) if self.gates else 0.0
-        keys = set(folded.holds) | set(folded.waiting)
-        self.fences = {change: self.fences.get(change, (lanes, keys))
-                       for change, lanes in folded.fences.items()}
+        busy = set(folded.holds) | set(folded.waiting)
+        self.fences = {
+            change: self.fences.get(change, (lanes, set(handed) if removes_lanes(change) else busy))
+            for change, (lanes, handed) in folded.fences.items()}
 
     @staticmethod
     def _lane_entry(message: DeliveredMessage, ours: bool) -> Entry | None:
-        """The fence or passed entry the delivery is, put straight into this lane; else None."""
+        """The gate, fence or passed entry the delivery is, put straight into this lane; else
+        None."""
         headers = message.header.properties.headers
         if not (ours and headers and ORDERED_ENTRY in headers) or message.delivery.exchange:  # type: ignore[union-attr]
             return None
-        entry = read_entry(headers)
-        return entry if entry is not None and entry.kind in ("fence", "passed") else None
+        entry = read_entry(headers, message.body)
+        return entry if entry is not None and entry.kind in ("gate", "fence", "passed") else None
+
+    async def _lane_change(self, entry: Entry, tag: int) -> None:
+        """Carry out a gate, fence or passed entry that came in the lane, then ack it."""
+        if entry.kind == "gate":
+            await self._shut(entry)
+            await self._ack(tag)
+            self._gate_acked = asyncio.ensure_future(self._ack_taken(tag))
+            self._gate_acked.add_done_callback(_retrieved)
+            return
+        await (self._fence(entry) if entry.kind == "fence" else self._passed(entry))
+        await self._ack(tag)
+
+    async def _ack_taken(self, tag: int) -> None:
+        """Until the broker has taken the ack of ``tag``: sent now, and a round trip answered."""
+        if self.settle.waiting(tag):
+            await self.settle.send_now(tag)
+        await self.settle.written()
+        await self.channel.queue_declare(self.lane_queue, passive=True)
+
+    async def _shut(self, entry: Entry) -> None:
+        """``migrate`` takes lanes away: until each removed lane it names has passed, this lane
+        moves every delivery to its held queue (at once: the deliveries behind the gate were
+        routed after it, and may be of keys the removed lanes still have messages of)."""
+        change = entry.hold or ""
+        if change in self.gates:
+            return  # a second gate, or one this lane found in its held queue
+        self.gates[change] = set(entry.lanes)
+        self._shut_since = self._shut_since or time.time()
+        log.info("queue=%s lane %d: lanes %s are being taken away; it runs nothing until they "
+                 "passed", self.queue, self.number, lane_list(entry.lanes),
+                 extra={"queue": self.queue, "event": "lane_gated"})
+        async with self._writes:
+            await self._write_entry(Entry("gate", "", self._next(), change, lanes=entry.lanes))
 
     async def _fence(self, entry: Entry) -> None:
         """A fence ``migrate`` put into this lane after binding new ones: once everything that
@@ -627,9 +679,11 @@ class OrderedLane:
             await asyncio.wait([asyncio.shield(tail) for tail in earlier])
         await self.settle.flush()
         await self.channel.queue_declare(self.lane_queue, passive=True)  # acks taken
-        async with self._writes:
-            await self._write_entry(Entry("fence", "", self._next(), change, lanes=entry.lanes))
         keys = self._busy()
+        handed = tuple(sorted(keys)) if removes_lanes(change) else ()
+        async with self._writes:
+            await self._write_entry(Entry("fence", "", self._next(), change, lanes=entry.lanes,
+                                          keys=handed))
         self.fences[change] = (entry.lanes, keys)
         log.info("queue=%s lane %d fenced for lanes %s (%s); %s to go on first", self.queue,
                  self.number, lane_list(entry.lanes), change, plural(len(keys), "held key"),
@@ -640,10 +694,23 @@ class OrderedLane:
         """Lanes before this new one passed: written to the held queue; once all have, the
         messages moved here meanwhile are handed back in order."""
         change = entry.hold or ""
+        if self._gate_acked is not None:
+            await asyncio.shield(self._gate_acked)
         waits = self.gates.get(change)
         if not waits or not waits & set(entry.lanes):
             return  # passed before (a duplicate), or not a change this lane waits for
+        # A removed lane's keys: held at once (their releases may come right behind), each
+        # written before the passed entry.
+        handed = {key: self.hold(key, "moved", None, moved_hold(change, lane))
+                  for lane in entry.lanes for key in entry.keys if key not in self.holds}
         async with self._writes:
+            holds = [Entry("hold", key, self._next(), hold.id, hold.since, hold.why)
+                     for key, hold in handed.items()]
+            for start in range(0, len(holds), REWRITE_WINDOW):
+                await asyncio.gather(*map(self._write_entry, holds[start:start + REWRITE_WINDOW]))
+            for key, hold in handed.items():
+                if self._pending.get(key) is hold:
+                    del self._pending[key]
             await self._write_entry(Entry("passed", "", self._next(), change, lanes=entry.lanes))
             # (a pass may have read the held queue meanwhile: its gates are the ones now)
             waits = self.gates.get(change, set())
@@ -660,41 +727,93 @@ class OrderedLane:
         return set(self.holds) | {key for key, n in self.backlog.items() if n}
 
     def _passable(self) -> list[str]:
-        """The open fences none of whose keys is busy any more."""
+        """The open fences with something to do: one that adds lanes once none of its keys is
+        busy any more; one that takes this lane away until it announced its pass, then each
+        time one of the keys it handed over is free, and once none is left."""
         busy = self._busy()
-        return [change for change, (_, keys) in self.fences.items() if not keys & busy]
+        return [change for change, (_, keys) in self.fences.items()
+                if (change not in self._announced or not keys or keys - busy
+                    if removes_lanes(change) else not keys & busy)]
 
     def _check_fences(self) -> None:
         """Pass each fence whose keys have all gone on, in a task of its own."""
         if self._passable() and (self._fencing is None or self._fencing.done()):
             self._fencing = asyncio.create_task(self._pass_fences())
 
+    async def _last_ran(self, key: str) -> None:
+        """Until the key's running deliveries ended and the broker took their acks."""
+        while running := [t for t, turn in self.turns.items() if turn.key == key]:
+            await asyncio.wait(running)
+        await self._confirmed(key)
+
+    async def _send(self, lane: int, entry: Entry | dict[str, Any]) -> None:
+        """An entry (or a release's headers) straight into lane ``lane``, confirmed."""
+        headers, body = ((entry.headers(), entry.body()) if isinstance(entry, Entry)
+                         else (entry, b""))
+        await self.publisher.publish(
+            "", naming.lane_queue(self.queue, lane), body,
+            spec.Basic.Properties(headers=headers, delivery_mode=2, message_id=new_message_id()))
+
+    async def _hand_over(self, change: str) -> None:
+        """This lane is taken away: it passes with the keys it still holds, then releases each
+        of them in the remaining lanes once it is free here; ``fenced`` once none is left."""
+        lanes, keys = self.fences[change]
+        if change not in self._announced:
+            passed = Entry("passed", "", 0, change, lanes=(self.number,), keys=tuple(sorted(keys)))
+            for lane in lanes:
+                await self._send(lane, passed)
+            self._announced.add(change)
+            log.info("queue=%s lane %d is taken away (%s): passed to lanes %s, handing over %s",
+                     self.queue, self.number, change, lane_list(lanes), plural(len(keys), "key"),
+                     extra={"queue": self.queue, "event": "lane_passed"})
+        for key in sorted(keys - self._busy()):
+            await self._last_ran(key)
+            if key in self._busy():
+                continue
+            released: dict[str, Any] = {ORDERED_KEY: key,
+                                        ORDERED_RELEASE: moved_hold(change, self.number)}
+            for lane in lanes:
+                await self._send(lane, released)
+            keys.discard(key)
+        if not keys:
+            await self._fenced(change)
+
+    async def _fenced(self, change: str) -> None:
+        sizes = change_sizes(change)
+        if sizes is not None and sizes[1] < sizes[0]:
+            # Said in the change's marker, for ``migrate`` to delete this lane (before
+            # ``fenced``: a crash in between says it again, which counts once).
+            marker = naming.lanes_change_queue(self.queue, *sizes)
+            done: dict[str, Any] = {ORDERED_ENTRY: "fenced", ORDERED_LANES: str(self.number)}
+            with suppress(Unroutable):  # the change is over (a lane a crash left behind)
+                await self.publisher.publish("", marker, b"", spec.Basic.Properties(
+                    headers=done, delivery_mode=2, message_id=new_message_id()))
+        async with self._writes:
+            await self._write_entry(Entry("fenced", "", self._next(), change))
+        self.fences.pop(change, None)
+        self._garbage += 2
+        if self._untidy():
+            self._start_passes()
+
     async def _pass_fences(self) -> None:
         try:
             while passable := self._passable():
                 change = passable[0]
+                if removes_lanes(change):
+                    await self._hand_over(change)
+                    continue
                 lanes, keys = self.fences[change]
                 # The keys' last messages have run and the broker took their acks: a crash
                 # after ``passed`` must not hand one back to run after the key's next, which
                 # the new lane runs from then on.
-                while running := [t for t, turn in self.turns.items() if turn.key in keys]:
-                    await asyncio.wait(running)
                 for key in keys:
-                    await self._confirmed(key)
+                    await self._last_ran(key)
                 if change not in self._passable():
                     continue  # a key is busy again meanwhile
-                passed = Entry("passed", "", 0, change, lanes=(self.number,)).headers()
+                passed = Entry("passed", "", 0, change, lanes=(self.number,))
                 for lane in lanes:
-                    await self.publisher.publish(
-                        "", naming.lane_queue(self.queue, lane), b"",
-                        spec.Basic.Properties(headers=passed, delivery_mode=2,
-                                              message_id=new_message_id()))
-                async with self._writes:
-                    await self._write_entry(Entry("fenced", "", self._next(), change))
-                self.fences.pop(change, None)
-                self._garbage += 2
-                if self._untidy():
-                    self._start_passes()
+                    await self._send(lane, passed)
+                await self._fenced(change)
                 log.info("queue=%s lane %d passed to lanes %s (%s)", self.queue, self.number,
                          lane_list(lanes), change,
                          extra={"queue": self.queue, "event": "lane_passed"})
@@ -706,9 +825,12 @@ class OrderedLane:
     def summary(self) -> tuple[int, float | None]:
         """Held keys now, and since when the oldest is held (epoch seconds; None: none). While
         the lane is gated, every key with messages in its held queue is held, since then."""
-        oldest = min((h.since for h in self.holds.values()), default=None)
+        # A key a removed lane handed over counts where its messages wait (every remaining
+        # lane holds it, since none can tell which lane the ring gives it).
+        holds = [h for k, h in self.holds.items() if h.why != "moved" or self.backlog.get(k)]
+        oldest = min((h.since for h in holds), default=None)
         if not self.gates:
-            return len(self.holds), oldest
+            return len(holds), oldest
         return len(self._busy()), min(oldest or self._shut_since, self._shut_since)
 
     async def stop(self) -> None:

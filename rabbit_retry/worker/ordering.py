@@ -35,6 +35,21 @@ kinds, each naming the change:
   came before it, then waits until none of the keys it held (or kept messages of) at that
   moment is held any more, sends ``passed`` to each lane the fence names and writes ``fenced``.
 
+``migrate`` takes lanes away (the last ones: the ring keeps the others' buckets) with the same
+kinds, the other way round:
+
+- a ``gate`` arrives in each remaining lane itself, before the removed lanes are unbound: the
+  lane writes it here, and from then on moves every delivery to its held queue until each
+  removed lane has passed (only as long as those lanes take to settle what came before their
+  fences: they do not wait for their held keys);
+- a removed lane's ``fence`` names the remaining lanes; the lane settles all that came before
+  it, writes the fence with the keys it still holds (or keeps messages of) in its body, and
+  sends ``passed`` with those keys to each remaining lane at once. A remaining lane holds each
+  handed-over key (a ``hold`` whose id names the change and the removed lane: ``held.moved_hold``)
+  before it writes the ``passed``. The removed lane goes on with those keys (their retries and
+  parked copies come back to it) and, as each is free, sends its release to every remaining
+  lane; once none is left it writes ``fenced``.
+
 Why this keeps order through crashes: a holder's copy is confirmed before its hold is written,
 and the hold before the delivery is acked. A crash before the hold leaves the delivery to be
 handled again in place and its copy without a hold (*stale*: dropped when it comes back); a
@@ -56,7 +71,7 @@ from typing import Any, Literal
 from rabbit_retry.contract import ORDERED_KEY, ORDERED_LANE, as_text, header_text
 from rabbit_retry.held import LANE_KINDS, Entry
 
-HoldWhy = Literal["retry", "parked", "sent-back"]
+HoldWhy = Literal["retry", "parked", "sent-back", "moved"]
 
 
 def key_of(
@@ -108,13 +123,14 @@ class Folded:
     """What a held queue says: the held keys, and per key the indexes of its waiting messages in
     sequence order (each sequence number once); ``top`` the highest sequence number in it.
     ``gates``: per change of the lanes, the lanes this one still waits for (only those that
-    wait); ``fences``: per change, the lanes an open fence is for."""
+    wait); ``fences``: per change, the lanes an open fence is for and the keys it hands over
+    (a removed lane's)."""
 
     holds: dict[str, Hold] = field(default_factory=dict)
     waiting: dict[str, list[int]] = field(default_factory=dict)
     top: int = -1
     gates: dict[str, set[int]] = field(default_factory=dict)
-    fences: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    fences: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = field(default_factory=dict)
 
     @property
     def gated(self) -> bool:
@@ -155,12 +171,12 @@ def fold(entries: Sequence[Entry | None]) -> Folded:
 
 def _fold_changes(
     entries: Sequence[Entry],
-) -> tuple[dict[str, set[int]], dict[str, tuple[int, ...]]]:
+) -> tuple[dict[str, set[int]], dict[str, tuple[tuple[int, ...], tuple[str, ...]]]]:
     """Per change of the lanes, the lanes a gate still waits for (only those that wait), and
-    the lanes an open fence is for."""
+    the lanes an open fence is for with the keys it hands over."""
     awaited: dict[str, set[int]] = {}
     passed: dict[str, set[int]] = {}
-    fences: dict[str, tuple[int, ...]] = {}
+    fences: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
     fenced: set[str] = set()
     for entry in entries:
         change = entry.hold or ""
@@ -169,7 +185,7 @@ def _fold_changes(
         elif entry.kind == "passed":
             passed.setdefault(change, set()).update(entry.lanes)
         elif entry.kind == "fence":
-            fences.setdefault(change, entry.lanes)
+            fences.setdefault(change, (entry.lanes, entry.keys))
         else:
             fenced.add(change)
     gates = {change: lanes - passed.get(change, set()) for change, lanes in awaited.items()}

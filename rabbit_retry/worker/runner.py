@@ -158,7 +158,8 @@ def _missing(kind: str, name: str, sub: Subscription, hint: str) -> str:
                 "first")
     return (f"{kind} {name!r} does not exist on the broker: the file gives {sub.queue} {lanes} "
             f"lanes, the broker {have}; run `rabbit-retry migrate {hint}` first (it adds lanes "
-            "to a live ordered queue)")
+            f"to a live ordered queue), or, if migrate took lanes away, run this worker with "
+            f"the file of {have} lanes")
 
 
 async def _connect_worker(settings: Settings) -> AbstractConnection:

@@ -236,7 +236,7 @@ class Session:
         paused = sub.breaker is not None and sub.breaker.paused
         pausing = None if sub.breaker is None else Pausing(
             sub.breaker, queue, [], consumer.name, sub.metrics, None, self._set_lost)
-        for number in range(ordered.lanes):
+        for number in range(await self._lanes_on_broker(queue, ordered.lanes)):
             name = naming.lane_queue(queue, number)
             held = naming.held_queue(queue, number)
             channel = await self.amqp.channel(publisher_confirms=False)
@@ -276,6 +276,28 @@ class Session:
                  extra={"queue": queue, "event": "paused" if paused else "consuming"})
         if pausing is not None and paused:
             pausing.start_probe()
+
+    async def _lanes_on_broker(self, queue: str, lanes: int) -> int:
+        """The file's ``lanes``, and those past them still on the broker while ``migrate`` takes
+        them away (its marker is there): they go on with the keys they hold until it deletes
+        them. (Lanes ``migrate`` added run on workers with the new file.)"""
+        count = lanes
+        while await self._exists(naming.lane_queue(queue, count)):
+            count += 1
+        if count > lanes and await self._exists(naming.lanes_change_queue(queue, count, lanes)):
+            return count
+        return lanes
+
+    async def _exists(self, queue: str) -> bool:
+        channel = await self.amqp.channel(publisher_confirms=False)
+        try:
+            await channel.queue_declare(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return True
 
     async def _forward(
         self, stream: Stream, lanes: str, count: int, message: DeliveredMessage

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from support.amqp import Outgoing, depth, on_channel, publish_raw
-from support.broker import enable_plugin
+from support.broker import enable_plugin, version
 from support.poll import eventually
 from support.process import Ran, cli
 from support.provision import topology
@@ -172,6 +172,94 @@ async def test_migrate_adds_lanes_to_a_live_queue_and_every_key_keeps_its_order(
     assert moved, dict(calls)
     left = [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in range(4)]
     assert left == [0, 0, 0, 0]  # no gate, fence or passed entry left behind
+
+
+class Parks(Paced):
+    """``Paced``, and the events in ``park`` are parked (until the set is emptied)."""
+
+    def __init__(self, by: str, calls: dict[str, list[tuple[int, str]]], pace: float,
+                 fail: set[tuple[str, int]], park: set[tuple[str, int]]) -> None:
+        super().__init__(by, calls, pace, fail)
+        self.park = park
+
+    async def handle(self, delivery: Delivery) -> None:
+        user, seq = delivery.headers["user-id"], delivery.payload["seq"]
+        if (user, seq) in self.park:
+            self.calls[user].append((seq, self.by))
+            raise Permanent(f"{user}/{seq}: not yet")
+        await super().handle(delivery)
+
+
+async def test_migrate_takes_lanes_away_from_a_live_queue_and_every_key_keeps_its_order(
+    fresh_vhost: Settings, management: Management, tmp_path: Path,
+) -> None:
+    """From 4 lanes to 2 (RabbitMQ 4.3 and later; refused before) while a slow worker on the
+    old file works through each lane's backlog (with retries and parks) and events keep coming:
+    a key of a removed lane runs in a remaining lane only after its earlier events, a key held
+    by a parked message waits there until it is replayed, every other key runs to its end
+    meanwhile, and a second migrate deletes the removed lanes once they are done."""
+    async def run_cli(*args: str) -> Ran:  # in a thread: the workers run on this loop
+        return await asyncio.to_thread(cli, fresh_vhost, *args)
+
+    enable_plugin(management, "x-consistent-hash", "rabbitmq_consistent_hash_exchange")
+    four, two = tmp_path / "four.yml", tmp_path / "two.yml"
+    four.write_text(TOPOLOGY.replace("QTYPE", "quorum").replace("lanes: 3", "lanes: 4"))
+    two.write_text(TOPOLOGY.replace("QTYPE", "quorum").replace("lanes: 3", "lanes: 2"))
+    assert (await run_cli("apply", str(four))).code == 0
+    planned = await run_cli("plan", str(two))
+    if version(management) < (4, 3):
+        assert planned.code == 3 and "can get fewer lanes on RabbitMQ 4.3 and later" in (
+            planned.out), planned.out + planned.err
+        return
+    assert "migrate takes away lanes 2-3" in planned.out, planned.out + planned.err
+    users = [f"u{n}" for n in range(40)]
+    calls: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    fail, park = {(u, 2) for u in users[::5]}, {(u, 3) for u in users[1:9]}
+    parked = {u for u, _ in park}
+
+    def events(seqs: range) -> list[tuple[bytes, Any]]:
+        return [Outgoing(f"{u}-{s}", json.dumps({"seq": s}).encode(), {"user-id": u}).wire()
+                for s in seqs for u in users]
+
+    def done(user: str) -> bool:
+        return len({s for s, _ in calls[user]}) == 12
+
+    async with running([Parks("old", calls, 0.03, fail, park)], topology(four.read_text()),
+                       fresh_vhost):
+        await publish_raw(fresh_vhost, events(range(1, 6)), exchange="rewards",
+                          routing_key="points.x")
+        during = asyncio.create_task(publish_raw(fresh_vhost, events(range(6, 9)),
+                                                 exchange="rewards", routing_key="points.x"))
+        first = await run_cli("migrate", str(two), "--yes")
+        assert first.code == 0 and "still hold keys" in first.out, first.out + first.err
+        # positive control: a removed lane hands keys over (its fence names them)
+        held = [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in (2, 3)]
+        await during
+        await publish_raw(fresh_vhost, events(range(9, 13)), exchange="rewards",
+                          routing_key="points.x")
+        async with running([Parks("new", calls, 0.0, fail, park)], topology(two.read_text()),
+                           fresh_vhost):
+            await eventually(lambda: all(done(u) for u in users if u not in parked),
+                             within=120, what="every key not parked: its 12 events handled")
+            stuck = [u for u in parked if not done(u)]
+            assert stuck and all(max(s for s, _ in calls[u]) == 3 for u in stuck), dict(calls)
+    async with running([Parks("new", calls, 0.0, fail, park)], topology(two.read_text()),
+                       fresh_vhost):
+        park.clear()
+        replayed = await run_cli("parking", "replay", Q, "--yes")
+        assert replayed.code == 0, replayed.out + replayed.err
+        await eventually(lambda: all(done(u) for u in users), within=120,
+                         what="the parked keys' events handled after the replay")
+        second = await run_cli("migrate", str(two), "--yes")
+        assert second.code == 0 and "2 lanes" in second.out, second.out + second.err
+    for user in users:
+        seqs = [s for s, _ in calls[user]]
+        assert seqs == sorted(seqs), (user, calls[user])
+    assert sum(h or 0 for h in held), held
+    again = await run_cli("plan", str(two))
+    assert again.code == 0 and "0 to migrate" in again.out, again.out + again.err
+    assert [await depth(fresh_vhost, f"{Q}.lane.{n}") for n in (2, 3)] == [None, None]
+    assert [await depth(fresh_vhost, f"{Q}.lane.{n}.held") for n in (0, 1)] == [0, 0]
 
 
 class LedgerDown(ConnectionError):

@@ -1077,7 +1077,8 @@ async def test_a_worker_on_a_file_with_more_lanes_than_the_broker_says_to_run_mi
         assert await check(topology(lanes=LANES + 2)) == (
             f"queue '{Q}.lane.{LANES}' does not exist on the broker: the file gives {Q} "
             f"{LANES + 2} lanes, the broker {LANES}; run `rabbit-retry migrate r.yml` first (it "
-            "adds lanes to a live ordered queue)")
+            "adds lanes to a live ordered queue), or, if migrate took lanes away, run this worker "
+            "with the file of 3 lanes")
         other = topology().replace(Q, "rewards.other")
         assert await check(other, Other()) == (
             "queue 'rewards.other' does not exist on the broker; run `rabbit-retry apply r.yml` "
@@ -1128,7 +1129,7 @@ def test_a_new_lane_is_gated_until_every_lane_before_it_passed() -> None:
         Entry("fence", "", 5, change, lanes=(3,)),
     ]
     folded = fold(entries)
-    assert folded.gates == {change: {1, 2}} and folded.fences == {change: (3,)}
+    assert folded.gates == {change: {1, 2}} and folded.fences == {change: ((3,), ())}
     todo = plan(entries, folded)
     assert todo.handle == {} and todo.keep == [0, 1, 2, 3, 5] and todo.drop == [4]
     entries += [Entry("passed", "", 6, change, lanes=(1,)), Entry("passed", "", 7, change,
@@ -1268,3 +1269,59 @@ async def test_a_lane_passes_only_once_the_broker_took_the_acks_of_its_keys_last
     calls = first.calls[user] + second.calls[user]
     assert 2 not in calls[calls.index(3):], calls
     assert second.applied[user][-1:] == [3]
+
+
+# --- taking lanes away (migrate) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gated", [True, False])
+async def test_keys_of_a_removed_lane_wait_for_their_earlier_messages_there(gated: bool) -> None:
+    """``migrate`` from 3 lanes to 2 with a backlog in every lane: the keys lane 2 had go to
+    lanes 0 and 1, and run there only after their earlier messages in lane 2 (through a retry,
+    and a park, which holds only its own key: every other key, moved or not, runs to its end
+    meanwhile). Lane 2 drains on a worker whose file has 2 lanes: the parked message replayed
+    there, its key's later messages follow in the remaining lane. Without the gates (the
+    control) the remaining lanes run moved keys at once, before their earlier messages."""
+    from rabbit_retry.held import Entry, change_id
+
+    change = change_id(LANES, LANES - 1)
+    users = [f"u{n}" for n in range(24)]
+    async with broker_for(topology()) as probe:
+        for user in users:
+            publish(probe, user, 0)
+        removed = [m.headers["user-id"] for m in probe.messages(f"{Q}.lane.{LANES - 1}")]
+    retried, parked = removed[0], removed[1]
+    ledger = Ledger({(retried, 2): 1, (parked, 3): "park"})
+    async with broker_for(topology()) as broker:
+        for seq in range(1, 6):
+            for user in users:
+                publish(broker, user, seq)
+        async with broker.worker(ledger):
+            if gated:
+                for lane in range(LANES - 1):
+                    broker.publish(queue=f"{Q}.lane.{lane}", headers=Entry(
+                        "gate", "", 0, change, lanes=(LANES - 1,)).headers())
+            broker.memory.declare_queue(f"{Q}.lanes.{LANES}-to-{LANES - 1}", durable=True)
+            ring = broker.memory.bindings[f"{Q}.lanes"]
+            ring[:] = [b for b in ring if b.queue != f"{Q}.lane.{LANES - 1}"]  # unbound
+            for seq in range(6, 9):
+                for user in users:
+                    publish(broker, user, seq)
+            broker.publish(queue=f"{Q}.lane.{LANES - 1}", headers=Entry(
+                "fence", "", 0, change, lanes=tuple(range(LANES - 1))).headers())
+            await broker.settle(retries=True)
+            if not gated:
+                assert ledger.calls != {u: sorted(c) for u, c in ledger.calls.items()}
+                return
+            # the parked key waits, and nothing else does
+            assert ledger.applied[parked] == [1, 2]
+            assert {u: ledger.applied[u] for u in users if u != parked} == {
+                u: list(range(1, 9)) for u in users if u != parked}
+        broker.topology = parse_topology(topology(lanes=LANES - 1), "rewards.yml")
+        async with broker.worker(ledger):  # the new file: lane 2 still drains
+            replay(broker, f"{parked}-3")
+            await broker.settle(retries=True)
+            lanes = range(LANES)
+            assert [len(broker.messages(f"{Q}.lane.{n}.held")) for n in lanes] == [0, 0, 0]
+    assert {u: ledger.applied[u] for u in users} == {u: list(range(1, 9)) for u in users}
+    never_backwards(ledger.calls)

@@ -125,12 +125,12 @@ def test_status_counts_an_ordered_queues_lanes_and_held_keys() -> None:
     assert continued.held_keys == 3
 
 
-def test_more_lanes_is_a_migrate_fewer_are_refused_and_a_change_under_way_is_resumed() -> None:
+def test_more_lanes_is_a_migrate_fewer_only_from_4_3_and_a_change_under_way_is_resumed() -> None:
     from dataclasses import replace
 
-    from rabbit_retry.broker.add_lanes import plan_lane_changes
     from rabbit_retry.broker.diff import diff, refusal
     from rabbit_retry.broker.inspect import LiveQueue, LiveState
+    from rabbit_retry.broker.lane_changes import plan_lane_changes
 
     def live_of(text: str, *extra: str) -> LiveState:
         plan = compile_topology(parse_topology(text))
@@ -158,9 +158,25 @@ def test_more_lanes_is_a_migrate_fewer_are_refused_and_a_change_under_way_is_res
     assert (change.before, change.after, change.marker) == (4, 8, "rewards.points.lanes.4-to-8")
     assert [lane.name for lane in change.lanes] == [f"rewards.points.lane.{n}" for n in range(4, 8)]
     assert [b.destination for b in change.bindings] == [lane.name for lane in change.lanes]
-    # fewer lanes: refused
-    [line, _] = refusal(diff(compile_topology(parse_topology(four)), live_of(eight)), "v", "f")
-    assert "keep lanes: 8 (a live ordered queue can get more lanes, not fewer)" in line
+    # fewer lanes: refused before 4.3 (a node restart reorders the ring), a migrate from 4.3
+    four_plan = compile_topology(parse_topology(four))
+    for version in ("4.0.5", "3.10.8", ""):
+        older = replace(live_of(eight), version=version)
+        [line, _] = refusal(diff(four_plan, older), "v", "f")
+        assert "keep lanes: 8 (a live ordered queue can get fewer lanes on RabbitMQ 4.3 and " \
+            "later, not on " in line, line
+    fewer = diff(four_plan, replace(live_of(eight), version="4.3.6"))
+    [line, _] = refusal(fewer, "v", "f")
+    assert line.endswith("ordered with 8 lanes on the broker, 4 in the file: migrate takes away "
+                         "lanes 4-7; their keys go to the remaining lanes and run there once "
+                         "their earlier messages in the removed lane are done, and a removed "
+                         "lane is deleted once it is"), line
+    [removal] = plan_lane_changes(fewer, four_plan)
+    assert (removal.before, removal.after, removal.marker) == (8, 4, "rewards.points.lanes.8-to-4")
+    # begun: the removed lanes are still there, with the marker: resumed with the file's 4
+    [again] = plan_lane_changes(
+        diff(four_plan, live_of(eight, "rewards.points.lanes.8-to-4")), four_plan)
+    assert (again.before, again.after) == (8, 4)
     # a change migrate began (its marker is there, every lane already declared): resumed, and
     # refused with a file of another number of lanes
     begun = live_of(eight, "rewards.points.lanes.4-to-8")
@@ -206,9 +222,9 @@ def test_migrate_says_how_many_keys_are_held_before_it_adds_lanes(
     ``status`` does), and says how many parked messages hold, which wait for an operator."""
     from dataclasses import replace
 
-    from rabbit_retry.broker.add_lanes import describe, plan_lane_changes
     from rabbit_retry.broker.diff import diff
     from rabbit_retry.broker.inspect import LiveQueue, LiveState
+    from rabbit_retry.broker.lane_changes import describe, plan_lane_changes
     from rabbit_retry.cli.provision import _held_now
 
     two = rewards(f"{{key: {{header: user-id}}, lanes: 2, on_park: {on_park}}}")
