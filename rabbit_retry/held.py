@@ -126,25 +126,31 @@ def read_entry(headers: Mapping[str, Any] | None, body: bytes = b"") -> Entry | 
     hold = as_text(headers.get(ORDERED_HOLD))
     if kind != "message" and hold is None:
         return None
-    lanes: tuple[int, ...] | None = ()
-    if kind in LANE_KINDS and kind != "fenced":
-        lanes = read_lanes(headers.get(ORDERED_LANES))
-        if lanes is None:
-            return None
-    keys: tuple[str, ...] | None = ()
-    if kind in ("fence", "passed") and body:
-        keys = _read_keys(body)
-        if keys is None:
-            return None
+    change = _change_of(kind, headers, body)
+    if change is None:
+        return None
     since = headers.get(ORDERED_SINCE)
     return Entry(
         kind, key, seq, hold,
         float(since) if isinstance(since, int | float) and not isinstance(since, bool) else 0.0,
         as_text(headers.get(ORDERED_WHY)) or "",
         as_text(headers.get(ORDERED_HOLDER)),
-        lanes or (),
-        keys or (),
+        *change,
     )
+
+
+def _change_of(
+    kind: EntryKind, headers: Mapping[str, Any], body: bytes
+) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """The lanes and keys an entry of a change of the lanes names (none for the other kinds),
+    or None when garbled."""
+    lanes: tuple[int, ...] | None = ()
+    if kind in LANE_KINDS and kind != "fenced":
+        lanes = read_lanes(headers.get(ORDERED_LANES))
+    keys: tuple[str, ...] | None = ()
+    if kind in ("fence", "passed") and body:
+        keys = _read_keys(body)
+    return None if lanes is None or keys is None else (lanes, keys)
 
 
 def _read_keys(body: bytes) -> tuple[str, ...] | None:

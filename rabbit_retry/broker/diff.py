@@ -616,8 +616,7 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
         elif not wanted:
             detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
                       "live ordered queue cannot be made plain yet")
-        elif there == {naming.lane_queue(main.name, n) for n in range(len(there))} and (
-                len(wanted) > len(there) or _ring_kept(live.version)):
+        elif _movable(main.name, there, len(wanted), live.version):
             lanes = (len(there), len(wanted))
             yield Change("migrate", "queue", main.name, _lanes_text(*lanes), main, lanes=lanes)
             continue
@@ -629,6 +628,13 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
                       f"{live.version or 'this version'}: before 4.3 a node restart reorders "
                       "the lanes exchange's ring)")
         yield Change("conflict", "queue", main.name, detail, main)
+
+
+def _movable(main: str, there: set[str], wanted: int, version: str) -> bool:
+    """Whether ``migrate`` can take the live lanes ``there`` (every one from 0 up) to
+    ``wanted``: more on every version, fewer where the ring stays in lane order."""
+    whole = there == {naming.lane_queue(main, n) for n in range(len(there))}
+    return whole and (wanted > len(there) or _ring_kept(version))
 
 
 def _ring_kept(version: str) -> bool:
