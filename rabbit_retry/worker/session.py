@@ -225,6 +225,7 @@ class Session:
         consumer, queue = sub.consumer, sub.queue
         rules = self._rules(sub.config, native=False)
         lanes = naming.lanes_exchange(queue)
+        count = await self._lanes_on_broker(queue, ordered.lanes)
         channel = await self.amqp.channel(publisher_confirms=False)
         self._watch(channel, queue)
         router = Stream(sub, rules)
@@ -236,7 +237,7 @@ class Session:
         paused = sub.breaker is not None and sub.breaker.paused
         pausing = None if sub.breaker is None else Pausing(
             sub.breaker, queue, [], consumer.name, sub.metrics, None, self._set_lost)
-        for number in range(await self._lanes_on_broker(queue, ordered.lanes)):
+        for number in range(count):
             name = naming.lane_queue(queue, number)
             held = naming.held_queue(queue, number)
             channel = await self.amqp.channel(publisher_confirms=False)
