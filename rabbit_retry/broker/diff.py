@@ -568,15 +568,18 @@ def _live_lanes(main: str, live: LiveState) -> set[str]:
             if name.startswith(prefix) and name[len(prefix):].isdigit()}
 
 
-def _lanes_under_way(main: str, live: LiveState) -> tuple[int, int] | None:
+def _lanes_under_way(main: str, live: LiveState, lanes: int) -> tuple[int, int] | None:
     """A change of ``main``'s lanes that ``migrate`` began and has not made whole (its marker
-    queue is still there): (lanes before, lanes after)."""
+    queue is still there): (lanes before, lanes after). Of two (a run taking lanes away stopped
+    between declaring the next step's marker and deleting its own), the one that starts from
+    the ``lanes`` on the broker."""
     prefix = naming.lanes_exchange(main) + "."
+    found = []
     for name in live.queues:
         before, sep, after = name.removeprefix(prefix).partition("-to-")
         if name.startswith(prefix) and sep and before.isdigit() and after.isdigit():
-            return int(before), int(after)
-    return None
+            found.append((int(before), int(after)))
+    return min(found, key=lambda f: f[0] != lanes, default=None)
 
 
 def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
@@ -591,10 +594,16 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
             continue
         wanted = {q.name for q in plan.queues_of(main.name) if q.role == "lane"}
         there = _live_lanes(main.name, live)
-        under_way = _lanes_under_way(main.name, live)
+        under_way = _lanes_under_way(main.name, live, len(there))
         if under_way is not None and under_way[1] == len(wanted):
             yield Change("migrate", "queue", main.name, _lanes_text(*under_way, resumed=True),
                          main, lanes=under_way)
+            continue
+        if under_way is not None and len(wanted) < under_way[1] < under_way[0] == len(there):
+            # taking lanes away one at a time: a step under way, more to go
+            lanes = (len(there), len(wanted))
+            yield Change("migrate", "queue", main.name, _lanes_text(*lanes, resumed=True),
+                         main, lanes=lanes)
             continue
         if under_way is not None:
             detail = (f"migrate began taking it from {under_way[0]} to {under_way[1]} lanes; the "

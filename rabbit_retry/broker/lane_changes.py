@@ -24,22 +24,25 @@ Every step is idempotent: a gate is written only while its lane is not declared,
 when missing, and a fence or passed entry twice counts once.
 
 Fewer lanes, from ``N`` to ``M`` (RabbitMQ 4.3 and later: the exchange keeps its buckets in the
-order the lanes were bound, so unbinding the last lanes moves only their keys):
+order the lanes were bound, so unbinding the last lane moves only its keys), one lane at a time,
+the last first, each once the one after it is done (the keys of a lane unbound while a later
+removed lane was still bound would partly go to that one, which hands over its own keys: a key
+could then wait on two lanes at once). For lane ``r`` (the last one on the broker):
 
-1. ``mark``: declare ``Q.lanes.N-to-M`` (it stays until the removed lanes are deleted);
-2. ``gate``: while every removed lane is still bound, publish a *gate* into each remaining lane,
-   naming the removed ones: from there on the lane moves every delivery to its held queue
-   until each removed lane has passed;
-3. ``unbind``: unbind the removed lanes from ``Q.lanes``, the last first: their keys go to the
-   remaining lanes, behind the gates;
-4. ``fence``: publish a *fence* into each removed lane, naming the remaining ones, and then one
-   message into the marker (the fences are out). A removed lane's worker settles what came
-   before its fence, passes at once, handing over the keys it still holds (the remaining lanes
-   hold them), goes on with those keys and releases each once it is free, and then puts a
-   ``fenced`` message naming itself into the marker;
-5. ``delete``: each removed lane whose ``fenced`` is in the marker and which holds nothing is
-   deleted with its held queue; the marker goes with the last. A lane still busy (a key held by
-   a parked message) is left for the next run.
+1. ``mark``: declare ``Q.lanes.<r+1>-to-<r>`` (it stays until lane ``r`` is deleted);
+2. ``gate``: while ``r`` is still bound, publish a *gate* into each lane before it, naming
+   ``r``: from there on the lane moves every delivery to its held queue until ``r`` passed;
+3. ``unbind``: unbind ``r`` from ``Q.lanes``: its keys go to the lanes before it, behind the
+   gates;
+4. ``fence``: publish a *fence* into ``r``, naming the lanes before it, and then one message
+   into the marker (the fence is out). Lane ``r``'s worker settles what came before its fence,
+   passes at once, handing over the keys it still holds (the other lanes hold them), goes on
+   with those keys and releases each once it is free, and then puts a ``fenced`` message naming
+   itself into the marker;
+5. ``delete``: once that message is there (a run waits ``DRAIN_WAIT`` for it), delete ``r``
+   with its held queue, declare the next step's marker (if a lane is still to go) and delete
+   this one. A lane still busy (a key held by a parked message) stops the run there; the next
+   run goes on from it.
 """
 
 from __future__ import annotations
@@ -128,26 +131,27 @@ def describe(change: LaneChange, held: tuple[int, int] = (0, 0)) -> list[str]:
 
 
 def _describe_removal(change: LaneChange, held: tuple[int, int]) -> list[str]:
-    gone = numbered("lane", change.after, change.before)
-    rest = numbered("lane", 0, change.after)
     keys, parked = held
     now = [] if not keys else [
         f"  held now      keys held: {keys}, by parked messages: {parked}; a removed lane hands "
-        "its held keys over, they wait in the remaining lanes until it is done with them, and "
+        "its held keys over, they wait in the lanes before it until it is done with them, and "
         "it is deleted then (a parked one: once replayed or discarded)"]
+    marker = f"{naming.lanes_exchange(change.queue)}.<r+1>-to-<r>"
     return [
-        f"queue {change.queue}: from {change.before} lanes to {change.after}",
+        f"queue {change.queue}: from {change.before} lanes to {change.after}, taking away "
+        f"{numbered('lane', change.after, change.before)} one at a time, the last first; "
+        "for each lane r:",
         *now,
-        f"  mark          declare {change.marker} (a change under way; run migrate again to "
-        "finish it)",
-        f"  gate          a gate into {rest}: each moves what comes after it to its held queue "
-        f"until {gone} passed",
-        f"  unbind        unbind {gone} from {naming.lanes_exchange(change.queue)}, the last "
-        "first: their keys go to the remaining lanes from here on",
-        f"  fence         a fence into {gone}: each passes once what came before it is done, "
-        "handing over the keys it still holds",
-        f"  delete        delete {gone} and their held queues once each is done with its keys "
-        f"(waits up to {DRAIN_WAIT:g}s; the next run deletes the rest), then {change.marker}",
+        f"  mark          declare {marker} (a change under way; run migrate again to finish "
+        "it)",
+        "  gate          a gate into the lanes before r: each moves what comes after it to its "
+        "held queue until r passed",
+        f"  unbind        unbind r from {naming.lanes_exchange(change.queue)}: its keys go to "
+        "the lanes before it from here on",
+        "  fence         a fence into r: it passes once what came before it is done, handing "
+        "over the keys it still holds",
+        f"  delete        delete r and its held queue once it is done with its keys (waits up "
+        f"to {DRAIN_WAIT:g}s; else the next run goes on from r), then the marker",
     ]
 
 
@@ -222,65 +226,72 @@ FENCES_OUT = "fence"  # the marker's message that says the fences are out
 
 
 async def _remove(run: MigrationRun, change: LaneChange) -> None:
+    """Take the last lanes away one at a time, each once the one after it is done (keys of a
+    lane unbound while a later removed lane is still bound would go to that one, whose own
+    keys it hands over: a key could then wait on two lanes at once)."""
+    # A step's marker a run left beside the next one's (its lane is gone)
+    await _delete(run, naming.lanes_change_queue(change.queue, change.before + 1, change.before))
+    for lanes in range(change.before, change.after, -1):
+        step = LaneChange(change.queue, lanes, lanes - 1, (), (), ())
+        if not await _remove_last(run, step, last=lanes - 1 == change.after):
+            run.say(f"{change.queue}: lane {lanes - 1} still holds keys (a parked message holds "
+                    "its key until it is replayed or discarded: status, the desk's Held keys); "
+                    "their keys wait in the remaining lanes. Run migrate again to go on once it "
+                    f"is done ({numbered('lane', change.after, lanes)} to take away)")
+            return
+    run.say(f"{change.queue}: {change.after} lanes")
+
+
+async def _remove_last(run: MigrationRun, step: LaneChange, *, last: bool) -> bool:
+    """Take lane ``step.after`` (the last) away; whether it is done and deleted."""
     channel = await run.channel(confirms=True)
-    exchange = naming.lanes_exchange(change.queue)
-    removed = range(change.after, change.before)
-    remaining = tuple(range(change.after))
-    if await run.count(change.marker) is None:
-        await channel.queue_declare(change.marker, durable=True,
+    exchange = naming.lanes_exchange(step.queue)
+    number = step.after
+    lane = naming.lane_queue(step.queue, number)
+    if await run.count(step.marker) is None:
+        await channel.queue_declare(step.marker, durable=True,
                                     arguments={"x-queue-type": "classic"}, timeout=TIMEOUT)
-        run.say(f"{change.queue}: declared {change.marker} (a change of lanes under way)")
-    if FENCES_OUT not in await _marked(run, change.marker):
-        bound = {n: [b for b in run.bindings_to(naming.lane_queue(change.queue, n))
-                     if b.source == exchange] for n in removed}
-        if all(bound.values()):  # nothing unbound yet: the gates go first
-            gate = Entry("gate", "", 0, change.id, lanes=tuple(removed)).headers()
-            for lane in remaining:
-                await _entry(channel, naming.lane_queue(change.queue, lane), gate)
-            run.say(f"{change.queue}: a gate in {numbered('lane', 0, change.after)}: they run "
-                    f"nothing until {numbered('lane', change.after, change.before)} pass")
-        for n in reversed(removed):
-            for binding in bound[n]:
-                await channel.queue_unbind(binding.destination, exchange,
-                                           routing_key=binding.routing_key,
-                                           arguments=dict(binding.arguments), timeout=TIMEOUT)
-                run.say(f"{change.queue}: unbound {binding.destination} from {exchange}")
-        fence = Entry("fence", "", 0, change.id, lanes=remaining).headers()
-        for n in removed:
-            await _entry(channel, naming.lane_queue(change.queue, n), fence)
-        await _entry(channel, change.marker, {ORDERED_ENTRY: FENCES_OUT})
-        run.say(f"{change.queue}: a fence in {numbered('lane', change.after, change.before)}; "
-                "each passes once what came before it is done, handing over the keys it holds")
+        run.say(f"{step.queue}: declared {step.marker} (a change of lanes under way)")
+    if FENCES_OUT not in await _marked(run, step.marker):
+        bound = [b for b in run.bindings_to(lane) if b.source == exchange]
+        if bound:  # not unbound yet: the gates go first
+            gate = Entry("gate", "", 0, step.id, lanes=(number,)).headers()
+            for other in range(number):
+                await _entry(channel, naming.lane_queue(step.queue, other), gate)
+            run.say(f"{step.queue}: a gate in {numbered('lane', 0, number)}: they run nothing "
+                    f"until lane {number} passes")
+        for binding in bound:
+            await channel.queue_unbind(lane, exchange, routing_key=binding.routing_key,
+                                       arguments=dict(binding.arguments), timeout=TIMEOUT)
+            run.say(f"{step.queue}: unbound {lane} from {exchange}")
+        fence = Entry("fence", "", 0, step.id, lanes=tuple(range(number))).headers()
+        await _entry(channel, lane, fence)
+        await _entry(channel, step.marker, {ORDERED_ENTRY: FENCES_OUT})
+        run.say(f"{step.queue}: a fence in {lane}; it passes once what came before it is done, "
+                "handing over the keys it holds")
     await channel.close()
-    left = await _delete_drained(run, change)
-    if left:
-        run.say(f"{change.queue}: {numbered('lane', min(left), max(left) + 1)} still "
-                "hold keys (a parked message holds its key until it is replayed or discarded: "
-                "status, the desk's Held keys); their keys wait in the remaining lanes. Run "
-                "migrate again to delete them once they are done")
-        return
-    await _delete(run, change.marker)
-    run.say(f"{change.queue}: {change.after} lanes; {change.marker} deleted")
+    if not await _done(run, step.marker, number):
+        return False
+    await _delete(run, naming.held_queue(step.queue, number), lane)
+    run.say(f"{step.queue}: deleted {lane} and its held queue (done)")
+    if not last:  # the next step's marker first: a worker on the new file still takes the lanes
+        following = naming.lanes_change_queue(step.queue, number, number - 1)
+        channel = await run.channel()
+        await channel.queue_declare(following, durable=True,
+                                    arguments={"x-queue-type": "classic"}, timeout=TIMEOUT)
+        await channel.close()
+    await _delete(run, step.marker)
+    return True
 
 
-async def _delete_drained(run: MigrationRun, change: LaneChange) -> list[int]:
-    """Delete each removed lane that said it is done and holds nothing; the lanes left."""
-    left = list(range(change.after, change.before))
+async def _done(run: MigrationRun, marker: str, lane: int) -> bool:
+    """Whether removed lane ``lane`` said it is done, waiting up to ``DRAIN_WAIT``."""
     until = time.monotonic() + DRAIN_WAIT
-    while True:
-        done = await _marked(run, change.marker)
-        for n in list(left):
-            lane, held = naming.lane_queue(change.queue, n), naming.held_queue(change.queue, n)
-            if str(n) not in done:
-                continue
-            if [q for q in (lane, held) if (await run.count(q) or (0, 0))[0]]:
-                continue  # a late copy: its worker takes it
-            await _delete(run, held, lane)
-            run.say(f"{change.queue}: deleted {lane} and {held} (done)")
-            left.remove(n)
-        if not left or time.monotonic() > until:
-            return left
+    while str(lane) not in await _marked(run, marker):
+        if time.monotonic() > until:
+            return False
         await asyncio.sleep(0.5)
+    return True
 
 
 async def _delete(run: MigrationRun, *queues: str) -> None:

@@ -694,18 +694,19 @@ class OrderedLane:
         """Lanes before this new one passed: written to the held queue; once all have, the
         messages moved here meanwhile are handed back in order."""
         change = entry.hold or ""
-        if self._gate_acked is not None:
-            await asyncio.shield(self._gate_acked)
         waits = self.gates.get(change)
         if not waits or not waits & set(entry.lanes):
             return  # passed before (a duplicate), or not a change this lane waits for
-        # A removed lane's keys: held at once (their releases may come right behind), each
-        # written before the passed entry.
+        # A removed lane's keys: held at once (their releases may come right behind, and be
+        # taken while this waits), each written before the passed entry.
         handed = {key: self.hold(key, "moved", None, moved_hold(change, lane))
                   for lane in entry.lanes for key in entry.keys if key not in self.holds}
+        if self._gate_acked is not None:
+            await asyncio.shield(self._gate_acked)
         async with self._writes:
             holds = [Entry("hold", key, self._next(), hold.id, hold.since, hold.why)
-                     for key, hold in handed.items()]
+                     for key, hold in handed.items()
+                     if self.holds.get(key) is hold]  # (not released meanwhile)
             for start in range(0, len(holds), REWRITE_WINDOW):
                 await asyncio.gather(*map(self._write_entry, holds[start:start + REWRITE_WINDOW]))
             for key, hold in handed.items():
@@ -825,13 +826,14 @@ class OrderedLane:
     def summary(self) -> tuple[int, float | None]:
         """Held keys now, and since when the oldest is held (epoch seconds; None: none). While
         the lane is gated, every key with messages in its held queue is held, since then."""
-        # A key a removed lane handed over counts where its messages wait (every remaining
-        # lane holds it, since none can tell which lane the ring gives it).
-        holds = [h for k, h in self.holds.items() if h.why != "moved" or self.backlog.get(k)]
+        # A key a removed lane handed over counts there (every lane before it holds it too:
+        # none can tell which one the ring gives it).
+        holds = [h for h in self.holds.values() if h.why != "moved"]
         oldest = min((h.since for h in holds), default=None)
         if not self.gates:
             return len(holds), oldest
-        return len(self._busy()), min(oldest or self._shut_since, self._shut_since)
+        busy = {k for k in self._busy() if k not in self.holds or self.holds[k].why != "moved"}
+        return len(busy), min(oldest or self._shut_since, self._shut_since)
 
     async def stop(self) -> None:
         for task in (self._passes, self._fencing):

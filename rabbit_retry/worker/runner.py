@@ -109,8 +109,9 @@ def subscribe(
 
 async def check_objects(
     connection: AbstractConnection, subscriptions: Sequence[Subscription], hint: str
-) -> None:
+) -> dict[str, int]:
     """Passively declare everything the consumers need; one line naming what is missing.
+    Returns, per ordered queue, the lanes to consume (``lanes_on_broker``).
 
     One channel for all of it: a failed passive declare closes its channel, but the first
     failure ends the check anyway."""
@@ -144,6 +145,34 @@ async def check_objects(
     finally:
         if not channel.is_closed:
             await channel.close()
+    return {sub.queue: await lanes_on_broker(connection, sub.queue, sub.config.ordered.lanes)
+            for sub in subscriptions if sub.config.ordered is not None}
+
+
+async def lanes_on_broker(connection: AbstractConnection, queue: str, lanes: int) -> int:
+    """The file's ``lanes``, and those past them still on the broker while ``migrate`` takes
+    them away (it takes the last one away at a time, and its marker is there until it has
+    deleted it): they go on with the keys they hold until it deletes them. (Lanes ``migrate``
+    added run on workers with the new file.)"""
+    count = lanes
+    while await _exists(connection, naming.lane_queue(queue, count)):
+        count += 1
+    if count > lanes and await _exists(connection,
+                                       naming.lanes_change_queue(queue, count, count - 1)):
+        return count
+    return lanes
+
+
+async def _exists(connection: AbstractConnection, queue: str) -> bool:
+    channel = await connection.channel(publisher_confirms=False)
+    try:
+        await channel.queue_declare(queue, passive=True)
+    except aiormq.exceptions.ChannelNotFoundEntity:
+        return False
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return True
 
 
 def _missing(kind: str, name: str, sub: Subscription, hint: str) -> str:
@@ -217,8 +246,8 @@ class Runner:
     async def _open(self) -> Session:
         connection = await self.connect(self.settings)
         try:
-            session = Session(connection, self.subscriptions, self.user, self.trace)
-            await check_objects(session.amqp, self.subscriptions, self.hint)
+            lanes = await check_objects(connection, self.subscriptions, self.hint)
+            session = Session(connection, self.subscriptions, self.user, self.trace, lanes)
             await session.start()
         except BaseException:
             with suppress(Exception):

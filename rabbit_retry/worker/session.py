@@ -23,7 +23,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -142,9 +142,13 @@ class Session:
         subscriptions: Sequence[Subscription],
         user: str,
         trace: Tracing | None = None,
+        lanes: Mapping[str, int] | None = None,
     ) -> None:
         self.amqp = connection
         self.trace = trace
+        # Per ordered queue, the lanes to consume: the file's, and those past them that
+        # ``migrate`` is taking away (``runner.check_objects`` found them).
+        self.lanes = dict(lanes or {})
         self.subscriptions = subscriptions
         self.user = user
         self.frame_max = int(self.amqp.connection_tune.frame_max or 131072)
@@ -225,7 +229,7 @@ class Session:
         consumer, queue = sub.consumer, sub.queue
         rules = self._rules(sub.config, native=False)
         lanes = naming.lanes_exchange(queue)
-        count = await self._lanes_on_broker(queue, ordered.lanes)
+        count = self.lanes.get(queue, ordered.lanes)
         channel = await self.amqp.channel(publisher_confirms=False)
         self._watch(channel, queue)
         router = Stream(sub, rules)
@@ -277,28 +281,6 @@ class Session:
                  extra={"queue": queue, "event": "paused" if paused else "consuming"})
         if pausing is not None and paused:
             pausing.start_probe()
-
-    async def _lanes_on_broker(self, queue: str, lanes: int) -> int:
-        """The file's ``lanes``, and those past them still on the broker while ``migrate`` takes
-        them away (its marker is there): they go on with the keys they hold until it deletes
-        them. (Lanes ``migrate`` added run on workers with the new file.)"""
-        count = lanes
-        while await self._exists(naming.lane_queue(queue, count)):
-            count += 1
-        if count > lanes and await self._exists(naming.lanes_change_queue(queue, count, lanes)):
-            return count
-        return lanes
-
-    async def _exists(self, queue: str) -> bool:
-        channel = await self.amqp.channel(publisher_confirms=False)
-        try:
-            await channel.queue_declare(queue, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            return False
-        finally:
-            if not channel.is_closed:
-                await channel.close()
-        return True
 
     async def _forward(
         self, stream: Stream, lanes: str, count: int, message: DeliveredMessage

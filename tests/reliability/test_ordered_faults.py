@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from rel_support import Worker, spec_body
 from rel_support import records as recorded
-from support.amqp import Outgoing, consumers, publish_sync, total_depth
-from support.broker import enable_plugin, restart_app
+from support.amqp import Outgoing, consumers, depth_sync, publish_sync, total_depth
+from support.broker import enable_plugin, restart_app, version
 from support.poll import wait_for
 from support.process import apply, cli
 
@@ -289,3 +289,69 @@ def test_lanes_added_mid_stream_keep_every_keys_order_through_sigkills(
              + (records / "new2.log").read_text(errors="replace").splitlines()
              if "every lane before it passed" in line]
     assert moved, "no new lane opened: the test did not test a change"  # positive control
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_lanes_taken_away_mid_stream_keep_every_keys_order_through_sigkills(
+    fresh_vhost: Settings, points: Path, records: Path, worker_guard: list[Worker],
+    queue_type: str, management: Management,
+) -> None:
+    """``migrate`` takes the queue from 4 lanes to 2 while a worker on the old file works
+    through the stream, keys held by parked messages (a removed lane hands its held keys over and
+    goes on with them); that worker is SIGKILLed once a removed lane has passed, and two workers
+    on the new file take every lane over (the removed ones too, while the change is under way),
+    one of them SIGKILLed after the replay; a second ``migrate`` deletes the removed lanes.
+    Per key nothing runs after a later message of the key succeeded; every message succeeds;
+    nothing is left in a lane, a tier or a held queue."""
+    if version(management) < (4, 3):
+        pytest.skip("fewer lanes is refused before RabbitMQ 4.3 (test_ordered_on_rabbitmq "
+                    "checks the refusal there)")
+    four, two = points / "four.yml", points / "two.yml"
+    four.write_text(TOPOLOGY % {"type": queue_type})
+    two.write_text((TOPOLOGY % {"type": queue_type}).replace(f"lanes: {LANES}", "lanes: 2"))
+    apply(fresh_vhost, four)
+    old = Worker(fresh_vhost, four, records, "Points", sleep_ms=20, prefetch=8,
+                 log_name="old.log")
+    worker_guard.append(old)
+    old.start()
+    messages = _stream(f"fewer-{queue_type}")
+    half = len(messages) // 2
+    publish_sync(fresh_vhost, messages[:half], exchange="rel", routing_key="points")
+    done = cli(fresh_vhost, "migrate", str(two), "--yes")
+    assert done.code == 0 and "changed lanes" in done.out, done.out + done.err
+    publish_sync(fresh_vhost, messages[half:], exchange="rel", routing_key="points")
+    ok = lambda: {m for m, _ in recorded(records, "ok")}  # noqa: E731
+    wait_for(lambda: len(ok()) >= half // 2, "a quarter handled")
+    log = records / "old.log"
+    wait_for(lambda: "is taken away" in log.read_text(errors="replace"),
+             "a removed lane passed on the old worker")
+    old.kill()  # the keys its removed lanes handed over are in their fences, in the held queues
+    new = [Worker(fresh_vhost, two, records, "Points", sleep_ms=20, prefetch=8,
+                  log_name=f"new{n}.log") for n in (1, 2)]
+    worker_guard.extend(new)
+    for worker in new:
+        worker.start()
+    wait_for(lambda: total_depth(fresh_vhost, [f"{Q}.parking"]) >= 1, "a held key parked")
+    (records / "fixed").touch()
+
+    def replayed(enough: int) -> bool:
+        if total_depth(fresh_vhost, [f"{Q}.parking"]):
+            done = cli(fresh_vhost, "parking", "replay", Q, "--yes")
+            assert done.code == 0, done.err
+        return len(ok()) >= enough
+
+    wait_for(lambda: replayed(int(len(messages) * 0.8)), "80% handled")
+    new[0].kill()
+    new[0].start()
+    wait_for(lambda: replayed(len(messages)), "every message handled", within=180)
+    wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
+    again = cli(fresh_vhost, "migrate", str(two), "--yes")  # the removed lanes are done
+    assert again.code == 0 and "2 lanes" in again.out, again.out + again.err
+    for worker in new:
+        worker.stop()
+    handled = _per_key("ok", records)
+    assert {u: sorted(set(s)) for u, s in handled.items()} == {
+        f"u{u}": list(range(1, EVENTS + 1)) for u in range(USERS)}
+    _never_back(records)
+    gone = [depth_sync(fresh_vhost, f"{Q}.lane.{n}{h}") for n in (2, 3) for h in ("", ".held")]
+    assert gone == [None] * 4  # deleted

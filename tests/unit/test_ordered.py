@@ -1325,3 +1325,62 @@ async def test_keys_of_a_removed_lane_wait_for_their_earlier_messages_there(gate
             assert [len(broker.messages(f"{Q}.lane.{n}.held")) for n in lanes] == [0, 0, 0]
     assert {u: ledger.applied[u] for u in users} == {u: list(range(1, 9)) for u in users}
     never_backwards(ledger.calls)
+
+
+def _take_away_last(broker: TestBroker, lanes: int) -> None:
+    """What ``migrate`` does to take lane ``lanes - 1`` away, up to its fence."""
+    from rabbit_retry.contract import ORDERED_ENTRY
+    from rabbit_retry.held import Entry, change_id
+
+    change, last = change_id(lanes, lanes - 1), lanes - 1
+    broker.memory.declare_queue(f"{Q}.lanes.{lanes}-to-{last}", durable=True)
+    for lane in range(last):
+        broker.publish(queue=f"{Q}.lane.{lane}",
+                       headers=Entry("gate", "", 0, change, lanes=(last,)).headers())
+    ring = broker.memory.bindings[f"{Q}.lanes"]
+    ring[:] = [b for b in ring if b.queue != f"{Q}.lane.{last}"]
+    broker.publish(queue=f"{Q}.lane.{last}",
+                   headers=Entry("fence", "", 0, change, lanes=tuple(range(last))).headers())
+    broker.publish(queue=f"{Q}.lanes.{lanes}-to-{last}", headers={ORDERED_ENTRY: "fence"})
+
+
+async def test_a_release_that_comes_while_the_passed_entry_waits_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A removed lane passes, handing over a key held by a retry, and releases it once the
+    retry is done; a remaining lane whose gate's ack is slow to confirm (a loaded broker) takes
+    the release while its passed entry still waits for that. Before, the release found no hold
+    and was dropped, and the passed entry then held the key for good (found by a review:
+    applied 1, 2 and never 3). The key's held count is one, in the removed lane."""
+    from rabbit_retry.worker.ordered import OrderedLane
+
+    async with broker_for(topology()) as probe:
+        for n in range(24):
+            publish(probe, f"u{n}", 0)
+        user = next(m.headers["user-id"] for m in probe.messages(f"{Q}.lane.{LANES - 1}"))
+    confirmed = asyncio.Event()
+    original = OrderedLane._ack_taken
+
+    async def slow(self: OrderedLane, tag: int) -> None:
+        await original(self, tag)
+        await confirmed.wait()
+
+    monkeypatch.setattr(OrderedLane, "_ack_taken", slow)
+    ledger = Ledger({(user, 1): 1})
+    async with broker_for(topology()) as broker:
+        publish(broker, user, 1)
+        publish(broker, user, 2)
+        async with broker.worker(ledger) as worker:
+            await broker.settle()  # user-1 in its tier, user-2 held in the last lane
+            _take_away_last(broker, LANES)
+            publish(broker, user, 3)  # to a remaining lane, behind its gate
+            await asyncio.sleep(0.2)  # the lanes took the gates, the fence and the passes
+            assert worker.runner.metrics.for_queue(Q).held()[0] == 1  # once, not per lane
+            broker.memory.expire(broker.memory.next_expiry())  # user-1 back to its lane
+            await broker.wait_for(lambda: any(
+                m.headers.get("ordered-lanes") == str(LANES - 1)
+                for m in broker.messages(f"{Q}.lanes.{LANES}-to-{LANES - 1}")), within=10)
+            confirmed.set()
+            await broker.settle(retries=True)
+            assert held(broker) == 0
+    assert ledger.applied[user] == [1, 2, 3]

@@ -173,10 +173,22 @@ def test_more_lanes_is_a_migrate_fewer_only_from_4_3_and_a_change_under_way_is_r
                          "lane is deleted once it is"), line
     [removal] = plan_lane_changes(fewer, four_plan)
     assert (removal.before, removal.after, removal.marker) == (8, 4, "rewards.points.lanes.8-to-4")
-    # begun: the removed lanes are still there, with the marker: resumed with the file's 4
-    [again] = plan_lane_changes(
-        diff(four_plan, live_of(eight, "rewards.points.lanes.8-to-4")), four_plan)
+    # begun: one lane at a time, the last first; a step's marker is there: resumed to the
+    # file's 4, also when a run stopped between the next step's marker and deleting its own
+    def begun(*markers: str) -> LiveState:
+        live = live_of(eight, *(f"rewards.points.lanes.{m}" for m in markers))
+        return replace(live, version="4.3.6")
+
+    [again] = plan_lane_changes(diff(four_plan, begun("8-to-7")), four_plan)
     assert (again.before, again.after) == (8, 4)
+    seven = rewards("{key: {header: user-id}, lanes: 7}")
+    gone = {q: v for q, v in begun("8-to-7", "7-to-6").queues.items()
+            if not q.startswith("rewards.points.lane.7")}
+    stopped = replace(begun(), queues=gone)
+    [again] = plan_lane_changes(diff(four_plan, stopped), four_plan)
+    assert (again.before, again.after) == (7, 4)
+    [line, _] = refusal(diff(compile_topology(parse_topology(seven)), begun("8-to-7")), "v", "f")
+    assert "migrate began taking away lane 7" in line, line
     # a change migrate began (its marker is there, every lane already declared): resumed, and
     # refused with a file of another number of lanes
     begun = live_of(eight, "rewards.points.lanes.4-to-8")
