@@ -48,7 +48,7 @@ from rabbit_retry.broker.migrate_plan import (
 )
 from rabbit_retry.broker.requeue import REQUEUE_POLL_S, REQUEUE_WAIT_S, requeue_batches
 from rabbit_retry.contract import republish_properties
-from rabbit_retry.errors import BrokerError
+from rabbit_retry.errors import BrokerError, ConflictError
 from rabbit_retry.settings import Settings, mask
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
@@ -753,6 +753,7 @@ async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
                 f"consuming the old name (their unacked messages go back to {source}), then "
                 "run migrate again; nothing more was moved"
             )
+    await _targets_there(run, rename)
     own = {naming.retry_exchange(old), naming.lanes_exchange(old)}
     for source in (old, naming.migrating_queue(old)):
         # The default exchange's implicit binding cannot be removed; the old queue's own retry
@@ -801,6 +802,22 @@ async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
     return total
 
 
+async def _targets_there(run: MigrationRun, rename: Rename) -> None:
+    """Refuse, before anything is changed, while a queue that a queue of ``old`` still on the
+    broker moves into is missing (deleted by hand after ``migrate`` read the broker). Without
+    this, the redirect's bind to it (``NEW.parking``, say) failed with the broker's 404 after
+    ``old`` was unbound already. ``migrate`` does not declare it: its definition (type,
+    arguments, policy) is ``apply``'s, as it is when ``migrate`` finds it missing before it
+    starts (the same refusal, exit 3) or when a move finds its destination gone."""
+    for source, target in rename.moves:
+        if await run.count(source) is not None and await run.count(target) is None:
+            raise ConflictError(
+                f"queue {rename.old} -> {rename.new}: {target} is not on the broker (deleted "
+                f"after migrate read it?); run apply with the file first, which declares it, "
+                "then migrate again; nothing was changed"
+            )
+
+
 async def _redirect_dead_letters(run: MigrationRun, rename: Rename) -> None:
     """Bind ``old``'s retry exchange to where each of its queues is moved, then unbind it from
     them, before anything is moved or deleted. What ``old`` dead-letters (a message that expires
@@ -818,7 +835,15 @@ async def _redirect_dead_letters(run: MigrationRun, rename: Rename) -> None:
         routes = [b for b in run.bindings_to(source) if b.source == retry]
         if not routes:
             continue
-        await run.rebind(target, routes, bind=True)
+        try:
+            await run.rebind(target, routes, bind=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            # Deleted in the moment since _targets_there looked: unbind nothing more.
+            raise BrokerError(
+                f"{retry}: cannot route to {target}: it is not on the broker (deleted while "
+                f"migrate ran?); {source} keeps its messages and still gets what "
+                f"{rename.old} dead-letters; run apply with the file, then migrate again"
+            ) from None
         await run.rebind(source, routes, bind=False)
         run.say(f"{retry}: routes to {target} in place of {source}")
 

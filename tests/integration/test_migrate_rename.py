@@ -163,3 +163,66 @@ def test_what_the_old_queue_dead_letters_after_its_tier_is_deleted_reaches_the_n
                                               *(f"tier-{i}" for i in range(RETRYING))])
     assert _ids(fresh_vhost, naming.parking_queue(NEW)) == Counter(
         f"park-{i}" for i in range(PARKED))
+
+
+def test_a_new_parking_queue_deleted_after_migrate_read_the_broker_is_one_line_and_no_change(
+    tmp_path: Path, fresh_vhost: Settings, management: Management,
+    monkeypatch: pytest.MonkeyPatch, run_cli: Callable[..., Any],
+) -> None:
+    """The old queue's retry exchange routes to its parking queue (on_full: park), so the
+    rename's redirect binds it to the new parking queue. Deleted by hand once migrate has read
+    the broker (and found it there), that bind failed with the broker's text after the old
+    queue was unbound (3.10.8: ``error: renaming ren.old to ren.new stopped: NOT_FOUND - no
+    queue 'ren.new.parking' in vhost '...'; nothing is lost, run migrate again to finish``,
+    exit 1). Now one line naming it, exit 3, and not a binding changed; apply, then migrate,
+    finish the rename."""
+    from contextlib import asynccontextmanager
+    from urllib.parse import quote
+
+    from rabbit_retry.broker import migrate
+    from rabbit_retry.errors import EXIT_CONFLICT
+
+    extra = "    policy: {max_length: 1000}\n    on_full: park\n"
+    old = _write(tmp_path, "old.yml", FILE.format(name=OLD, kind="classic", extra=extra))
+    new = _write(tmp_path, "new.yml", FILE.format(
+        name=NEW, kind="classic", extra=f"    renamed_from: {OLD}\n{extra}"))
+    assert run_cli("apply", old, settings=fresh_vhost).code == 0
+    _fill(fresh_vhost)
+    assert run_cli("apply", new, settings=fresh_vhost).code == 0
+    parking = naming.parking_queue(NEW)
+    retry = naming.retry_exchange(OLD)
+    assert any(b["source"] == retry and b["destination"] == naming.parking_queue(OLD)
+               for b in management.bindings(fresh_vhost.vhost))
+    opened = migrate.migration_run
+
+    @asynccontextmanager
+    async def deleted_first(settings: Settings, say: migrate.Say) -> Any:
+        path = f"/queues/{quote(fresh_vhost.vhost, safe='')}/{quote(parking, safe='')}"
+        assert management.request("DELETE", path).status_code < 300
+        async with opened(settings, say) as run:
+            yield run
+
+    def bindings() -> set[tuple[str, str, str]]:
+        return {(b["source"], b["destination"], b["routing_key"])
+                for b in management.bindings(fresh_vhost.vhost)}
+
+    monkeypatch.setattr(migrate, "migration_run", deleted_first)
+    migrated = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert migrated.code == EXIT_CONFLICT, migrated.out + migrated.err
+    assert migrated.err.splitlines()[-1] == (
+        f"error: queue {OLD} -> {NEW}: {parking} is not on the broker (deleted after migrate "
+        "read it?); run apply with the file first, which declares it, then migrate again; "
+        "nothing was changed")
+    assert "Traceback" not in migrated.err and "NOT_FOUND" not in migrated.err
+    after = bindings()
+    assert (retry, naming.parking_queue(OLD), OLD) in after
+    assert ("shop", OLD, "order.*") in after  # the old queue is still bound: nothing changed
+    assert depth_sync(fresh_vhost, OLD) == MAIN
+    assert depth_sync(fresh_vhost, naming.parking_queue(OLD)) == PARKED
+
+    monkeypatch.setattr(migrate, "migration_run", opened)
+    assert run_cli("apply", new, settings=fresh_vhost).code == 0
+    finished = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert finished.code == 0, finished.out + finished.err
+    assert depth_sync(fresh_vhost, NEW) == MAIN + RETRYING
+    assert depth_sync(fresh_vhost, parking) == PARKED

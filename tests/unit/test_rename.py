@@ -303,3 +303,90 @@ def test_a_rename_never_leaves_a_queue_of_the_old_name_without_a_dead_letter_rou
     assert naming.retry_exchange(old) not in vhost.exchanges
     assert moved.moved == held
     assert vhost.ready[new] + vhost.ready[naming.parking_queue(new)] == before + held
+
+
+class _VhostLosing(_Vhost):
+    """A ``_Vhost`` whose queue ``gone`` is deleted by hand once ``_run_rename`` has looked
+    ``looks`` times whether it is there (0: before it starts); a bind to a queue that is not
+    there fails as the broker's does."""
+
+    def __init__(self, live: LiveState, gone: str, looks: int) -> None:
+        super().__init__(live)
+        self.gone, self.looks = gone, looks
+        self.changes: list[str] = []
+        self._forget()
+
+    def _forget(self) -> None:
+        if self.looks <= 0 and self.gone in self.arguments:
+            del self.arguments[self.gone]
+            self.bindings = {b for b in self.bindings if b[1] != self.gone}
+
+    async def count(self, queue: str) -> tuple[int, int] | None:
+        if queue == self.gone:
+            self.looks -= 1
+        there = await super().count(queue)
+        self._forget()
+        return there
+
+    async def rebind(self, queue: str, bindings: Sequence[Binding], *, bind: bool) -> None:
+        import aiormq.exceptions
+
+        if bindings and queue not in self.arguments:
+            raise aiormq.exceptions.ChannelNotFoundEntity(
+                f"NOT_FOUND - no queue '{queue}' in vhost '/'")
+        self.changes += [f"{'bind' if bind else 'unbind'} {b.source} -> {queue}"
+                         for b in bindings]
+        await super().rebind(queue, bindings, bind=bind)
+
+
+def _orders_renamed() -> tuple[LiveState, Any]:
+    """orders.email (on_full: park: its retry exchange routes to its parking queue) renamed
+    orders.mail, both applied."""
+    plan = plan_of(FILE.replace("  orders.email:",
+                                "  orders.mail:\n    renamed_from: orders.email"))
+    live = live_of(plan_of(FILE))
+    live = dataclasses.replace(
+        live, queues={**live.queues, **live_of(plan).queues},
+        exchanges={**live.exchanges, **live_of(plan).exchanges},
+        bindings=live.bindings + live_of(plan).bindings)
+    [rename] = plan_renames(diff(plan, live), live)
+    return live, rename
+
+
+def test_a_rename_whose_new_parking_queue_is_gone_is_refused_before_anything_changes() -> None:
+    """orders.mail.parking deleted by hand after migrate read the broker: the redirect's bind to
+    it failed with the broker's 404 (``renaming ... stopped: NOT_FOUND - no queue ...; run
+    migrate again``), after orders.email was unbound. Now: one line naming it, exit 3,
+    nothing changed."""
+    from rabbit_retry.errors import EXIT_CONFLICT, ConflictError
+
+    live, rename = _orders_renamed()
+    vhost = _VhostLosing(live, "orders.mail.parking", looks=0)
+    bindings = set(vhost.bindings)
+    with pytest.raises(ConflictError) as refused:
+        asyncio.run(_run_rename(cast(MigrationRun, vhost), rename))
+    assert str(refused.value) == (
+        "queue orders.email -> orders.mail: orders.mail.parking is not on the broker (deleted "
+        "after migrate read it?); run apply with the file first, which declares it, then "
+        "migrate again; nothing was changed")
+    assert refused.value.exit_code == EXIT_CONFLICT
+    assert vhost.changes == [] and vhost.bindings == bindings
+    assert "orders.mail.parking" not in vhost.arguments  # not declared behind apply's back
+
+
+def test_a_parking_queue_deleted_while_the_rename_runs_stops_it_in_one_line() -> None:
+    """Deleted after the check, before the redirect binds it: the route to the old parking
+    queue stays, so what the old queue dead-letters still lands somewhere."""
+    from rabbit_retry.errors import BrokerError
+
+    live, rename = _orders_renamed()
+    vhost = _VhostLosing(live, "orders.mail.parking", looks=1)
+    with pytest.raises(BrokerError) as stopped:
+        asyncio.run(_run_rename(cast(MigrationRun, vhost), rename))
+    assert str(stopped.value) == (
+        "orders.email.retry: cannot route to orders.mail.parking: it is not on the broker "
+        "(deleted while migrate ran?); orders.email.parking keeps its messages and still gets "
+        "what orders.email dead-letters; run apply with the file, then migrate again")
+    assert ("orders.email.retry", "orders.email.parking", "orders.email") in vhost.bindings
+    # (orders.mail's own dead letters lost their route with the deletion by hand.)
+    assert [q for q, _ in vhost.unrouted if q.startswith("orders.email")] == []
