@@ -26,6 +26,7 @@ from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect
 from rabbit_retry.broker.diff import Change, blocking
 from rabbit_retry.errors import BrokerError, InputError
 from rabbit_retry.settings import Settings, mask
+from rabbit_retry.topology import naming
 from rabbit_retry.topology.plan import Binding, Exchange, Policy, Queue
 
 DEFAULT_CONCURRENCY = 16
@@ -270,9 +271,7 @@ async def _declare_and_bind(
     await pool.run(objects, progress)
 
     binds = _with_kind(changes, "create", "binding")
-    await pool.run(
-        [(f"binding {c.name}", _binding(_binding_of(c), bind=True)) for c in binds], progress
-    )
+    await pool.run(_bind_operations(binds, progress), progress)
     report.created = [c for c in changes if c.kind == "create" and c.object != "policy"]
 
     unbinds = _with_kind(changes, "unbind", "binding")
@@ -281,6 +280,39 @@ async def _declare_and_bind(
         progress,
     )
     report.unbound = unbinds
+
+
+def _bind_operations(
+    binds: Sequence[Change], progress: Progress | None
+) -> list[tuple[str, _Operation]]:
+    """One operation per binding, except an ordered queue's lanes: one operation binds them
+    all, one after another in lane order, so the lanes exchange numbers its buckets in lane
+    order (concurrent binds would leave that order to chance, and taking lanes away later
+    relies on it: the last lane's buckets must be the ring's last)."""
+    operations: list[tuple[str, _Operation]] = []
+    lanes: dict[str, list[tuple[int, Binding]]] = {}
+    for change in binds:
+        binding = _binding_of(change)
+        lane = naming.lane_number(binding.source, binding.destination)
+        if lane is None or binding.destination_type != "queue":
+            operations.append((f"binding {change.name}", _binding(binding, bind=True)))
+        else:
+            lanes.setdefault(binding.source, []).append((lane, binding))
+    for exchange, bound in lanes.items():
+        in_order = [b for _, b in sorted(bound, key=lambda pair: pair[0])]
+        operations.append((f"binding the lanes of {exchange}",
+                           _bind_in_order(in_order, progress)))
+    return operations
+
+
+def _bind_in_order(bindings: Sequence[Binding], progress: Progress | None) -> _Operation:
+    async def op(channel: aiormq.abc.AbstractChannel) -> None:
+        for n, binding in enumerate(bindings):
+            if n and progress is not None:
+                progress(1)  # the pool counts the last one, as it counts every operation
+            await _binding(binding, bind=True)(channel)
+
+    return op
 
 
 async def _prune(

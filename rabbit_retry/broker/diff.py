@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from rabbit_retry.broker.inspect import (
@@ -32,6 +32,7 @@ from rabbit_retry.broker.inspect import (
 from rabbit_retry.broker.replicas import GROUP_SIZE, Replication, replicas_note
 from rabbit_retry.text import numbered, plural
 from rabbit_retry.topology import naming
+from rabbit_retry.topology.compile import RING_IN_LANE_ORDER
 from rabbit_retry.topology.durations import label, parse_duration
 from rabbit_retry.topology.plan import Binding, Exchange, Plan, Policy, Queue, Role
 
@@ -199,7 +200,8 @@ def exchange_differences(live: LiveExchange, exchange: Exchange) -> list[str]:
         *_field("durable", live.durable, exchange.durable),
         *_field("auto_delete", live.auto_delete, exchange.auto_delete),
         *_field("internal", live.internal, exchange.internal),
-        *_argument_differences(live.arguments, exchange.arguments),
+        *_argument_differences(live.arguments, exchange.arguments,
+                               frozenset({RING_IN_LANE_ORDER[0]})),
     ]
 
 
@@ -350,6 +352,10 @@ def diff(
         differences = None if live_exchange is None else exchange_differences(
             live_exchange, exchange
         )
+        if live_exchange is None and exchange.role == "lanes-exchange" and _ring_kept(
+                live.version):
+            exchange = replace(exchange, arguments={
+                **exchange.arguments, RING_IN_LANE_ORDER[0]: RING_IN_LANE_ORDER[1]})
         changes.append(_compare("exchange", exchange.name, exchange, differences, exchange.type))
     for queue in plan.queues:
         changes.append(_queue_change(queue, live))
@@ -625,25 +631,43 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
         elif not wanted:
             detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
                       "live ordered queue cannot be made plain yet")
-        elif _movable(main.name, there, len(wanted), live.version):
+        elif _movable(main.name, there, len(wanted), live):
             lanes = (len(there), len(wanted))
             yield Change("migrate", "queue", main.name, _lanes_text(*lanes), main, lanes=lanes)
             continue
         else:
             detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
                       f"file: the remaining lanes would take some keys while their earlier "
-                      f"messages wait in the others; keep lanes: {len(there)} (a live ordered "
-                      f"queue can get fewer lanes on RabbitMQ 4.3 and later, not on "
-                      f"{live.version or 'this version'}: before 4.3 a node restart reorders "
-                      "the lanes exchange's ring)")
+                      f"messages wait in the others; keep lanes: {len(there)} "
+                      f"({_why_not_fewer(live)})")
         yield Change("conflict", "queue", main.name, detail, main)
 
 
-def _movable(main: str, there: set[str], wanted: int, version: str) -> bool:
+def _why_not_fewer(live: LiveState) -> str:
+    if not _ring_kept(live.version):
+        return (f"a live ordered queue can get fewer lanes on RabbitMQ 4.3 and later, not on "
+                f"{live.version or 'this version'}: before 4.3 a node restart reorders the "
+                "lanes exchange's ring")
+    return ("its lanes exchange was declared before rabbit-retry bound lanes in order, or on "
+            "RabbitMQ before 4.3, so which keys taking a lane away moves is unknown; declare a "
+            "new ordered queue with fewer lanes and move the publishers to it")
+
+
+def _movable(main: str, there: set[str], wanted: int, live: LiveState) -> bool:
     """Whether ``migrate`` can take the live lanes ``there`` (every one from 0 up) to
-    ``wanted``: more on every version, fewer where the ring stays in lane order."""
+    ``wanted``: more on every version, fewer where the ring is known to be in lane order."""
     whole = there == {naming.lane_queue(main, n) for n in range(len(there))}
-    return whole and (wanted > len(there) or _ring_kept(version))
+    return whole and (wanted > len(there) or _in_lane_order(main, live))
+
+
+def _in_lane_order(main: str, live: LiveState) -> bool:
+    """Whether the lanes exchange of ``main`` numbers its buckets in lane order: declared by
+    an ``apply`` that binds lanes in order, on a version that keeps the ring through restarts
+    (the argument says both), and on such a version still."""
+    exchange = live.exchanges.get(naming.lanes_exchange(main))
+    marked = exchange is not None and exchange.arguments.get(
+        RING_IN_LANE_ORDER[0]) == RING_IN_LANE_ORDER[1]
+    return marked and _ring_kept(live.version)
 
 
 def _ring_kept(version: str) -> bool:

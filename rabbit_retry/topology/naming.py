@@ -52,6 +52,16 @@ def lane_queue(queue: str, lane: int) -> str:
     return f"{queue}{LANE_INFIX}{lane}"
 
 
+def lane_number(exchange: str, queue: str) -> int | None:
+    """The lane ``queue`` is when bound from ``exchange``, an ordered queue's lanes exchange;
+    None for any other binding."""
+    if not exchange.endswith(LANES_SUFFIX):
+        return None
+    prefix = exchange[: -len(LANES_SUFFIX)] + LANE_INFIX
+    rest = queue[len(prefix):] if queue.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
 def held_queue(queue: str, lane: int) -> str:
     """Where lane ``lane`` keeps the messages of its held keys, and which keys are held."""
     return lane_queue(queue, lane) + HELD_SUFFIX

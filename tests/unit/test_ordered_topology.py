@@ -11,6 +11,7 @@ import pytest
 from rabbit_retry.topology import compile_topology, parse_topology
 from rabbit_retry.topology.compile import missing_plugin
 from rabbit_retry.topology.load import TopologyError
+from rabbit_retry.topology.plan import Exchange
 from rabbit_retry.topology.resolved import OrderedConfig, from_values, to_values
 
 REWARDS = """\
@@ -129,16 +130,23 @@ def test_more_lanes_is_a_migrate_fewer_only_from_4_3_and_a_change_under_way_is_r
     from dataclasses import replace
 
     from rabbit_retry.broker.diff import diff, refusal
-    from rabbit_retry.broker.inspect import LiveQueue, LiveState
+    from rabbit_retry.broker.inspect import LiveExchange, LiveQueue, LiveState
     from rabbit_retry.broker.lane_changes import plan_lane_changes
+    from rabbit_retry.topology.compile import RING_IN_LANE_ORDER
 
-    def live_of(text: str, *extra: str) -> LiveState:
+    def live_of(text: str, *extra: str, marked: bool = True) -> LiveState:
+        """The broker after ``apply`` of ``text``: its lanes exchange says its ring is in lane
+        order (``apply`` on 4.3 and later) unless ``marked`` is False."""
         plan = compile_topology(parse_topology(text))
         queues = {q.name: LiveQueue(q.name, q.queue_type, True, False, dict(q.arguments),
                                     0, 0, 0, 0) for q in plan.queues}
         for name in extra:
             queues[name] = replace(queues["rewards.points"], name=name)
-        return LiveState(queues, {}, plan.bindings)
+        mark = dict([RING_IN_LANE_ORDER]) if marked else {}
+        exchanges = {e.name: LiveExchange(e.name, e.type, True, False, False,
+                                          {**e.arguments, **mark})
+                     for e in plan.exchanges if e.role == "lanes-exchange"}
+        return LiveState(queues, exchanges, plan.bindings)
 
     four = rewards("{key: {header: user-id}, lanes: 4}")
     eight = rewards("{key: {header: user-id}, lanes: 8}")
@@ -165,6 +173,12 @@ def test_more_lanes_is_a_migrate_fewer_only_from_4_3_and_a_change_under_way_is_r
         [line, _] = refusal(diff(four_plan, older), "v", "f")
         assert "keep lanes: 8 (a live ordered queue can get fewer lanes on RabbitMQ 4.3 and " \
             "later, not on " in line, line
+    # on 4.3 with a lanes exchange declared before lanes were bound in order (or on an older
+    # version): its ring is in no known order, refused
+    unmarked = replace(live_of(eight, marked=False), version="4.3.6")
+    [line, _] = refusal(diff(four_plan, unmarked), "v", "f")
+    assert "keep lanes: 8 (its lanes exchange was declared before rabbit-retry bound lanes in " \
+        "order, or on RabbitMQ before 4.3" in line, line
     fewer = diff(four_plan, replace(live_of(eight), version="4.3.6"))
     [line, _] = refusal(fewer, "v", "f")
     assert line.endswith("ordered with 8 lanes on the broker, 4 in the file: migrate takes away "
@@ -200,6 +214,31 @@ def test_more_lanes_is_a_migrate_fewer_only_from_4_3_and_a_change_under_way_is_r
     plain = rewards().replace("    ordered: {key: {header: user-id}, lanes: 3}\n", "")
     [line, _] = refusal(diff(compile_topology(parse_topology(four)), live_of(plain)), "v", "f")
     assert "a plain queue on the broker that messages reach directly" in line
+
+
+def test_apply_marks_a_new_lanes_exchange_in_lane_order_from_4_3_and_ignores_the_mark() -> None:
+    """The lanes exchange ``apply`` creates on 4.3 and later carries the argument that says its
+    ring is in lane order (``apply`` binds lanes one after another); on older versions, where a
+    restart reorders the ring, it does not. A live exchange with or without it is unchanged."""
+    from dataclasses import replace
+
+    from rabbit_retry.broker.diff import diff
+    from rabbit_retry.broker.inspect import LiveExchange, LiveState
+    from rabbit_retry.topology.compile import RING_IN_LANE_ORDER
+
+    plan = compile_topology(parse_topology(rewards()))
+    [lanes] = [e for e in plan.exchanges if e.role == "lanes-exchange"]
+    for version, marked in (("4.3.6", True), ("4.0.5", False), ("3.10.8", False)):
+        [created] = [c.item for c in diff(plan, replace(LiveState.empty(), version=version))
+                     if c.name == lanes.name]
+        assert isinstance(created, Exchange)
+        assert (RING_IN_LANE_ORDER[0] in created.arguments) is marked, version
+        assert created.arguments["hash-header"] == "user-id"
+    for arguments in (dict(lanes.arguments), {**lanes.arguments, **dict([RING_IN_LANE_ORDER])}):
+        live = replace(LiveState.empty(), version="4.3.6", exchanges={
+            lanes.name: LiveExchange(lanes.name, lanes.type, True, False, False, arguments)})
+        [change] = [c for c in diff(plan, live) if c.name == lanes.name]
+        assert change.kind == "unchanged", change
 
 
 def test_a_change_of_type_of_a_live_ordered_queue_is_refused_at_its_lanes() -> None:
@@ -267,3 +306,43 @@ def test_migrate_says_how_many_keys_are_held_before_it_adds_lanes(
     assert describe(change, held["rewards.points"])[1] == (
         "  held now      keys held: 3, by parked messages: 2 (replay or discard those); a lane "
         "passes once no key it holds is held, and keys moving from it wait until then")
+
+
+def test_apply_binds_an_ordered_queues_lanes_one_after_another_in_lane_order() -> None:
+    """Concurrent binds would number the lanes exchange's buckets in whatever order the
+    broker finished them; ``apply`` binds a queue's lanes in one operation, in lane order, and
+    every other binding in an operation of its own (counted once each for the progress bar)."""
+    import asyncio
+    import random
+
+    from rabbit_retry.broker.declare import _bind_operations
+    from rabbit_retry.broker.diff import Change
+
+    plan = compile_topology(parse_topology(rewards("{key: routing_key, lanes: 8}")))
+    binds = [Change("create", "binding", f"b{n}", "", b) for n, b in enumerate(plan.bindings)]
+    random.Random(7).shuffle(binds)
+    lanes_first = [b.item.destination for b in binds  # type: ignore[union-attr]
+                   if b.item.source == "rewards.points.lanes"]  # type: ignore[union-attr]
+    assert lanes_first != sorted(lanes_first)  # positive control: shuffled
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        async def queue_bind(self, queue: str, exchange: str, **_: object) -> None:
+            self.calls.append((exchange, queue))
+
+        async def exchange_bind(self, destination: str, source: str, **_: object) -> None:
+            self.calls.append((source, destination))
+
+    counted: list[int] = []
+    operations = _bind_operations(binds, counted.append)
+    others = [b for b in plan.bindings if b.source != "rewards.points.lanes"]
+    assert len(operations) == len(others) + 1
+    channel = Recorder()
+    for _, op in operations:
+        asyncio.run(op(channel))  # type: ignore[arg-type]
+        counted.append(1)  # the pool counts each operation once it is done
+    lanes = [queue for exchange, queue in channel.calls if exchange == "rewards.points.lanes"]
+    assert lanes == [f"rewards.points.lane.{n}" for n in range(8)]
+    assert len(channel.calls) == len(plan.bindings) == sum(counted)
