@@ -133,7 +133,7 @@ history = sa.Table(
 # ``xid8 NOT NULL DEFAULT pg_current_xact_id()`` (the top-level transaction's, 64 bits: it never
 # wraps around), after the table's other columns; rows added before revision 0002 have 0. The
 # relay publishes a row only once every transaction that took its id before the row's has ended
-# (``xid < pg_snapshot_xmin(pg_current_snapshot())``), in ``(xid, id)`` order, so no row can
+# (relays' claims aside: ``store.HORIZON``), in ``(xid, id)`` order, so no row can
 # appear later ahead of one already published (``store.OutboxStore.claim``). SQLite has one
 # writer at a time, so ``id`` order is already commit order there: it has no such column. The
 # column is not in ``outbox`` above (``select(outbox)`` reads both databases alike); queries

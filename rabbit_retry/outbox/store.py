@@ -6,12 +6,22 @@ A claim is a page of waiting events, oldest first, that no other relay can publi
 
 - Which events, in which order. On PostgreSQL a claim takes only events whose transaction
   (``xid``, the id of the transaction that added the row) is older than every transaction still
-  running (``xid < pg_snapshot_xmin(pg_current_snapshot())``: each such transaction has ended,
-  so its rows are all visible now, or rolled back for good), in ``(xid, id)`` order. A row that
-  appears later was added by a transaction still running then, whose id is at least that
-  snapshot's xmin: it sorts after every row taken so far, so no event of a key can turn up
-  ahead of one already published. A key's events thus go out in the order their transactions
-  took their ids (at their first write), each transaction's in the order it added them.
+  running that may add events (``HORIZON``: each older one has ended, so its rows are all
+  visible now, or rolled back for good), in ``(xid, id)`` order. A row that appears later was
+  added by a transaction still running then (in the snapshot's ``pg_snapshot_xip``) or not yet
+  begun (its id at least the snapshot's xmax): its id is at least the horizon, so it sorts
+  after every row taken so far, and no event of a key can turn up ahead of one already
+  published. A key's events thus go out in the order their transactions took their ids (at
+  their first write), each transaction's in the order it added them.
+- Relays' claims are left out of that horizon: a claim's transaction takes an id (its row
+  locks) and stays open while its events are published, but adds no event. Each holds the
+  shared advisory lock ``CLAIM_MARK`` from its start; ``pg_locks`` (readable by every role)
+  shows, in one reading of the lock table, which running transaction ids belong to a
+  transaction (a virtual transaction id, never reused) that holds it. Those ids are passed
+  over; any other running id (the application's, one not in ``pg_locks`` yet or any more)
+  holds the horizon, as ``pg_snapshot_xmin`` alone did. Where ``pg_locks`` cannot be read, the
+  store says so once and claims with ``pg_snapshot_xmin``: other relays' claims then hold new
+  events back while they publish.
   (Ordering by ``id`` among the rows committed so far, as before revision 0002, published a
   key's later event first whenever its transaction committed while an earlier one was still
   open.) On SQLite one transaction writes at a time: ``id`` order is commit order.
@@ -57,7 +67,7 @@ from rabbit_retry.outbox.names import (
     WAITING,
 )
 from rabbit_retry.outbox.schema import Timestamp, history, lease, outbox, xid_of
-from rabbit_retry.settings import shown
+from rabbit_retry.settings import mask, shown
 
 log = logging.getLogger("rabbit_retry.outbox")
 
@@ -69,6 +79,30 @@ SAME_AS_HEAD = {"sqlite": frozenset({"0001"})}
 # pg_try_advisory_xact_lock(class, key): the class keeps our locks apart from the application's.
 ADVISORY_CLASS = 0x52524F42
 _MIGRATION_LOCK = 0x52524F42_00000001  # pg_advisory_xact_lock: one relay migrates at a time
+# pg_advisory_xact_lock_shared: held by every claim's transaction (which adds no event), so that
+# other claims do not wait for it (see the module's docstring).
+CLAIM_MARK = 0x52524F42_00000002
+# The ids (their low 32 bits, as pg_locks shows them) of the running transactions that hold
+# CLAIM_MARK: the exclusive lock each transaction holds on its own id, and CLAIM_MARK, by one
+# virtual transaction, in one reading of pg_locks (one call of pg_lock_status).
+_CLAIMS_XIDS = (
+    "SELECT r.xid FROM (SELECT CAST(CAST(l.transactionid AS text) AS bigint) AS xid, "
+    "bool_or(l.locktype = 'advisory') OVER (PARTITION BY l.virtualtransaction) AS claim "
+    "FROM pg_catalog.pg_locks AS l WHERE l.granted AND ("
+    "(l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock') OR "
+    f"(l.locktype = 'advisory' AND l.classid = {CLAIM_MARK >> 32} "
+    f"AND l.objid = {CLAIM_MARK & 0xFFFFFFFF} AND l.objsubid = 1))) AS r "
+    "WHERE r.claim AND r.xid IS NOT NULL")
+# The claim's horizon: the oldest id among the statement's snapshot's running transactions that
+# are not claims, else the snapshot's xmax (every id below it has ended, or is a claim's). A
+# running id is within 2^31 of the others, so its low 32 bits name it.
+HORIZON = (
+    "(SELECT least(pg_snapshot_xmax(c.s), (SELECT x.x FROM pg_snapshot_xip(c.s) AS x(x) "
+    "WHERE CAST(CAST(x.x AS text) AS bigint) % 4294967296 "
+    f"NOT IN ({_CLAIMS_XIDS}) ORDER BY x.x LIMIT 1)) "
+    "FROM (SELECT pg_current_snapshot() AS s) AS c)")
+# Where pg_locks cannot be read: every running transaction holds the horizon, claims too.
+PLAIN_HORIZON = "pg_snapshot_xmin(pg_current_snapshot())"
 LEASE_NAME = "relay"
 SWEEP_BATCH = 5000
 
@@ -148,6 +182,8 @@ class OutboxStore:
         self.engine: Engine = create_engine(url, pool_size=pool_size)
         self.dialect = self.engine.dialect.name
         self.locking = self.dialect == "postgresql"
+        # PostgreSQL: whether claims can read pg_locks (None: not known yet; see ``horizon``).
+        self.sees_claims: bool | None = None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -204,11 +240,11 @@ class OutboxStore:
         if self.locking:
             order = [xid_of(o), o.c.id]
             before = sa.tuple_(xid_of(earlier), earlier.c.id) < sa.tuple_(xid_of(o), o.c.id)
-            # Only rows whose transaction is older than every one still running (its rows are
-            # all there, or rolled back): the xmin of this statement's own snapshot. The
-            # index on (xid, id) reads them in order and stops at the limit.
-            waiting = sa.and_(waiting, xid_of(o) < sa.func.pg_snapshot_xmin(
-                sa.func.pg_current_snapshot()))
+            # Only rows whose transaction is older than every one still running that may add
+            # rows (its rows are all there, or rolled back), in this statement's own snapshot:
+            # ``HORIZON``, computed once. The index on (xid, id) reads them in order and stops
+            # at the limit.
+            waiting = sa.and_(waiting, xid_of(o) < sa.literal_column(self.horizon()))
         keys = sorted(set(busy_keys))
         keyed: sa.ColumnElement[bool] = o.c.order_key.not_in(keys) if keys else sa.true()
         if on_failure == "hold":
@@ -230,6 +266,9 @@ class OutboxStore:
         connection = self.engine.connect()
         try:
             transaction = connection.begin()
+            # Before the row locks give this transaction an id: other claims pass it over.
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock_shared(:mark)"),
+                               {"mark": CLAIM_MARK})
             rows = [Row(*r) for r in connection.execute(
                 query.with_for_update(skip_locked=True, of=o))]
             others = self._keys_of_others(connection, rows, on_failure, at)
@@ -242,6 +281,22 @@ class OutboxStore:
             connection.close()
             return Claim([], elsewhere=others)
         return Claim(rows, connection, transaction, elsewhere=others)
+
+    def horizon(self) -> str:
+        """PostgreSQL: the SQL of the claims' horizon: ``HORIZON``, or ``PLAIN_HORIZON`` where
+        this store's role cannot read ``pg_locks`` (looked at once, at the first claim; said in
+        the log)."""
+        if self.sees_claims is None:
+            try:
+                with self.engine.connect() as connection:
+                    connection.execute(sa.text(f"SELECT {HORIZON}")).scalar_one()
+                self.sees_claims = True
+            except sa.exc.ProgrammingError as exc:  # permission denied, for one
+                log.warning("relay: cannot read pg_locks in %s (%s); an event added while "
+                            "another relay's claim is open waits for that claim to end",
+                            shown(self.url), _first_line(exc))
+                self.sees_claims = False
+        return HORIZON if self.sees_claims else PLAIN_HORIZON
 
     def _keys_of_others(self, connection: Connection, rows: list[Row], on_failure: OnFailure,
                         at: datetime) -> set[str]:
@@ -499,3 +554,7 @@ def timeline(row: dict[str, Any], entries: list[dict[str, Any]]) -> list[dict[st
 
 def _aware(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _first_line(exc: BaseException) -> str:
+    return mask((str(exc).strip().splitlines() or [type(exc).__name__])[0])

@@ -30,8 +30,9 @@ from support.outbox import (
     rows,
     statuses,
 )
-from support.poll import eventually
+from support.poll import eventually, wait_for
 from support.process import apply, cli
+from support.stores import POSTGRES_URL
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.outbox import Outbox, UnknownDestination
@@ -476,15 +477,17 @@ def _status(url: str, message_id: str) -> str | None:
     return next((r["status"] for r in rows(url) if r["message_id"] == message_id), None)
 
 
-def _claimed(url: str) -> list[str]:
-    """The message ids a claim takes now (released at once: nothing is published)."""
-    store = OutboxStore(url)
+def _claimed(url: str, store: OutboxStore | None = None) -> list[str]:
+    """The message ids a claim takes now (released at once: nothing is published), by
+    ``store`` or a store of its own."""
+    own = store or OutboxStore(url)
     try:
-        claim = store.claim(100)
-        store.release(claim)
+        claim = own.claim(100)
+        own.release(claim)
         return [r.message_id for r in claim.rows]
     finally:
-        store.close()
+        if store is None:
+            own.close()
 
 
 def test_on_postgresql_a_keys_event_waits_for_an_earlier_transaction_still_open(
@@ -556,6 +559,150 @@ async def test_on_postgresql_the_relay_publishes_a_keys_events_in_transaction_or
         finally:
             for conn in (t0, t1, t2):
                 conn.close()
+
+
+def _added(url: str, outbox: Outbox, *events: dict[str, Any]) -> None:
+    """``events`` added in one committed transaction (psycopg), not waited for."""
+    conn = _open_transaction(url, outbox, *events)
+    conn.commit()
+    conn.close()
+
+
+def _xids(url: str) -> dict[str, int]:
+    """Each event's transaction id, by message id."""
+    engine = sa.create_engine(_sqlalchemy_url(url))
+    try:
+        with engine.connect() as c:
+            return {str(m): int(x) for m, x in c.execute(sa.text(
+                "SELECT message_id, CAST(CAST(xid AS text) AS bigint) FROM rabbit_retry_outbox"))}
+    finally:
+        engine.dispose()
+
+
+def _own_xid(conn: Any) -> int | None:
+    """The id of the transaction open on ``conn`` (SQLAlchemy), if it has taken one."""
+    found = conn.execute(sa.text(
+        "SELECT CAST(CAST(pg_current_xact_id_if_assigned() AS text) AS bigint)")).scalar()
+    return None if found is None else int(found)
+
+
+def test_on_postgresql_a_claim_held_open_does_not_hold_back_events_added_after_it(
+    tmp_path: Path,
+) -> None:
+    """Relay A's claim stays open (as while its events are published: up to the confirm
+    deadline when the broker stalls) and holds a transaction id. Events committed after it can
+    be claimed by relay B meanwhile (before, B took nothing newer than A's claim until it
+    ended). The order still holds: an application's transaction W, open and holding an id,
+    holds back what was added after it (``late``) until it ends; A's event is B's only once A
+    lets go of it (as a relay that dies does)."""
+    outbox = Outbox(_file(tmp_path))
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        _committed(url, outbox, _to("order.created", "first", "a"))
+        a, b = OutboxStore(url), OutboxStore(url)
+        held = a.claim(10)
+        try:
+            assert [r.message_id for r in held.rows] == ["first"]
+            a_xid = _own_xid(held.connection)
+            assert a_xid is not None  # its row locks gave A's claim a transaction id
+            _added(url, outbox, _to("order.created", "early", "b"))
+            w = _open_transaction(url, outbox, write_first=True)
+            _added(url, outbox, _to("order.created", "late", "c"))
+            xids = _xids(url)
+            # Positive control: pg_snapshot_xmin alone stops at A's claim, below both events.
+            assert a_xid < xids["early"] < xids["late"], (a_xid, xids)
+
+            def claims() -> list[str]:
+                return wait_for(lambda: _claimed(url, b), "B to claim an event", within=60)
+
+            assert claims() == ["early"]  # not A's "first", not "late" (W holds it back)
+            w.rollback()
+            w.close()
+            wait_for(lambda: _claimed(url, b) == ["early", "late"], "'late' claimed",
+                     within=60)
+            a.release(held)
+            wait_for(lambda: _claimed(url, b) == ["first", "early", "late"],
+                     "A's event claimed by B once A let go", within=60)
+            assert b.sees_claims is True
+        finally:
+            a.release(held)
+            a.close()
+            b.close()
+
+
+def test_on_postgresql_claims_that_cannot_read_pg_locks_wait_for_other_claims(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A relay whose role may not read ``pg_locks`` cannot tell other relays' claims from the
+    application's transactions: it says so once and waits for every transaction older than an
+    event, other relays' claims too (as before), never publishing out of order."""
+    import uuid
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg
+
+    outbox = Outbox(_file(tmp_path))
+    role, password = f"rr_relay_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        with psycopg.connect(url, autocommit=True) as admin:
+            admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{password}'")
+            # pg_catalog's views are per database: this revokes it in the test's database only.
+            admin.execute("REVOKE SELECT ON pg_catalog.pg_locks FROM PUBLIC")
+            admin.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA public TO {role}")
+            admin.execute(f"GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {role}")
+        parts = urlsplit(url)
+        limited = urlunsplit(parts._replace(
+            netloc=f"{role}:{password}@{parts.hostname}:{parts.port or 5432}"))
+        a, b = OutboxStore(url), OutboxStore(limited)
+        try:
+            _committed(url, outbox, _to("order.created", "first", "a"))
+            held = a.claim(10)
+            assert [r.message_id for r in held.rows] == ["first"]
+            _added(url, outbox, _to("order.created", "early", "b"))
+            with caplog.at_level(logging.WARNING, logger="rabbit_retry.outbox"):
+                assert _claimed(url, b) == []  # A's claim holds "early" back
+            assert b.sees_claims is False
+            assert caplog.text.count("cannot read pg_locks") == 1, caplog.text
+            a.release(held)
+            wait_for(lambda: _claimed(url, b) == ["first", "early"], "both claimed", within=60)
+        finally:
+            a.close()
+            b.close()
+            with psycopg.connect(url, autocommit=True) as admin:
+                admin.execute(f"DROP OWNED BY {role}")  # its grants in this database
+            with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+                admin.execute(f"DROP ROLE IF EXISTS {role}")
+
+
+async def test_on_postgresql_a_relay_publishes_while_another_relays_claim_is_held_open(
+    fresh_vhost: Settings, topology: Path, tmp_path: Path,
+) -> None:
+    """Another relay's claim of e-1 (key k) stays open, as while a broker stalls its publishes.
+    The relay publishes what was committed after it (``other``), but not e-2, k's next event,
+    whose key the open claim has; once that claim lets go (its relay died), e-1 then e-2."""
+    outbox = Outbox(topology)
+    with outbox_store("postgresql", tmp_path) as url:
+        migrated(url)
+        _committed(url, outbox, _sequenced(1, "k"))
+        elsewhere = OutboxStore(url)
+        held = elsewhere.claim(10)
+        try:
+            assert [r.message_id for r in held.rows] == ["e-1"]
+            _added(url, outbox, _sequenced(2, "k"), _to("order.created", "other", "o"))
+            async with relay_running(url, topology, fresh_vhost) as relay:
+                await eventually(lambda: _status(url, "other") == "published",
+                                 within=60, what="'other' published")
+                assert (_status(url, "e-1"), _status(url, "e-2")) == ("pending", "pending")
+                await asyncio.to_thread(elsewhere.release, held)
+                await eventually(lambda: relay.published == 3, within=60,
+                                 what="e-1 and e-2 published")
+            copies = await drain(fresh_vhost, "shop.orders")
+            assert [c.message_id for c in copies] == ["other", "e-1", "e-2"]
+            assert out_of_order([c.body for c in copies[1:]]) == []
+        finally:
+            elsewhere.release(held)
+            elsewhere.close()
 
 
 @pytest.mark.parametrize("kind", STORES)

@@ -251,18 +251,21 @@ def out_of_order(bodies: list[bytes]) -> list[str]:
 
 def claimable(url: str) -> None:
     """Until every event in the outbox at ``url`` can be claimed. On PostgreSQL an event is
-    claimed only once every transaction that began to write before it has ended, and tests
-    running beside this one on the same server hold such transactions (a relay's claim, for
-    one) for moments: a test that claims right after adding waits for those first."""
+    claimed only once every transaction that began to write before it has ended (relays'
+    claims aside: ``store.HORIZON``), and tests running beside this one on the same server
+    hold such transactions for moments: a test that claims right after adding waits for those
+    first."""
     if not url.startswith("postgresql"):
         return
+    from rabbit_retry.outbox.store import HORIZON
+
     engine = sa.create_engine(_sqlalchemy(url))
     try:
         def ready() -> bool:
             with engine.connect() as c:
                 return not c.execute(sa.text(
-                    "SELECT count(*) FROM rabbit_retry_outbox "
-                    "WHERE xid >= pg_snapshot_xmin(pg_current_snapshot())")).scalar_one()
+                    f"SELECT count(*) FROM rabbit_retry_outbox WHERE xid >= {HORIZON}")
+                ).scalar_one()
 
         wait_for(ready, "every outbox event claimable", within=120, interval=0.05)
     finally:
