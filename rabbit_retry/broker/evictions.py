@@ -8,19 +8,21 @@ its messages and refuses new publishes until it is below it: nothing leaves, not
 
 Counts come from what the broker shows (exact ready counts where ``apply`` reads them,
 ``provision._read``); a TTL's count is an upper bound: which messages are older than the new TTL
-only the broker knows. ``apply`` counts the queues again just before it sets their policies
-(``provision._evicting``): messages that arrived since it read them leave too.
+only the broker knows. ``apply`` counts the queues again just before it sets their policies,
+and ``migrate`` just before it starts and again just before it refills a rebuilt queue
+(``recount``, ``refilled``): messages that arrived since they read them leave too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rabbit_retry.broker.diff import Change
 from rabbit_retry.broker.hazards import lowest_limits, matches, top
-from rabbit_retry.broker.inspect import LiveQueue, LiveState
+from rabbit_retry.broker.inspect import LiveQueue, LiveState, with_exact_counts
+from rabbit_retry.errors import ConflictError
 from rabbit_retry.text import plural
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.durations import label
@@ -49,16 +51,16 @@ class Eviction:
     def line(self) -> str:
         return f"evicts    queue    {self.queue}  ({self.detail})"
 
-    def done(self) -> str:
-        """What ``apply`` says once it set the policy, with ``count`` read just before: what
-        arrived in between (a few milliseconds) left too, so an exact count is a floor and an
-        upper bound may be passed."""
+    def done(self, when: str = "the policy was set") -> str:
+        """What ``apply`` says once it set the policy (``migrate`` once it refilled the queue:
+        ``when``), with ``count`` read just before: what arrived in between left too, so an
+        exact count is a floor and an upper bound may be passed."""
         many = f"{'at least' if self.exact else 'up to'} {self.count} of its " \
                f"{plural(self.held, 'message')}"
         fate = f"parked in {self.to}" if self.to else "dropped (the file says drop)"
         more = "left too" if self.exact else "may have left too"
         return (f"evicted from {self.queue}: {self.setting} {self.was} -> {self.becomes}: "
-                f"{many} left it, {fate} (counted just before the policy was set; messages "
+                f"{many} left it, {fate} (counted just before {when}; messages "
                 f"that arrived in between {more})")
 
     def to_json(self) -> dict[str, Any]:
@@ -104,6 +106,32 @@ def evictions(plan: Plan, live: LiveState) -> list[Eviction]:
         file = files.get(queue.name, {})
         out += _evicted(plan, queue, there, dict(file), was)
     return out
+
+
+def recount(plan: Plan, live: LiveState, counts: Mapping[str, tuple[int, int]], *,
+            accepted: bool, verb: str, then: Callable[[bool], str]) -> list[Eviction]:
+    """The evictions ``evictions`` finds on the queues of ``counts`` (queue -> (ready,
+    consumers)), counted exactly again just before the change that evicts: what arrived since
+    ``live`` was read leaves too, and a limit that evicted nothing then may now. Without
+    ``accepted``, one found raises ``ConflictError``: one line per queue, then what ``verb``
+    did (``then``, told whether more than one queue was found) and how to make the change."""
+    now = with_exact_counts(live, counts)
+    found = [e for e in evictions(plan, now) if e.queue in counts]
+    if found and not accepted:
+        lines = [f"queue {e.queue}: {e.detail}" for e in found]
+        raise ConflictError("\n".join([
+            *lines, f"messages arrived after {verb} counted {plural(len(found), 'queue')}: "
+            f"{then(len(found) > 1)}"]))
+    return found
+
+
+def refilled(live: LiveState, queue: str) -> LiveState:
+    """``live`` with ``queue`` as ``migrate`` refills it from its holding queue, which has no
+    limit of its own: every message over the new ``x-max-length`` leaves it, whatever limit the
+    old queue had (what arrived while it was rebuilt waited in the holding queue). Its limits
+    by policy are the live ones: ``migrate`` sets no policy."""
+    there = live.queues.get(queue) or LiveQueue(queue, "classic", True, False, {})
+    return replace(live, queues={**live.queues, queue: replace(there, arguments={})})
 
 
 def _in_effect(live: LiveState, queue: Queue) -> Mapping[str, Any]:

@@ -70,6 +70,10 @@ LISTING_POLL = 0.25
 OWN_CONSUMER_GONE = 5.0
 
 Say = Callable[[str], None]
+# Told, just before a rebuilt queue starts taking its messages back (``route-back``, or
+# ``refill`` when a run resumes there), the queue and how many messages it holds once refilled;
+# raises to stop ``migrate`` there (provision: an eviction that was not accepted).
+Refilling = Callable[[str, int], None]
 
 
 @dataclass
@@ -91,13 +95,15 @@ class MigrationRun:
     """One run of ``migrate``: its connection, the management API, and how it says each step."""
 
     def __init__(
-        self, connection: AbstractConnection, api: Management, settings: Settings, say: Say
+        self, connection: AbstractConnection, api: Management, settings: Settings, say: Say,
+        refilling: Refilling | None = None,
     ) -> None:
         self.connection = connection
         self.api = api
         self.settings = settings
         self.vhost = settings.vhost
         self.say = say
+        self.refilling = refilling
 
     async def channel(self, *, confirms: bool = False) -> aiormq.abc.AbstractChannel:
         channel = await self.connection.channel(
@@ -463,8 +469,11 @@ async def _run_steps(
 ) -> None:
     name, hold = migration.name, hold_queue(migration.name)
     queue = migration.queue
+    counted_at = next((s for s in steps if s in ("route-back", "refill")), None)
     for step in steps:
         outcome.steps.append(step)
+        if step == counted_at and run.refilling is not None:
+            run.refilling(name, await _to_refill(run, name, hold, marked=step == "refill"))
         if step == "hold":
             channel = await run.channel()
             await channel.queue_declare(
@@ -530,6 +539,18 @@ async def _run_steps(
                    else "")
                 + f"; {hold} deleted"
             )
+
+
+async def _to_refill(run: MigrationRun, name: str, hold: str, *, marked: bool) -> int:
+    """How many messages ``name`` holds once refilled, counted exactly now: what it holds and
+    what waits in ``hold`` (before ``route-back``: everything that arrived while it was rebuilt
+    too). ``marked``: counted at the refill of a resumed run, after ``route-back`` put its marker
+    into ``hold``, which is not counted (a queue without bindings gets no marker: then one
+    fewer; a message routed to both in the instant between route-back's bind and unbind is
+    counted twice)."""
+    there = await run.count(name)
+    held = await run.exact(hold)
+    return (there[0] if there else 0) + max(0, held - marked)
 
 
 async def _give_back_in_order(
@@ -697,11 +718,13 @@ async def _delete_when_empty(run: MigrationRun, queue: str, *, checked: bool = T
 
 
 async def migrate(
-    settings: Settings, migrations: Sequence[Migration], say: Say = lambda _: None
+    settings: Settings, migrations: Sequence[Migration], say: Say = lambda _: None,
+    refilling: Refilling | None = None,
 ) -> list[Outcome]:
-    """Run every migration's remaining steps, in ``schedule``'s order."""
+    """Run every migration's remaining steps, in ``schedule``'s order; ``refilling`` is told
+    what each rebuilt queue will hold before it takes its messages back."""
     outcomes: dict[str, Outcome] = {}
-    async with migration_run(settings, say) as run:
+    async with migration_run(settings, say, refilling) as run:
         for migration, steps in schedule(migrations):
             outcome = outcomes.setdefault(migration.name, Outcome(migration.name))
             with finish_later(f"migrating {migration.name}", outcome.steps):
@@ -710,12 +733,13 @@ async def migrate(
 
 
 @asynccontextmanager
-async def migration_run(settings: Settings, say: Say) -> AsyncIterator[MigrationRun]:
+async def migration_run(settings: Settings, say: Say, refilling: Refilling | None = None
+                        ) -> AsyncIterator[MigrationRun]:
     """One connection and one management client for a whole ``migrate``."""
     connection = await connect(settings, name="rabbit-retry migrate")
     try:
         with Management.for_settings(settings) as api:
-            yield MigrationRun(connection, api, settings, say)
+            yield MigrationRun(connection, api, settings, say, refilling)
     finally:
         await connection.close()
 

@@ -40,7 +40,13 @@ from rabbit_retry.broker.diff import (
     select,
     unknown_targets,
 )
-from rabbit_retry.broker.evictions import Eviction, dead_letter_routes, evictions
+from rabbit_retry.broker.evictions import (
+    Eviction,
+    dead_letter_routes,
+    evictions,
+    recount,
+    refilled,
+)
 from rabbit_retry.broker.hazards import hazard_lines, policy_hazards
 from rabbit_retry.broker.identity import check_same_broker
 from rabbit_retry.broker.inspect import LiveState, read_capacity, read_live, with_exact_counts
@@ -64,6 +70,7 @@ from rabbit_retry.topology.resolved import Topology
 
 if TYPE_CHECKING:
     from rabbit_retry.broker.lane_changes import LaneChange
+    from rabbit_retry.broker.migrate import Refilling
     from rabbit_retry.broker.migrate_plan import Migration, Rename
     from rabbit_retry.outbox.destinations import Destinations
 
@@ -531,21 +538,19 @@ def _evicting(settings: Settings, part: Plan, live: LiveState, changes: Sequence
     arrives between this count and the broker applying the policy (a few milliseconds) is
     not counted, which ``Eviction.done`` says. ``changed``: apply has changed the broker
     already (what it changed stays)."""
-    queues = sorted({c.item.queue for c in policy_work(changes) if isinstance(c.item, Policy)
-                     and c.item.queue in live.queues})
-    if not queues:
-        return []
-    now = with_exact_counts(live, asyncio.run(ready_and_consumers(settings, queues)))
-    found = [e for e in evictions(part, now) if e.queue in queues]
-    if found and not accepted:
-        lines = [f"queue {e.queue}: {e.detail}" for e in found]
-        raise ConflictError("\n".join([
-            *lines, f"messages arrived after apply counted {plural(len(found), 'queue')}: "
-            f"{'its policy was' if len(found) == 1 else 'their policies were'} not set "
-            f"({'what apply changed before stays' if changed else 'nothing was changed'}); "
-            "pass --accept-evictions to make "
-            f"{'this change' if len(found) == 1 else 'these changes'}"]))
-    return found
+    queues = [c.item.queue for c in policy_work(changes) if isinstance(c.item, Policy)]
+    return recount(
+        part, live, _counted(settings, live, queues), accepted=accepted, verb="apply",
+        then=lambda many: f"{'their policies were' if many else 'its policy was'} not set "
+        f"({'what apply changed before stays' if changed else 'nothing was changed'}); "
+        f"pass --accept-evictions to make {'these changes' if many else 'this change'}")
+
+
+def _counted(settings: Settings, live: LiveState, queues: Sequence[str]
+             ) -> dict[str, tuple[int, int]]:
+    """queue -> (ready, consumers) now, for each of ``queues`` on the broker when read."""
+    names = sorted(set(queues) & set(live.queues))
+    return asyncio.run(ready_and_consumers(settings, names)) if names else {}
 
 
 @click.command()
@@ -604,13 +609,31 @@ def _migrate(settings: Settings, topology: Topology, file: str, dry_run: bool, y
         confirm(f"Migrate {plural(len(migrations) + len(lanes), 'queue')} in vhost "
                 f"{settings.vhost!r}?")
     routes = dead_letter_routes(compiled, changes, {m.name for m in migrations})
+    # Counted again before anything is changed: messages may have arrived while it asked.
+    recount(compiled, live, _counted(settings, live, [m.name for m in migrations]),
+            accepted=accept_evictions, verb="migrate",
+            then=lambda many: "nothing was changed; pass --accept-evictions to make "
+            f"{'these changes' if many else 'this change'}")
     if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
         asyncio.run(apply_changes(settings, routes, live.bindings))
         for change in routes:
             click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
                        if change.object == "binding" else f"declared {change.name}")
+    evicted: list[Eviction] = []
+
+    def refilling(name: str, ready: int) -> None:
+        """Counted again just before ``name`` takes its messages back: what arrived while it
+        was rebuilt waited in its holding queue and is evicted too."""
+        evicted.extend(recount(
+            compiled, refilled(live, name), {name: (ready, 0)}, accepted=accept_evictions,
+            verb="migrate", then=lambda _: f"{name} is rebuilt and its messages wait in "
+            f"{naming.migrating_queue(name)}; pass --accept-evictions and run migrate again "
+            "to refill it"))
+
     _carry_out(settings, compiled, file, migrations, renames, sorted(set(targets)) or None,
-               guard, lanes)
+               guard, lanes, refilling)
+    for eviction in evicted:  # accepted with --accept-evictions
+        click.echo(eviction.done("the queue was refilled"))
 
 
 def _held_now(plan: Plan, live: LiveState, changes: Sequence[Change],
@@ -679,7 +702,7 @@ def _migrate_checked(
 
 def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequence[Migration],
                renames: Sequence[Rename], selection: list[str] | None, guard: Guard,
-               lanes: Sequence[LaneChange] = ()) -> None:
+               lanes: Sequence[LaneChange] = (), refilling: Refilling | None = None) -> None:
     """Run the confirmed migrations, then the renames, and say what ``apply`` has left. Each
     step is said as it starts: the lock is checked there (a migration stopped at any step is
     finished by the next run)."""
@@ -691,7 +714,8 @@ def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequen
         click.echo(line)
 
     if migrations:
-        outcomes = asyncio.run(run_migrations(settings, migrations, say=say))
+        outcomes = asyncio.run(run_migrations(settings, migrations, say=say,
+                                              refilling=refilling))
         click.echo(
             f"migrated {plural(len(outcomes), 'queue')} in vhost {settings.vhost!r}: "
             + ", ".join(o.name for o in outcomes)

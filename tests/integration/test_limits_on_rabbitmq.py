@@ -300,3 +300,75 @@ def test_migrate_under_a_lower_argument_limit_asks_then_parks_what_does_not_fit(
     assert f"bound {q}.retry -> {q}.parking [{q}]" in done.out
     assert f"unbound {q}.retry -> {q}.retry.2s [{q}]" in done.out
     assert f"evicting from {line[len('queue '):]}" in done.out
+
+
+@pytest.mark.parametrize("when,accept", [("run", True), ("run", False), ("start", False)])
+def test_messages_that_arrive_while_migrate_runs_are_counted_before_a_refill_evicts_them(
+    when: str, accept: bool, tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """migrate counted the queue when it read the broker and refilled the rebuilt queue under
+    its new x-max-length much later: what arrived in between (while it asked, or while it
+    drained and released the queue) was evicted too and never counted (300 held, 100
+    arriving, a limit of 200: 200 parked, "100 of its 300" said), and a queue below the limit
+    then, over it at the refill, lost messages without --accept-evictions. The 100 are
+    published once migrate has decided: as it starts ("start"), or as it releases the queue
+    ("run": they land in the queue and are drained into the holding queue)."""
+    from rabbit_retry.broker import migrate as migrating
+    from rabbit_retry.cli import provision
+
+    q = "lim.rebuilt.late"
+    held = 300 if accept else 150
+    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
+    _apply(run_cli, fresh_vhost, plain)
+    blocking(publish(fresh_vhost, b"x", routing_key=q, count=held))
+    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
+        q, "classic", "    arguments: {x-max-length: 200}\n    on_full: park\n"), "limited.yml")
+    if when == "start":
+        routes = provision.dead_letter_routes
+
+        def arriving(*args: Any) -> Any:
+            blocking(publish(fresh_vhost, b"late", routing_key=q, count=100))
+            return routes(*args)
+
+        monkeypatch.setattr(provision, "dead_letter_routes", arriving)
+    else:
+        release = migrating._release
+
+        async def arriving_while(*args: Any) -> None:
+            await publish(fresh_vhost, b"late", routing_key=q, count=100)
+            await release(*args)
+
+        monkeypatch.setattr(migrating, "_release", arriving_while)
+    more = ("--accept-evictions",) if accept else ()
+    result = run_cli("migrate", limited, "--yes", *more, settings=fresh_vhost)
+    if accept:
+        assert result.code == 0, result.err
+        wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == 200,
+                 "200 messages parked")
+        assert _depths(fresh_vhost, q) == {q: 200}
+        assert (f"evicted from {q}: x-max-length (migrate) absent -> 200: at least 200 of its "
+                f"400 messages left it, parked in {q}.parking") in result.out
+        return
+    assert result.code == 3, result.out + result.err
+    line = (f"error: queue {q}: x-max-length (migrate) absent -> 200: 50 of its 250 messages "
+            f"leave it at once, parked in {q}.parking")
+    if when == "start":
+        assert result.err.strip().splitlines()[-2:] == [
+            line, "error: messages arrived after migrate counted 1 queue: nothing was changed; "
+            "pass --accept-evictions to make this change"]
+        assert _depths(fresh_vhost, q, f"{q}.parking", f"{q}.migrating") == {
+            q: 250, f"{q}.parking": 0, f"{q}.migrating": None}
+        return
+    assert result.err.strip().splitlines()[-2:] == [
+        line, f"error: messages arrived after migrate counted 1 queue: {q} is rebuilt and its "
+        f"messages wait in {q}.migrating; pass --accept-evictions and run migrate again to "
+        "refill it"]
+    assert _depths(fresh_vhost, q, f"{q}.parking", f"{q}.migrating") == {
+        q: 0, f"{q}.parking": 0, f"{q}.migrating": 250}
+    monkeypatch.undo()
+    done = run_cli("migrate", limited, "--yes", "--accept-evictions", settings=fresh_vhost)
+    assert done.code == 0, done.err
+    wait_for(lambda: _depths(fresh_vhost, f"{q}.parking")[f"{q}.parking"] == 50,
+             "50 messages parked")
+    assert _depths(fresh_vhost, q, f"{q}.migrating") == {q: 200, f"{q}.migrating": None}
