@@ -23,8 +23,9 @@ may also move from one new lane to a later one. So, for each change from ``N`` t
 Every step is idempotent: a gate is written only while its lane is not declared, a binding only
 when missing, and a fence or passed entry twice counts once.
 
-Fewer lanes, from ``N`` to ``M`` (RabbitMQ 4.3 and later: the exchange keeps its buckets in the
-order the lanes were bound, so unbinding the last lane moves only its keys), one lane at a time,
+Fewer lanes, from ``N`` to ``M`` (RabbitMQ 4.3 and later, for a lanes exchange ``apply`` marked
+as bound in lane order: the exchange keeps its buckets in the order the lanes were bound, through
+restarts too, so unbinding the last lane moves only its keys), one lane at a time,
 the last first, each once the one after it is done (the keys of a lane unbound while a later
 removed lane was still bound would partly go to that one, which hands over its own keys: a key
 could then wait on two lanes at once). For lane ``r`` (the last one on the broker):
