@@ -97,22 +97,22 @@ def policy_hazards(plan: Plan, live: LiveState) -> list[PolicyHazard]:
     """Every key of another policy or operator policy that would drop, expire or limit the
     messages of a queue of ``plan`` (main queues, lanes, tiers, parking and held queues)."""
     ours = {p.name: p for p in plan.policies}
-    by_queue = {p.queue: p for p in plan.policies}
     # The file's queues' own policies it no longer declares: apply deletes them, and what they
     # hid on their queue applies then.
     deleted = {naming.policy_name(q.name) for q in plan.main_queues} - set(ours)
+    # The policies as they will be once apply has run: the file's own at the priority and
+    # pattern it gives them (a lowered priority lets another policy win), new ones included.
+    after = [p for p in live.policies if p.operator or p.name not in ours] + [
+        LivePolicy(p.name, p.pattern, p.apply_to, p.definition, p.priority) for p in ours.values()]
     found: list[PolicyHazard] = []
     for queue in plan.queues:
-        matching = [p for p in live.policies if matches(p, queue.name, queue.queue_type)
+        matching = [p for p in after if matches(p, queue.name, queue.queue_type)
                     and (p.operator or p.name not in deleted)]
         regular = top([p for p in matching if not p.operator])
         operators = top([p for p in matching if p.operator])
         # The file's own policy (as apply sets it) and the others that apply: the operator
         # policy is merged with them, and where one sets a lower value, that one is in effect.
-        applied = [ours[p.name].definition if p.name in ours else p.definition for p in regular]
-        if queue.role == "main" and queue.name in by_queue:
-            applied.append(by_queue[queue.name].definition)
-        lower = lowest_limits(applied)
+        lower = lowest_limits(p.definition for p in regular)
         for policy in regular:
             if policy.name not in ours:
                 found += _hazards(policy, queue, {})

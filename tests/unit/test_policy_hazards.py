@@ -174,3 +174,21 @@ def test_a_policy_the_file_no_longer_gives_a_queue_uncovers_what_it_hid_and_is_w
     lines = hazard_lines(policy_hazards(after, live))
     assert any("company-ttl" in line and "main queue q:" in line for line in lines), lines
     assert not any("rabbit-retry:q" in line for line in lines), lines
+
+
+def test_the_files_policy_counts_at_the_priority_the_file_gives_it_not_the_brokers() -> None:
+    """``plan`` warns about what applies once ``apply`` has run: a file that lowers its own
+    policy's priority below another policy's lets that policy's TTL reach the queue (a hazard,
+    not only a note), and a policy of ours the broker lacks yet wins as the file says."""
+    from dataclasses import replace
+
+    plan = _plan()
+    ttl = LivePolicy("company-ttl", ".*", "all", {"message-ttl": 3000}, 5)
+    on_broker = _live(plan, ttl)  # ours at priority 10 there: it wins over company-ttl
+    assert "orders" not in {h.queue for h in policy_hazards(plan, on_broker)}  # control
+    lowered = replace(plan, policies=tuple(replace(p, priority=1) for p in plan.policies))
+    hit = [h for h in policy_hazards(lowered, on_broker) if h.queue == "orders"]
+    assert [(h.policy.name, h.key, h.value) for h in hit] == [("company-ttl", "message-ttl", 3000)]
+    # not on the broker yet: apply creates ours at priority 10, and then it wins
+    missing = replace(on_broker, policies=(ttl,))
+    assert "orders" not in {h.queue for h in policy_hazards(plan, missing)}
