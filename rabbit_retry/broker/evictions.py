@@ -5,18 +5,23 @@ lowered below what a classic queue holds, a TTL added or shortened on a queue wi
 ``--accept-evictions``. Where they go is what the file says (``on_full`` / ``on_expire``,
 topology/limits.py): the parking queue, or nowhere. A quorum queue over a lowered limit keeps
 its messages and refuses new publishes until it is below it: nothing leaves, nothing is named.
+A rename (``renamed_from``) whose moved messages take the new queue over its length limit
+evicts too (``moved_in``): a classic queue its oldest; a quorum queue refuses the copies over
+it (``Eviction.refused``), which stay in the old queue, accepted or not.
 
 Counts come from what the broker shows (exact ready counts where ``apply`` reads them,
 ``provision._read``); a TTL's count is an upper bound: which messages are older than the new TTL
 only the broker knows. ``apply`` counts the queues again just before it sets their policies,
 and ``migrate`` just before it starts and again just before it refills a rebuilt queue
-(``recount``, ``refilled``): messages that arrived since they read them leave too.
+(``recount``, ``refilled``) or moves a renamed queue's messages: messages that arrived since
+they read them leave too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from rabbit_retry.broker.diff import Change
@@ -38,15 +43,26 @@ class Eviction:
     count: int  # messages that leave the queue (at most that many when ``exact`` is False)
     held: int  # messages the queue holds now
     exact: bool
-    to: str | None  # the parking queue they move to; None: dropped
+    to: str | None  # the parking queue they move to; None: dropped (or refused)
+    moved_from: str | None = None  # a rename's old queue, whose messages are moved in
+    refused: bool = False  # a quorum queue refuses the moved copies: they stay in moved_from
+
+    @property
+    def change(self) -> str:
+        if self.moved_from:
+            return f"{self.setting} {self.becomes} with the messages of {self.moved_from} moved in"
+        return f"{self.setting} {self.was} -> {self.becomes}"
 
     @property
     def detail(self) -> str:
         many = f"{self.count} of its {plural(self.held, 'message')}"
         if not self.exact:
             many = f"up to {many}"
+        if self.refused:
+            return (f"{self.change}: {many} do not fit; it refuses them (on_full: reject, "
+                    f"with --accept-evictions too) and they stay in {self.moved_from}")
         fate = f"parked in {self.to}" if self.to else "dropped (the file says drop)"
-        return f"{self.setting} {self.was} -> {self.becomes}: {many} leave it at once, {fate}"
+        return f"{self.change}: {many} leave it at once, {fate}"
 
     def line(self) -> str:
         return f"evicts    queue    {self.queue}  ({self.detail})"
@@ -59,14 +75,14 @@ class Eviction:
                f"{plural(self.held, 'message')}"
         fate = f"parked in {self.to}" if self.to else "dropped (the file says drop)"
         more = "left too" if self.exact else "may have left too"
-        return (f"evicted from {self.queue}: {self.setting} {self.was} -> {self.becomes}: "
-                f"{many} left it, {fate} (counted just before {when}; messages "
-                f"that arrived in between {more})")
+        return (f"evicted from {self.queue}: {self.change}: {many} left it, {fate} (counted "
+                f"just before {when}; messages that arrived in between {more})")
 
     def to_json(self) -> dict[str, Any]:
         return {"queue": self.queue, "setting": self.setting, "live": self.was,
                 "file": self.becomes, "count": self.count, "exact": self.exact,
-                "messages": self.held, "to": self.to, "detail": self.detail}
+                "messages": self.held, "to": self.to, "detail": self.detail,
+                "renamed_from": self.moved_from, "refused": self.refused}
 
 
 def _int(value: Any) -> int | None:
@@ -109,20 +125,60 @@ def evictions(plan: Plan, live: LiveState) -> list[Eviction]:
 
 
 def recount(plan: Plan, live: LiveState, counts: Mapping[str, tuple[int, int]], *,
-            accepted: bool, verb: str, then: Callable[[bool], str]) -> list[Eviction]:
-    """The evictions ``evictions`` finds on the queues of ``counts`` (queue -> (ready,
-    consumers)), counted exactly again just before the change that evicts: what arrived since
-    ``live`` was read leaves too, and a limit that evicted nothing then may now. Without
+            accepted: bool, verb: str, then: Callable[[bool], str],
+            find: Callable[[LiveState], list[Eviction]] | None = None,
+            stuck: Callable[[], str] | None = None) -> list[Eviction]:
+    """The evictions ``evictions`` (or ``find``) finds on the queues of ``counts`` (queue ->
+    (ready, consumers)), counted exactly again just before the change that evicts: what arrived
+    since ``live`` was read leaves too, and a limit that evicted nothing then may now. Without
     ``accepted``, one found raises ``ConflictError``: one line per queue, then what ``verb``
-    did (``then``, told whether more than one queue was found) and how to make the change."""
+    did (``then``, told whether more than one queue was found) and how to make the change.
+    One the queue refuses (``Eviction.refused``) raises whatever ``accepted`` says, with
+    ``stuck`` in place of ``then``: no flag makes the broker take them."""
     now = with_exact_counts(live, counts)
-    found = [e for e in evictions(plan, now) if e.queue in counts]
-    if found and not accepted:
-        lines = [f"queue {e.queue}: {e.detail}" for e in found]
+    found = [e for e in (find or partial(evictions, plan))(now) if e.queue in counts]
+    refused = [e for e in found if e.refused]
+    if (refused and stuck) or (found and not accepted):
+        shown = refused if refused and stuck else found
+        lines = [f"queue {e.queue}: {e.detail}" for e in shown]
+        tail = stuck() if refused and stuck else then(len(shown) > 1)
         raise ConflictError("\n".join([
-            *lines, f"messages arrived after {verb} counted {plural(len(found), 'queue')}: "
-            f"{then(len(found) > 1)}"]))
+            *lines, f"messages arrived after {verb} counted {plural(len(shown), 'queue')}: "
+            f"{tail}"]))
     return found
+
+
+def moved_in(plan: Plan, live: LiveState, old: str,
+             moves: Iterable[tuple[str, str]]) -> list[Eviction]:
+    """The evictions a rename (``renamed_from: old``) makes when it moves the messages of
+    ``old``'s queues into the queues ``moves`` pairs them with (live queue, queue of the file):
+    a main queue that then holds more than its length limit (the file's, or a live policy's
+    lower one) evicts its oldest at once, its own first, parked or dropped as the file says; a
+    quorum queue refuses the copies over it instead (``refused``: an upper bound, it may take a
+    few more), which stay in ``old``. A TTL evicts nothing: a moved copy's starts again. With
+    consumers on the queue, fewer may leave: an upper bound too."""
+    arriving: dict[str, tuple[int, int]] = {}
+    for source, target in moves:
+        there = live.queues.get(source)
+        if there is not None:
+            count, size = arriving.get(target, (0, 0))
+            arriving[target] = (count + there.messages_ready, size + there.message_bytes_ready)
+    files = {p.queue: p.definition for p in plan.policies}
+    out: list[Eviction] = []
+    for queue in plan.main_queues:
+        count, size = arriving.get(queue.name, (0, 0))
+        if not count:
+            continue
+        there = live.queues.get(queue.name) or LiveQueue(queue.name, queue.queue_type, True,
+                                                          False, {})
+        full = replace(there, arguments={}, messages_ready=there.messages_ready + count,
+                       message_bytes_ready=there.message_bytes_ready + size)
+        file = dict(files.get(queue.name, {}))
+        file.update(lowest_limits([file, _in_effect(live, queue)]))
+        file.pop("message-ttl", None)
+        out += [replace(e, moved_from=old, exact=e.exact and not there.consumers)
+                for e in _evicted(plan, queue, full, file, {}, moving=True)]
+    return out
 
 
 def refilled(live: LiveState, queue: str) -> LiveState:
@@ -146,8 +202,12 @@ def _in_effect(live: LiveState, queue: Queue) -> Mapping[str, Any]:
 
 
 def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any],
-             was: Mapping[str, Any]) -> list[Eviction]:
-    to = _route(plan, queue)
+             was: Mapping[str, Any], *, moving: bool = False) -> list[Eviction]:
+    """``moving``: messages are moved into ``there`` (``moved_in``): a quorum queue refuses
+    those over its length limit, and the limit's argument is the live queue's, not
+    ``migrate``'s."""
+    refused = moving and queue.queue_type == "quorum"
+    to = None if refused else _route(plan, queue)
     ready = there.messages_ready
     # The live queue's arguments, or the file's where they differ: migrate rebuilds it so.
     args = queue.arguments
@@ -156,15 +216,17 @@ def _evicted(plan: Plan, queue: Queue, there: LiveQueue, file: Mapping[str, Any]
     def evict(setting: str, old: int | None, new: int, count: int, exact: bool,
               ttl: bool = False) -> None:
         out.append(Eviction(queue.name, setting, _show(old, ttl), _show(new, ttl),
-                            min(count, ready), ready, exact, to))
+                            min(count, ready), ready, exact and not refused, to,
+                            refused=refused and not ttl))
 
-    if queue.queue_type != "quorum":  # a full quorum queue refuses publishes; nothing leaves
+    # A full quorum queue refuses publishes: nothing leaves (moved copies are refused).
+    if queue.queue_type != "quorum" or moving:
         live_args = there.arguments
         new = _lowest(file.get("max-length"), args.get("x-max-length"))
         old = _lowest(was.get("max-length"), live_args.get("x-max-length"))
         if new is not None and ready > new and (old is None or old > new):
             setting = ("max_length" if _int(file.get("max-length")) == new
-                       else "x-max-length (migrate)")
+                       else "x-max-length" if moving else "x-max-length (migrate)")
             evict(setting, old, new, ready - new, True)
         new_bytes = _lowest(file.get("max-length-bytes"), args.get("x-max-length-bytes"))
         old_bytes = _lowest(was.get("max-length-bytes"), live_args.get("x-max-length-bytes"))

@@ -15,7 +15,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -74,12 +74,21 @@ Say = Callable[[str], None]
 # ``refill`` when a run resumes there), the queue and how many messages it holds once refilled;
 # raises to stop ``migrate`` there (provision: an eviction that was not accepted).
 Refilling = Callable[[str, int], None]
+# Told, once a rename has unbound the old queue and rerouted its retry exchange, just before
+# its first move, the exact (ready, consumers) of every queue it moves from or into that is
+# on the broker; raises to stop there (provision: an eviction that was not accepted).
+Moving = Callable[[Rename, Mapping[str, tuple[int, int]]], None]
+
+
+class CopyRefused(BrokerError):
+    """``MigrationRun.move``: the destination refused a copy (publisher nack)."""
 
 
 @dataclass
 class Moved:
     moved: int = 0
     dropped: int = 0  # copies already at the destination, or routed there too
+    by_source: dict[str, int] = field(default_factory=dict)  # a rename's: moved from each queue
 
 
 @dataclass
@@ -192,7 +201,7 @@ class MigrationRun:
                 "the original stays in place"
             ) from None
         except aiormq.exceptions.DeliveryError:
-            raise BrokerError(
+            raise CopyRefused(
                 f"moving {source} to {target}: the broker refused a copy (publisher nack; is "
                 f"{target!r} full?); the original stays in place"
             ) from None
@@ -761,13 +770,15 @@ def finish_later(what: str, steps: Sequence[str] = ()) -> Iterator[None]:
 # --- renames (``renamed_from``) ------------------------------------------------------------
 
 
-async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
+async def _run_rename(run: MigrationRun, rename: Rename, moving: Moving | None = None) -> Moved:
     """Unbind the old queue from every exchange, route its retry exchange to where its queues
     are moved (``_redirect_dead_letters``), move each of its queues' messages where
     ``rename.moves`` says (``MigrationRun.move``: each copy confirmed before its original is acked),
     delete each queue once emptied, then its exchanges and policy. Run again after a stop at
     any point, it finds what is left: the bindings are read again, the queues already deleted
-    are skipped, and a copy already in a destination nothing consumes is not moved twice."""
+    are skipped, and a copy already in a destination nothing consumes is not moved twice.
+    ``moving`` is told the exact counts once nothing new reaches ``old``'s queues, before the
+    first move: what the moves evict is counted there."""
     old, total = rename.old, Moved()
     for source, _ in rename.moves:
         state = await run.count(source)
@@ -787,6 +798,12 @@ async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
         if feeding:
             run.say(f"{source}: unbound from {', '.join(sorted({b.source for b in feeding}))}")
     await _redirect_dead_letters(run, rename)
+    if moving is not None:
+        counts = {}
+        for queue in dict.fromkeys(q for pair in rename.moves for q in pair):
+            if (state := await run.count(queue)) is not None:
+                counts[queue] = state
+        moving(rename, counts)
     for source, target in rename.moves:
         if await run.count(source) is None:
             continue  # moved and deleted by an earlier run
@@ -800,9 +817,13 @@ async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
         # confirmed but never acked the originals of. Not while workers consume it: then such
         # a message may arrive twice (docs/migrations.md).
         copies = await run.peek(target) if there[1] == 0 else Copies()
-        moved = await run.move(source, target, copies, marker=False)
+        try:
+            moved = await run.move(source, target, copies, marker=False)
+        except CopyRefused:
+            raise await _move_refused(run, rename, source, target) from None
         total.moved += moved.moved
         total.dropped += moved.dropped
+        total.by_source[source] = moved.moved
         await _delete_emptied(run, source)
         run.say(
             f"{source}: moved {plural(moved.moved, 'message')} into {target}"
@@ -824,6 +845,22 @@ async def _run_rename(run: MigrationRun, rename: Rename) -> Moved:
             )
         run.say(f"policy {rename.policy} deleted")
     return total
+
+
+async def _move_refused(run: MigrationRun, rename: Rename, source: str,
+                        target: str) -> BrokerError:
+    """The one line for a move ``target`` refused (publisher nack: a quorum queue over its
+    length limit refuses, ``on_full: reject``): the originals of what was not confirmed stay in
+    ``source``, which nothing new reaches; the copies confirmed after the refusal are in both,
+    recognised at the next run while nothing consumes ``target``."""
+    left = await run.count(source)
+    there = await run.count(target)
+    return BrokerError(
+        f"renaming {rename.old} to {rename.new}: {target} refused a copy (publisher nack: full, "
+        f"on_full: reject) at {plural(there[0] if there else 0, 'message')}; "
+        f"{plural(left[0] if left else 0, 'message')} stay in {source}, nothing is lost; let "
+        f"{target}'s consumers make room or raise its limit, then run migrate again"
+    )
 
 
 async def _targets_there(run: MigrationRun, rename: Rename) -> None:
@@ -893,12 +930,14 @@ async def _delete_emptied(run: MigrationRun, queue: str) -> None:
 
 
 async def rename(
-    settings: Settings, renames: Sequence[Rename], say: Say = lambda _: None
+    settings: Settings, renames: Sequence[Rename], say: Say = lambda _: None,
+    moving: Moving | None = None,
 ) -> list[Moved]:
-    """Carry out every rename (``_run_rename``), in order."""
+    """Carry out every rename (``_run_rename``), in order; ``moving`` is told the counts of
+    each just before its first move."""
     out = []
     async with migration_run(settings, say) as run:
         for one in renames:
             with finish_later(f"renaming {one.old} to {one.new}"):
-                out.append(await _run_rename(run, one))
+                out.append(await _run_rename(run, one, moving))
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +44,7 @@ from rabbit_retry.broker.evictions import (
     Eviction,
     dead_letter_routes,
     evictions,
+    moved_in,
     recount,
     refilled,
 )
@@ -70,7 +71,7 @@ from rabbit_retry.topology.resolved import Topology
 
 if TYPE_CHECKING:
     from rabbit_retry.broker.lane_changes import LaneChange
-    from rabbit_retry.broker.migrate import Refilling
+    from rabbit_retry.broker.migrate import Moved, Moving, Refilling
     from rabbit_retry.broker.migrate_plan import Migration, Rename
     from rabbit_retry.outbox.destinations import Destinations
 
@@ -372,7 +373,8 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
     destinations = _destinations(compiled, file)
     changes, live = _read(settings, compiled, targets)
     waiting = pending(apply_work(changes, targeted=bool(targets)), prune=prune)
-    evicted = evictions(select(compiled, targets) if targets else compiled, live)
+    part = select(compiled, targets) if targets else compiled
+    evicted = [*evictions(part, live), *_renaming(part, live, changes)]
     if as_json:
         document = {
             "format": PLAN_FORMAT,
@@ -421,20 +423,46 @@ def _migrations_needed(changes: Sequence[Change], file: str) -> str | None:
             "keeps their messages" + (" and each key's order" if laned else ""))
 
 
+def _renaming(plan: Plan, live: LiveState, changes: Sequence[Change]) -> list[Eviction]:
+    """The evictions the renames of ``changes`` make when ``migrate`` moves their messages."""
+    from rabbit_retry.broker.migrate_plan import plan_renames
+
+    return [e for r in plan_renames(changes, live) for e in moved_in(plan, live, r.old, r.moves)]
+
+
 def _print_evictions(evicted: Sequence[Eviction]) -> None:
     for eviction in evicted:
         click.echo(eviction.line())
-    if evicted:
+    if any(not e.moved_from for e in evicted):
         click.echo("apply makes a change that evicts messages only with --accept-evictions")
+    if any(e.moved_from and not e.refused for e in evicted):
+        click.echo("migrate moves a renamed queue's messages where they evict others only with "
+                   "--accept-evictions")
+    if any(e.refused for e in evicted):
+        click.echo("migrate refuses a rename whose new queue would refuse the messages moved "
+                   "in, with --accept-evictions too")
 
 
 def _evictions_refused(evicted: Sequence[Eviction], accepted: bool) -> str | None:
-    """Why ``apply`` will not evict messages without ``--accept-evictions``, or None."""
+    """Why ``apply`` will not evict messages without ``--accept-evictions``, or None; why
+    ``migrate`` will not move a renamed queue's messages into a queue that refuses them, with
+    it too."""
+    refused = [e for e in evicted if e.refused]
+    if refused:
+        return "\n".join([*(f"queue {e.queue}: {e.detail}" for e in refused),
+                          f"nothing was changed; {_make_room(e.queue for e in refused)}"])
     if accepted or not evicted:
         return None
     lines = [f"queue {e.queue}: {e.detail}" for e in evicted]
     return "\n".join([*lines, "nothing was changed; pass --accept-evictions to make "
                        f"{'this change' if len(evicted) == 1 else 'these changes'}"])
+
+
+def _make_room(queues: Iterable[str]) -> str:
+    """What makes a queue that refuses a rename's moved messages take them."""
+    names = ", ".join(sorted(set(queues)))
+    return (f"let the consumers of {names} make room, or raise its limit in the file and apply "
+            "it, then run migrate again")
 
 
 @click.command()
@@ -614,12 +642,15 @@ def _migrate(settings: Settings, topology: Topology, file: str, dry_run: bool, y
             accepted=accept_evictions, verb="migrate",
             then=lambda many: "nothing was changed; pass --accept-evictions to make "
             f"{'these changes' if many else 'this change'}")
+    for renamed in renames:  # and so, for the same reason, are the queues of each rename
+        _recount_rename(settings, compiled, live, renamed, accept_evictions)
     if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
         asyncio.run(apply_changes(settings, routes, live.bindings))
         for change in routes:
             click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
                        if change.object == "binding" else f"declared {change.name}")
     evicted: list[Eviction] = []
+    counted: dict[str, Mapping[str, tuple[int, int]]] = {}  # per old queue, before its moves
 
     def refilling(name: str, ready: int) -> None:
         """Counted again just before ``name`` takes its messages back: what arrived while it
@@ -630,10 +661,41 @@ def _migrate(settings: Settings, topology: Topology, file: str, dry_run: bool, y
             f"{naming.migrating_queue(name)}; pass --accept-evictions and run migrate again "
             "to refill it"))
 
-    _carry_out(settings, compiled, file, migrations, renames, sorted(set(targets)) or None,
-               guard, lanes, refilling)
+    def moving(renamed: Rename, counts: Mapping[str, tuple[int, int]]) -> None:
+        """Counted again once nothing new reaches the old queue (unbound), just before its
+        messages are moved: what arrived in it until then is moved, and evicts, too."""
+        counted[renamed.old] = counts
+        recount(
+            compiled, live, counts, accepted=accept_evictions, verb="migrate",
+            find=lambda now: moved_in(compiled, now, renamed.old, renamed.moves),
+            then=lambda _: f"{renamed.old} is unbound (new messages reach {renamed.new}) and "
+            "keeps its messages; pass --accept-evictions and run migrate again to move them",
+            stuck=lambda: f"{renamed.old} is unbound (new messages reach {renamed.new}) and "
+            f"keeps its messages; {_make_room([renamed.new])}")
+
+    moved = _carry_out(settings, compiled, file, migrations, renames,
+                       sorted(set(targets)) or None, guard, lanes, refilling, moving)
+    for renamed, done in zip(renames, moved, strict=True):
+        # What was moved, not what was counted: a message the new queue already held (same
+        # message_id and body: routed to both while both were bound) is not moved again.
+        counts = {**counted.get(renamed.old, {}),
+                  **{source: (done.by_source.get(source, 0), 0) for source, _ in renamed.moves}}
+        evicted += moved_in(compiled, with_exact_counts(live, counts), renamed.old,
+                            renamed.moves)
     for eviction in evicted:  # accepted with --accept-evictions
-        click.echo(eviction.done("the queue was refilled"))
+        click.echo(eviction.done(f"the messages of {eviction.moved_from} were moved"
+                                 if eviction.moved_from else "the queue was refilled"))
+
+
+def _recount_rename(settings: Settings, compiled: Plan, live: LiveState, renamed: Rename,
+                    accepted: bool) -> None:
+    """The evictions of ``renamed`` counted again before ``migrate`` changes anything."""
+    recount(compiled, live, _counted(settings, live, [q for m in renamed.moves for q in m]),
+            accepted=accepted, verb="migrate",
+            find=lambda now: moved_in(compiled, now, renamed.old, renamed.moves),
+            then=lambda many: "nothing was changed; pass --accept-evictions to make "
+            f"{'these changes' if many else 'this change'}",
+            stuck=lambda: f"nothing was changed; {_make_room([renamed.new])}")
 
 
 def _held_now(plan: Plan, live: LiveState, changes: Sequence[Change],
@@ -685,6 +747,7 @@ def _migrate_checked(
     problem = _capacity(settings, changes, migrated_quorum_queues(migrations, live))
     rebuilt = {m.name for m in migrations}
     evicted = [e for e in evictions(compiled, live) if e.queue in rebuilt]
+    evicted += [e for r in renames for e in moved_in(compiled, live, r.old, r.moves)]
     if dry_run:
         _print_evictions(evicted)
         if problem:
@@ -702,7 +765,8 @@ def _migrate_checked(
 
 def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequence[Migration],
                renames: Sequence[Rename], selection: list[str] | None, guard: Guard,
-               lanes: Sequence[LaneChange] = (), refilling: Refilling | None = None) -> None:
+               lanes: Sequence[LaneChange] = (), refilling: Refilling | None = None,
+               moving: Moving | None = None) -> list[Moved]:
     """Run the confirmed migrations, then the renames, and say what ``apply`` has left. Each
     step is said as it starts: the lock is checked there (a migration stopped at any step is
     finished by the next run)."""
@@ -727,8 +791,9 @@ def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequen
         verb = "added" if all(c.after > c.before for c in lanes) else "changed"
         click.echo(f"{verb} lanes in vhost {settings.vhost!r}: " + ", ".join(
             f"{c.queue} ({c.before} -> {c.after})" for c in lanes))
+    moved: list[Moved] = []
     if renames:
-        moved = asyncio.run(run_renames(settings, renames, say=say))
+        moved = asyncio.run(run_renames(settings, renames, say=say, moving=moving))
         click.echo(
             f"renamed {plural(len(renames), 'queue')} in vhost {settings.vhost!r}: "
             + ", ".join(f"{r.old} -> {r.new} ({plural(m.moved, 'message')} moved)"
@@ -738,6 +803,7 @@ def _carry_out(settings: Settings, compiled: Plan, file: str, migrations: Sequen
             if c.kind != "unchanged" and not c.orphan]
     if left:
         click.echo(f"`rabbit-retry apply {file}` has {plural(len(left), 'change')} left to make")
+    return moved
 
 
 def _rename_unready(

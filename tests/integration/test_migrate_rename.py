@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from support.amqp import blocking, depth_sync, drain_sync, persistent, publish_stream
+from support.poll import wait_for
 
 from rabbit_retry.broker.management import Management
 from rabbit_retry.errors import EXIT_PENDING
@@ -226,3 +227,160 @@ def test_a_new_parking_queue_deleted_after_migrate_read_the_broker_is_one_line_a
     assert finished.code == 0, finished.out + finished.err
     assert depth_sync(fresh_vhost, NEW) == MAIN + RETRYING
     assert depth_sync(fresh_vhost, parking) == PARKED
+
+
+LIMITED = 200  # the new queue's max_length
+IN_NEW = 50  # messages the new queue holds before the rename moves the old one's in
+LATE = 100  # published through the exchange (to both queues) once migrate has counted
+
+
+def _limited(tmp_path: Path, kind: str, on_full: str, limit: int = LIMITED) -> tuple[str, str]:
+    old = _write(tmp_path, "old.yml", FILE.format(name=OLD, kind=kind, extra=""))
+    new = _write(tmp_path, "new.yml", FILE.format(
+        name=NEW, kind=kind, extra=f"    renamed_from: {OLD}\n    policy: {{max_length: {limit}}}"
+                                   f"\n    on_full: {on_full}\n"))
+    return old, new
+
+
+def _filled(settings: Settings, run_cli: Callable[..., Any], old: str, new: str) -> None:
+    assert run_cli("apply", old, settings=settings).code == 0
+    blocking(publish_stream(settings, "order.created", MAIN,
+                            lambda i: persistent(b"{}", message_id=f"main-{i}"), exchange="shop"))
+    assert run_cli("apply", new, settings=settings).code == 0
+    blocking(publish_stream(settings, NEW, IN_NEW,
+                            lambda i: persistent(b"{}", message_id=f"new-{i}")))
+    assert (depth_sync(settings, OLD), depth_sync(settings, NEW)) == (MAIN, IN_NEW)
+
+
+def _listed(management: Management, settings: Settings) -> None:
+    """Until the management statistics (which plan reads) count what was published."""
+    wait_for(lambda: [(management.queue(settings.vhost, q) or {}).get("messages_ready")
+                      for q in (OLD, NEW)] == [MAIN, IN_NEW], "the statistics caught up")
+
+
+@pytest.mark.parametrize("on_full", ["park", "drop"])
+def test_a_rename_into_a_queue_it_overfills_names_the_evicted_and_moves_only_when_accepted(
+    on_full: str, tmp_path: Path, fresh_vhost: Settings, management: Management,
+    monkeypatch: pytest.MonkeyPatch, run_cli: Callable[..., Any],
+) -> None:
+    """The new queue's length limit evicts what does not fit once the old queue's messages are
+    moved in: parked or dropped as the file says. migrate said "300 messages moved" and exit 0
+    without --accept-evictions (3.10.8: 200 kept, 100 parked, no word of it). Now plan names
+    them, migrate refuses without --accept-evictions (exit 3, nothing changed), and with it
+    counts again after the old queue is unbound, just before the move: the LATE messages
+    published to both queues once migrate has counted them are evicted too, and counted.
+    Counted: kept + parked = every message published, once (park); kept + the evicted said =
+    published (drop)."""
+    from rabbit_retry.broker import migrate
+    from rabbit_retry.errors import EXIT_CONFLICT
+
+    old, new = _limited(tmp_path, "classic", on_full)
+    _filled(fresh_vhost, run_cli, old, new)
+    _listed(management, fresh_vhost)
+    parking = naming.parking_queue(NEW)
+    fate = f"parked in {parking}" if on_full == "park" else "dropped (the file says drop)"
+    first = MAIN + IN_NEW - LIMITED
+    detail = (f"max_length {LIMITED} with the messages of {OLD} moved in: {first} of its "
+              f"{MAIN + IN_NEW} messages leave it at once, {fate}")
+    planned = run_cli("plan", new, settings=fresh_vhost)
+    assert f"evicts    queue    {NEW}  ({detail})" in planned.out, planned.out + planned.err
+
+    refused = run_cli("migrate", new, "--yes", settings=fresh_vhost)
+    assert refused.code == EXIT_CONFLICT, refused.out + refused.err
+    assert refused.err.strip().splitlines() == [
+        f"error: queue {NEW}: {detail}",
+        "error: nothing was changed; pass --accept-evictions to make this change"]
+    assert (depth_sync(fresh_vhost, OLD), depth_sync(fresh_vhost, NEW),
+            depth_sync(fresh_vhost, parking)) == (MAIN, IN_NEW, 0)
+    assert any(b["source"] == "shop" and b["destination"] == OLD
+               for b in management.bindings(fresh_vhost.vhost))  # still bound: nothing changed
+
+    targets_there = migrate._targets_there
+
+    async def arriving(run: migrate.MigrationRun, rename: Any) -> None:
+        await publish_stream(fresh_vhost, "order.created", LATE,
+                             lambda i: persistent(b"{}", message_id=f"late-{i}"),
+                             exchange="shop")
+        await targets_there(run, rename)
+
+    monkeypatch.setattr(migrate, "_targets_there", arriving)
+    done = run_cli("migrate", new, "--yes", "--accept-evictions", settings=fresh_vhost)
+    assert done.code == 0, done.out + done.err
+    # The LATE reached both queues: their copies in the old one are recognised in the new one
+    # (same message_id and body) and not moved again, so they evict nothing more.
+    assert f"{OLD}: moved {MAIN} messages into {NEW} ({LATE} already there)" in done.out, done.out
+    published = MAIN + IN_NEW + LATE
+    evicted = published - LIMITED
+    assert (f"evicted from {NEW}: max_length {LIMITED} with the messages of {OLD} moved in: at "
+            f"least {evicted} of its {published} messages left it, {fate} (counted just before "
+            f"the messages of {OLD} were moved; messages that arrived in between left too)"
+            ) in done.out, done.out
+    kept = _ids(fresh_vhost, NEW)
+    parked = _ids(fresh_vhost, parking)
+    assert management.queue(fresh_vhost.vhost, OLD) is None
+    assert sum(kept.values()) == LIMITED
+    # Every message published is kept, parked, or dropped and said so, once.
+    everything = Counter([*(f"main-{i}" for i in range(MAIN)), *(f"new-{i}" for i in range(IN_NEW)),
+                          *(f"late-{i}" for i in range(LATE))])
+    if on_full == "park":
+        assert kept + parked == everything
+    else:
+        assert sum(parked.values()) == 0 and sum(kept.values()) + evicted == published
+        assert not kept - everything
+
+
+def test_a_rename_into_a_quorum_queue_that_refuses_the_overflow_keeps_it_in_the_old_queue(
+    tmp_path: Path, fresh_vhost: Settings, monkeypatch: pytest.MonkeyPatch,
+    management: Management, run_cli: Callable[..., Any],
+) -> None:
+    """A quorum queue over its limit refuses publishes (on_full: reject): the move's copies
+    are nacked. migrate used to start anyway (3.10.8, 300 into 50 under 200: exit 1 after
+    unbinding the old queue, "the broker refused a copy (publisher nack; is 'ren.new' full?)",
+    200 left in the old queue and 236 in the new one). Now it refuses before any change,
+    --accept-evictions or not; and a queue filled in the moment before the move (here by 100
+    published to it straight) stops it with one line, nothing lost."""
+    from rabbit_retry.broker import migrate
+    from rabbit_retry.errors import EXIT_CONFLICT
+
+    old, new = _limited(tmp_path, "quorum", "reject")
+    _filled(fresh_vhost, run_cli, old, new)
+    _listed(management, fresh_vhost)
+    detail = (f"max_length {LIMITED} with the messages of {OLD} moved in: up to "
+              f"{MAIN + IN_NEW - LIMITED} of its {MAIN + IN_NEW} messages do not fit; it refuses "
+              f"them (on_full: reject, with --accept-evictions too) and they stay in {OLD}")
+    assert f"evicts    queue    {NEW}  ({detail})" in run_cli("plan", new,
+                                                            settings=fresh_vhost).out
+    refused = run_cli("migrate", new, "--yes", "--accept-evictions", settings=fresh_vhost)
+    assert refused.code == EXIT_CONFLICT, refused.out + refused.err
+    assert refused.err.strip().splitlines() == [
+        f"error: queue {NEW}: {detail}",
+        f"error: nothing was changed; let the consumers of {NEW} make room, or raise its limit "
+        "in the file and apply it, then run migrate again"]
+    assert (depth_sync(fresh_vhost, OLD), depth_sync(fresh_vhost, NEW)) == (MAIN, IN_NEW)
+
+    _, new = _limited(tmp_path, "quorum", "reject", limit=400)  # room for 350
+    assert run_cli("apply", new, settings=fresh_vhost).code == 0
+    peek = migrate.MigrationRun.peek
+    once: list[str] = []
+
+    async def filled_first(run: migrate.MigrationRun, queue: str) -> Any:
+        if queue == NEW and not once:
+            once.append(queue)
+            await publish_stream(fresh_vhost, NEW, 100,
+                                 lambda i: persistent(b"{}", message_id=f"fill-{i}"))
+        return await peek(run, queue)
+
+    monkeypatch.setattr(migrate.MigrationRun, "peek", filled_first)
+    stopped = run_cli("migrate", new, "--yes", "--accept-evictions", settings=fresh_vhost)
+    assert stopped.code == 1, stopped.out + stopped.err
+    [line] = stopped.err.strip().splitlines()
+    assert line.startswith(f"error: renaming {OLD} to {NEW}: {NEW} refused a copy"), line
+    left = _ids(fresh_vhost, OLD)
+    kept = _ids(fresh_vhost, NEW)
+    print("left", sum(left.values()), "kept", sum(kept.values()))
+    # Nothing lost: every message is in one queue or the other (some in both: copies the new
+    # queue confirmed after it refused one, whose originals were not acked).
+    assert set(left) | set(kept) == {*(f"main-{i}" for i in range(MAIN)),
+                                     *(f"new-{i}" for i in range(IN_NEW)),
+                                     *(f"fill-{i}" for i in range(100))}
+    assert f"{sum(left.values())} messages stay in {OLD}" in line

@@ -280,3 +280,36 @@ def test_raising_the_policys_priority_over_a_winning_one_evicts_what_its_limit_l
     assert [c.kind for c in diff(plan, live) if c.object == "policy"] == ["update"]
     [evicted] = evictions(plan, live)
     assert (evicted.queue, evicted.count) == ("q", 400)
+
+
+@pytest.mark.parametrize("kind,on_full", [("classic", "park"), ("classic", "drop"),
+                                          ("quorum", "reject")])
+def test_a_rename_names_what_the_moved_messages_evict_from_the_new_queue(
+    kind: str, on_full: str,
+) -> None:
+    """``renamed_from``: 300 in the old queue and 50 in the new one, whose limit is 200 and
+    live already (apply made it): 150 do not fit. Before, nothing was named: the limit was
+    not lowered, so ``evictions`` saw no change."""
+    from rabbit_retry.broker.evictions import moved_in
+
+    text = (f"version: 1\nqueues:\n  new:\n    queue_type: {kind}\n    retry: {{delays: [2s]}}\n"
+            f"    renamed_from: old\n    policy: {{max_length: 200}}\n"
+            f"    on_full: {on_full}\n")
+    plan = compile_topology(parse_topology(text, "t.yml"))
+    held = {"new": 50, "old": 300}
+    live = LiveState(
+        queues={n: LiveQueue(n, kind, True, False, {}, messages=held.get(n, 0),
+                             messages_ready=held.get(n, 0))
+                for n in [*(q.name for q in plan.queues), "old"]},
+        exchanges={}, bindings=tuple(plan.bindings),
+        policies=(LivePolicy("rabbit-retry:new", "^new$", "queues", {"max-length": 200}, 10),))
+    assert evictions(plan, live) == []
+    [evicted] = moved_in(plan, live, "old", [("old", "new"), ("old.parking", "new.parking")])
+    fate = {"park": "leave it at once, parked in new.parking",
+            "drop": "leave it at once, dropped (the file says drop)",
+            "reject": "do not fit; it refuses them (on_full: reject, with --accept-evictions "
+                      "too) and they stay in old"}[on_full]
+    many = "up to 150" if on_full == "reject" else "150"
+    assert evicted.line() == (f"evicts    queue    new  (max_length 200 with the messages of "
+                              f"old moved in: {many} of its 350 messages {fate})")
+    assert evicted.to_json()["renamed_from"] == "old"
