@@ -271,7 +271,9 @@ async def _declare_and_bind(
     await pool.run(objects, progress)
 
     binds = _with_kind(changes, "create", "binding")
-    await pool.run(_bind_operations(binds, progress), progress)
+    lanes, others = _bind_operations(binds, progress)
+    await pool.run(lanes, progress)  # before anything can route into a lanes exchange
+    await pool.run(others, progress)
     report.created = [c for c in changes if c.kind == "create" and c.object != "policy"]
 
     unbinds = _with_kind(changes, "unbind", "binding")
@@ -282,14 +284,18 @@ async def _declare_and_bind(
     report.unbound = unbinds
 
 
+_Operations = list[tuple[str, _Operation]]
+
+
 def _bind_operations(
     binds: Sequence[Change], progress: Progress | None
-) -> list[tuple[str, _Operation]]:
-    """One operation per binding, except an ordered queue's lanes: one operation binds them
-    all, one after another in lane order, so the lanes exchange numbers its buckets in lane
-    order (concurrent binds would leave that order to chance, and taking lanes away later
-    relies on it: the last lane's buckets must be the ring's last)."""
-    operations: list[tuple[str, _Operation]] = []
+) -> tuple[_Operations, _Operations]:
+    """The operations that bind ordered queues' lanes, then one per other binding. One
+    operation binds a queue's lanes one after another in lane order, so the lanes exchange
+    numbers its buckets in lane order (concurrent binds would leave that order to chance, and
+    taking lanes away later relies on it: the last lane's buckets must be the ring's last).
+    They run first: no message reaches a lanes exchange before all its lanes are bound."""
+    operations: _Operations = []
     lanes: dict[str, list[tuple[int, Binding]]] = {}
     for change in binds:
         binding = _binding_of(change)
@@ -298,11 +304,10 @@ def _bind_operations(
             operations.append((f"binding {change.name}", _binding(binding, bind=True)))
         else:
             lanes.setdefault(binding.source, []).append((lane, binding))
-    for exchange, bound in lanes.items():
-        in_order = [b for _, b in sorted(bound, key=lambda pair: pair[0])]
-        operations.append((f"binding the lanes of {exchange}",
-                           _bind_in_order(in_order, progress)))
-    return operations
+    ordered = [(f"binding the lanes of {exchange}",
+                _bind_in_order([b for _, b in sorted(bound, key=lambda pair: pair[0])], progress))
+               for exchange, bound in lanes.items()]
+    return ordered, operations
 
 
 def _bind_in_order(bindings: Sequence[Binding], progress: Progress | None) -> _Operation:

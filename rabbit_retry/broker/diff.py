@@ -631,6 +631,12 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
         elif not wanted:
             detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
                       "live ordered queue cannot be made plain yet")
+        elif (unbound := _not_bound_once(main.name, there, live)):
+            detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
+                      f"file, but {', '.join(unbound)} {'is' if len(unbound) == 1 else 'are'} "
+                      f"not bound to {naming.lanes_exchange(main.name)} once, as apply binds "
+                      f"each lane (an apply that stopped midway?): run apply with a file of "
+                      f"{len(there)} lanes first, then migrate")
         elif _movable(main.name, there, len(wanted), live):
             lanes = (len(there), len(wanted))
             yield Change("migrate", "queue", main.name, _lanes_text(*lanes), main, lanes=lanes)
@@ -641,6 +647,17 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
                       f"messages wait in the others; keep lanes: {len(there)} "
                       f"({_why_not_fewer(live)})")
         yield Change("conflict", "queue", main.name, detail, main)
+
+
+def _not_bound_once(main: str, there: set[str], live: LiveState) -> list[str]:
+    """The live lanes of ``main`` not bound exactly once to its lanes exchange: a lane change
+    counts on each lane's place in the ring, and a lane bound later than a lane change would
+    take keys from the others without a gate."""
+    exchange = naming.lanes_exchange(main)
+    bound = [b.destination for b in live.bindings
+             if b.source == exchange and b.destination_type == "queue"]
+    return sorted((lane for lane in there if bound.count(lane) != 1),
+                  key=lambda name: (len(name), name))
 
 
 def _why_not_fewer(live: LiveState) -> str:
@@ -910,8 +927,11 @@ def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
             "keeps their messages"
         )
     elif any(c.kind == "migrate" for c in changes):
-        lines.append(f"nothing was changed; `rabbit-retry migrate {file}` adds the lanes and "
-                     "keeps each key's order")
+        ways = {c.lanes[1] < c.lanes[0] for c in changes if c.kind == "migrate" and c.lanes}
+        how = {frozenset({True}): "takes the lanes away", frozenset({False}): "adds the lanes"}.get(
+            frozenset(ways), "adds or takes away the lanes")
+        lines.append(f"nothing was changed; `rabbit-retry migrate {file}` {how} and keeps each "
+                     "key's order")
     return lines
 
 

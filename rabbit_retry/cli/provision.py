@@ -411,14 +411,17 @@ def plan(settings: Settings, file: str, as_json: bool, everything: bool,
 
 def _migrations_needed(changes: Sequence[Change], file: str) -> str | None:
     """What ``plan`` says when ``apply`` would refuse for a queue ``migrate`` must rebuild or
-    give more lanes; None when none must."""
+    give more or fewer lanes; None when none must."""
     rebuilt = sum(1 for c in changes if c.kind == "migrate" and blocking(c) and not c.lanes)
-    laned = sum(1 for c in changes if c.kind == "migrate" and c.lanes)
+    more = sum(1 for c in changes if c.kind == "migrate" and c.lanes and c.lanes[1] > c.lanes[0])
+    fewer = sum(1 for c in changes if c.kind == "migrate" and c.lanes and c.lanes[1] < c.lanes[0])
+    laned = more + fewer
     if not (rebuilt or laned):
         return None
     what = [f"{plural(rebuilt, 'queue')} must be rebuilt to match {file} (the broker "
             "cannot change them in place)"] if rebuilt else []
-    what += [f"{plural(laned, 'ordered queue')} must get more lanes"] if laned else []
+    what += [f"{plural(more, 'ordered queue')} must get more lanes"] if more else []
+    what += [f"{plural(fewer, 'ordered queue')} must get fewer lanes"] if fewer else []
     return (f"{'; '.join(what)}; apply would refuse; `rabbit-retry migrate {file}` does it and "
             "keeps their messages" + (" and each key's order" if laned else ""))
 

@@ -171,6 +171,9 @@ class OrderedLane:
         # never come back once its change is over here).
         self._announced: set[str] = set()
         self._gate_acked: asyncio.Future[None] | None = None
+        # The holds of the keys a removed lane hands over, while the passed entry that holds
+        # them here is being written: done once it is.
+        self._passing: dict[str, asyncio.Future[None]] = {}
 
     # --- a delivery's way ----------------------------------------------------------------------
 
@@ -257,6 +260,11 @@ class OrderedLane:
         if released is not None:  # an operator discarded the holder (or a nudge: "")
             if released and self._holding(key) == released:
                 await self.release(key, released)
+            if (passing := self._passing.get(released)) is not None:
+                # A removed lane's release of a key its passed entry hands over, come while that
+                # entry waits: acked once the passed entry is written, or a crash in between
+                # would leave the next worker to hold the key again, with no release to come.
+                await asyncio.shield(passing)
             await self._ack(tag)
             return None
         holder = None if hold is None else self._holder(task, key, hold)
@@ -701,6 +709,24 @@ class OrderedLane:
         # taken while this waits), each written before the passed entry.
         handed = {key: self.hold(key, "moved", None, moved_hold(change, lane))
                   for lane in entry.lanes for key in entry.keys if key not in self.holds}
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ids = [moved_hold(change, lane) for lane in entry.lanes]
+        self._passing.update(dict.fromkeys(ids, written))
+        try:
+            await self._write_passed(change, entry, handed)
+        finally:
+            for hold_id in ids:
+                if self._passing.get(hold_id) is written:
+                    del self._passing[hold_id]
+            written.set_result(None)
+        if not self.gates:
+            log.info("queue=%s lane %d: every lane before it passed (%s); it runs", self.queue,
+                     self.number, change, extra={"queue": self.queue, "event": "lane_opened"})
+            self._start_passes()
+
+    async def _write_passed(self, change: str, entry: Entry, handed: dict[str, Hold]) -> None:
+        """The handed-over keys still held, then the passed entry, written to the held queue
+        (once the gate's ack is taken)."""
         if self._gate_acked is not None:
             await asyncio.shield(self._gate_acked)
         async with self._writes:
@@ -718,10 +744,6 @@ class OrderedLane:
             waits -= set(entry.lanes)
             if not waits:
                 self.gates.pop(change, None)
-        if not self.gates:
-            log.info("queue=%s lane %d: every lane before it passed (%s); it runs", self.queue,
-                     self.number, change, extra={"queue": self.queue, "event": "lane_opened"})
-            self._start_passes()
 
     def _busy(self) -> set[str]:
         """The keys held, or with messages waiting in the held queue."""

@@ -212,6 +212,10 @@ async def test_migrate_takes_lanes_away_from_a_live_queue_and_every_key_keeps_it
             planned.out), planned.out + planned.err
         return
     assert "migrate takes away lanes 2-3" in planned.out, planned.out + planned.err
+    assert "1 ordered queue must get fewer lanes; apply would refuse" in planned.err, planned.err
+    refused = await run_cli("apply", str(two))
+    assert refused.code == 3 and "takes the lanes away and keeps each key's order" in (
+        refused.err), refused.out + refused.err
     users = [f"u{n}" for n in range(40)]
     calls: dict[str, list[tuple[int, str]]] = defaultdict(list)
     fail, park = {(u, 2) for u in users[::5]}, {(u, 3) for u in users[1:9]}

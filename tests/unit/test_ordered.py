@@ -1384,3 +1384,62 @@ async def test_a_release_that_comes_while_the_passed_entry_waits_is_not_lost(
             await broker.settle(retries=True)
             assert held(broker) == 0
     assert ledger.applied[user] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("crash", [True, False], ids=["crash", "control"])
+async def test_a_release_taken_while_the_passed_entry_waits_survives_a_crash_before_it(
+    monkeypatch: pytest.MonkeyPatch, crash: bool
+) -> None:
+    """A remaining lane takes a removed lane's release while its ``passed`` entry waits for the
+    gate's ack, and its worker dies before the passed entry is written. The release is acked
+    only once that entry is: the next worker gets both again, in order, and the key goes on
+    (found by a review: the release was acked at once, and the next worker held the handed-over
+    key again for good, its event 3 never applied)."""
+    from rabbit_retry.worker.ordered import OrderedLane
+
+    async with broker_for(topology()) as probe:
+        for n in range(24):
+            publish(probe, f"u{n}", 0)
+        user = next(m.headers["user-id"] for m in probe.messages(f"{Q}.lane.{LANES - 1}"))
+    confirmed = asyncio.Event()
+    original = OrderedLane._ack_taken
+
+    async def slow(self: OrderedLane, tag: int) -> None:
+        await original(self, tag)
+        await confirmed.wait()
+
+    monkeypatch.setattr(OrderedLane, "_ack_taken", slow)
+    first, second = Ledger({(user, 1): 1}), Ledger()
+    async with broker_for(topology()) as broker:
+        publish(broker, user, 1)
+        publish(broker, user, 2)
+        async with broker.worker(first) as worker:
+            await broker.settle()
+            _take_away_last(broker, LANES)
+            publish(broker, user, 3)  # to a remaining lane, behind its gate
+            await broker.wait_for(lambda: any(  # moved to that lane's held queue
+                m.headers.get("user-id") == user for n in range(LANES - 1)
+                for m in broker.messages(f"{Q}.lane.{n}.held")), within=10)
+            broker.memory.expire(broker.memory.next_expiry())  # user-1 back to lane 2
+            await broker.wait_for(lambda: any(
+                m.headers.get("ordered-lanes") == str(LANES - 1)
+                for m in broker.messages(f"{Q}.lanes.{LANES}-to-{LANES - 1}")), within=10)
+            # the remaining lanes took the releases: each wrote its release entry
+            await broker.wait_for(lambda: all(any(
+                m.headers.get("ordered-entry") == "release"
+                for m in broker.messages(f"{Q}.lane.{n}.held")) for n in range(LANES - 1)),
+                within=10)
+            # and time for what followed at once before the change: the release's ack, flushed
+            # with the lane's grouped acks (with the change it waits for the passed entry)
+            await asyncio.sleep(0.5)
+            if crash:
+                await worker.crash()
+            else:
+                confirmed.set()
+                await broker.settle(retries=True)
+        monkeypatch.setattr(OrderedLane, "_ack_taken", original)
+        if crash:
+            async with broker.worker(second):
+                await broker.settle(retries=True)
+        assert first.applied[user] + second.applied[user] == [1, 2, 3]
+        assert held(broker) == 0

@@ -173,6 +173,18 @@ def test_more_lanes_is_a_migrate_fewer_only_from_4_3_and_a_change_under_way_is_r
         [line, _] = refusal(diff(four_plan, older), "v", "f")
         assert "keep lanes: 8 (a live ordered queue can get fewer lanes on RabbitMQ 4.3 and " \
             "later, not on " in line, line
+    # a lane not bound (an apply that stopped midway): binding it later would move keys
+    # without a gate, so neither more nor fewer lanes until apply has bound it
+    for file_plan in (eight_plan, four_plan):
+        gap = replace(live_of(six := rewards("{key: {header: user-id}, lanes: 6}")),
+                      version="4.3.6")
+        gap = replace(gap, bindings=tuple(b for b in gap.bindings
+                                          if b.destination != "rewards.points.lane.2"))
+        [line, _] = refusal(diff(file_plan, gap), "v", "f")
+        assert "but rewards.points.lane.2 is not bound to rewards.points.lanes once, as apply " \
+            "binds each lane (an apply that stopped midway?): run apply with a file of 6 " \
+            "lanes first" in line, line
+        assert refusal(diff(compile_topology(parse_topology(six)), gap), "v", "f") == []
     # on 4.3 with a lanes exchange declared before lanes were bound in order (or on an older
     # version): its ring is in no known order, refused
     unmarked = replace(live_of(eight, marked=False), version="4.3.6")
@@ -310,8 +322,9 @@ def test_migrate_says_how_many_keys_are_held_before_it_adds_lanes(
 
 def test_apply_binds_an_ordered_queues_lanes_one_after_another_in_lane_order() -> None:
     """Concurrent binds would number the lanes exchange's buckets in whatever order the
-    broker finished them; ``apply`` binds a queue's lanes in one operation, in lane order, and
-    every other binding in an operation of its own (counted once each for the progress bar)."""
+    broker finished them; ``apply`` binds a queue's lanes in one operation, in lane order, before
+    any other binding (the file's bindings into the lanes exchange among them), and every other
+    binding in an operation of its own (counted once each for the progress bar)."""
     import asyncio
     import random
 
@@ -336,13 +349,14 @@ def test_apply_binds_an_ordered_queues_lanes_one_after_another_in_lane_order() -
             self.calls.append((source, destination))
 
     counted: list[int] = []
-    operations = _bind_operations(binds, counted.append)
+    first, then = _bind_operations(binds, counted.append)
     others = [b for b in plan.bindings if b.source != "rewards.points.lanes"]
-    assert len(operations) == len(others) + 1
+    assert (len(first), len(then)) == (1, len(others))
     channel = Recorder()
-    for _, op in operations:
+    for _, op in first + then:
         asyncio.run(op(channel))  # type: ignore[arg-type]
         counted.append(1)  # the pool counts each operation once it is done
-    lanes = [queue for exchange, queue in channel.calls if exchange == "rewards.points.lanes"]
-    assert lanes == [f"rewards.points.lane.{n}" for n in range(8)]
+    assert channel.calls[:8] == [("rewards.points.lanes", f"rewards.points.lane.{n}")
+                                 for n in range(8)]  # all lanes, in order, before the rest
+    assert ("rewards", "rewards.points.lanes") in channel.calls[8:]  # the file's binding
     assert len(channel.calls) == len(plan.bindings) == sum(counted)
