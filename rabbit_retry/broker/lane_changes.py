@@ -40,9 +40,9 @@ could then wait on two lanes at once). For lane ``r`` (the last one on the broke
    passes at once, handing over the keys it still holds (the other lanes hold them), goes on
    with those keys and releases each once it is free, and then puts a ``fenced`` message naming
    itself into the marker;
-5. ``delete``: once that message is there (a run waits ``DRAIN_WAIT`` for it), delete ``r``
-   with its held queue, declare the next step's marker (if a lane is still to go) and delete
-   this one. A lane still busy (a key held by a parked message) stops the run there; the next
+5. ``delete``: once that message is there (a run waits ``DRAIN_WAIT`` for it), declare the
+   next step's marker (if a lane is still to go), delete ``r`` with its held queue, then this
+   step's marker. A lane still busy (a key held by a parked message) stops the run there; the next
    run goes on from it.
 """
 
@@ -235,10 +235,16 @@ async def _remove(run: MigrationRun, change: LaneChange) -> None:
     for lanes in range(change.before, change.after, -1):
         step = LaneChange(change.queue, lanes, lanes - 1, (), (), ())
         if not await _remove_last(run, step, last=lanes - 1 == change.after):
-            run.say(f"{change.queue}: lane {lanes - 1} still holds keys (a parked message holds "
-                    "its key until it is replayed or discarded: status, the desk's Held keys); "
-                    "their keys wait in the remaining lanes. Run migrate again to go on once it "
-                    f"is done ({numbered('lane', change.after, lanes)} to take away)")
+            lane = naming.lane_queue(change.queue, lanes - 1)
+            counted = await run.count(lane)
+            why = (f"nobody consumes {lane}: the lanes before it run nothing until it passes; "
+                   f"start a worker (on this file, or the one of {change.before} lanes)"
+                   if counted is not None and counted[1] == 0 else
+                   f"lane {lanes - 1} still holds keys (a parked message holds its key until "
+                   "it is replayed or discarded: status, the desk's Held keys); their keys "
+                   "wait in the remaining lanes")
+            run.say(f"{change.queue}: {why}. Run migrate again to go on once it is done "
+                    f"({numbered('lane', change.after, lanes)} to take away)")
             return
     run.say(f"{change.queue}: {change.after} lanes")
 
@@ -273,14 +279,17 @@ async def _remove_last(run: MigrationRun, step: LaneChange, *, last: bool) -> bo
     await channel.close()
     if not await _done(run, step.marker, number):
         return False
-    await _delete(run, naming.held_queue(step.queue, number), lane)
-    run.say(f"{step.queue}: deleted {lane} and its held queue (done)")
-    if not last:  # the next step's marker first: a worker on the new file still takes the lanes
+    if not last:
+        # The next step's marker before this lane goes: a worker on the new file that
+        # (re)connects in between must find a marker for every lane past its file, or it
+        # would not consume the next lane to go, and the gates would shut every lane.
         following = naming.lanes_change_queue(step.queue, number, number - 1)
         channel = await run.channel()
         await channel.queue_declare(following, durable=True,
                                     arguments={"x-queue-type": "classic"}, timeout=TIMEOUT)
         await channel.close()
+    await _delete(run, naming.held_queue(step.queue, number), lane)
+    run.say(f"{step.queue}: deleted {lane} and its held queue (done)")
     await _delete(run, step.marker)
     return True
 

@@ -36,6 +36,7 @@ from rabbit_retry.broker.absence import is_missing
 from rabbit_retry.broker.connect import CONNECTION_ERRORS, connect_amqp, rebuild_pause
 from rabbit_retry.errors import BrokerError, InputError, NodeDownError, RabbitRetryError
 from rabbit_retry.settings import Settings, mask
+from rabbit_retry.text import numbered
 from rabbit_retry.topology import naming
 from rabbit_retry.topology.apart import load_topology_apart
 from rabbit_retry.topology.resolved import Topology
@@ -160,6 +161,13 @@ async def lanes_on_broker(connection: AbstractConnection, queue: str, lanes: int
     if count > lanes and await _exists(connection,
                                        naming.lanes_change_queue(queue, count, count - 1)):
         return count
+    if count > lanes:
+        log.warning("queue=%s has %d lanes on the broker, %d in this worker's file: it consumes "
+                    "%s only; the keys of %s wait for a worker with the file of %d lanes (or "
+                    "run `rabbit-retry migrate` with this file first: it takes them away)",
+                    queue, count, lanes, numbered("lane", 0, lanes),
+                    numbered("lane", lanes, count), count,
+                    extra={"queue": queue, "event": "lanes_past_file"})
     return lanes
 
 

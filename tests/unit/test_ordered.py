@@ -1085,6 +1085,41 @@ async def test_a_worker_on_a_file_with_more_lanes_than_the_broker_says_to_run_mi
             "first")
 
 
+async def test_a_worker_on_a_file_with_fewer_lanes_than_the_broker_says_which_lanes_wait(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Started with a file of fewer lanes before ``migrate`` took any away (or still on the old
+    file after lanes were added): it consumes its file's lanes and says in a warning which
+    lanes' keys wait for another worker; while ``migrate`` takes them away (its marker is
+    there) it consumes them too, and says nothing (the control)."""
+    from rabbit_retry.worker.metrics import Metrics
+    from rabbit_retry.worker.runner import check_objects, subscribe
+
+    async def lanes(yaml: str) -> dict[str, int]:
+        subs = subscribe([Ledger()], parse_topology(yaml, "r.yml"), Metrics(exported=False))
+        connection = await broker.connect()
+        try:
+            return await check_objects(connection, subs, "r.yml")
+        finally:
+            await connection.close()
+
+    async with broker_for(topology()) as broker:
+        with caplog.at_level("WARNING", logger="rabbit_retry.worker"):
+            assert await lanes(topology(lanes=LANES - 1)) == {Q: LANES - 1}
+        [warning] = [r.getMessage() for r in caplog.records if "lanes on the broker" in
+                     r.getMessage()]
+        assert warning == (
+            f"queue={Q} has {LANES} lanes on the broker, {LANES - 1} in this worker's file: it "
+            f"consumes lanes 0-{LANES - 2} only; the keys of lane {LANES - 1} wait for a worker "
+            f"with the file of {LANES} lanes (or run `rabbit-retry migrate` with this file "
+            "first: it takes them away)")
+        caplog.clear()
+        broker.memory.declare_queue(f"{Q}.lanes.{LANES}-to-{LANES - 1}", durable=True)
+        with caplog.at_level("WARNING", logger="rabbit_retry.worker"):
+            assert await lanes(topology(lanes=LANES - 1)) == {Q: LANES}
+        assert not [r for r in caplog.records if "lanes on the broker" in r.getMessage()]
+
+
 async def test_a_keys_message_arriving_as_the_held_queue_is_read_waits_behind_earlier_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
