@@ -591,10 +591,11 @@ def _lanes_under_way(main: str, live: LiveState, lanes: int) -> tuple[int, int] 
 def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
     """A live queue whose ordering the file changes. More lanes is a ``migrate`` (it adds them
     so that a key that moves to a new lane runs there only after its earlier messages in the
-    old one); so is fewer on RabbitMQ 4.3 and later (the last lanes are taken away, and their
-    keys wait in the remaining ones until the removed ones are done with them). Fewer lanes on
-    older versions, or ordered keys turned on or off, would send some keys' messages down
-    another path while earlier ones wait on the old one: refused."""
+    old one); so is fewer on RabbitMQ 4.3 and later for a lanes exchange ``apply`` marked as
+    bound in lane order (the last lanes are taken away, and their keys wait in the remaining
+    ones until the removed ones are done with them). Fewer lanes elsewhere, or ordered keys
+    turned on or off, would send some keys' messages down another path while earlier ones wait
+    on the old one: refused. So is either change while a lane is not bound exactly once."""
     for main in plan.main_queues:
         if main.name not in live.queues:
             continue
@@ -617,36 +618,42 @@ def _lane_changes(plan: Plan, live: LiveState) -> Iterable[Change]:
                       "to finish that first")
             yield Change("conflict", "queue", main.name, detail, main)
             continue
-        if wanted == there:
-            continue
-        if not there:
-            fed = [b for b in live.bindings if b.destination == main.name
-                   and b.destination_type == "queue"
-                   and b.source != naming.retry_exchange(main.name)]
-            if not fed:
-                continue  # nothing reaches it yet: ordering it changes no path
-            detail = (f"the file orders it with {len(wanted)} lanes, but it is a plain queue "
-                      "on the broker that messages reach directly; making a live queue ordered "
-                      "is not supported yet: declare a new ordered queue and move publishers")
-        elif not wanted:
-            detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
-                      "live ordered queue cannot be made plain yet")
-        elif (unbound := _not_bound_once(main.name, there, live)):
-            detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
-                      f"file, but {', '.join(unbound)} {'is' if len(unbound) == 1 else 'are'} "
-                      f"not bound to {naming.lanes_exchange(main.name)} once, as apply binds "
-                      f"each lane (an apply that stopped midway?): run apply with a file of "
-                      f"{len(there)} lanes first, then migrate")
-        elif _movable(main.name, there, len(wanted), live):
-            lanes = (len(there), len(wanted))
-            yield Change("migrate", "queue", main.name, _lanes_text(*lanes), main, lanes=lanes)
-            continue
-        else:
-            detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
-                      f"file: the remaining lanes would take some keys while their earlier "
-                      f"messages wait in the others; keep lanes: {len(there)} "
-                      f"({_why_not_fewer(live)})")
-        yield Change("conflict", "queue", main.name, detail, main)
+        if wanted != there and (change := _lane_change(main, wanted, there, live)) is not None:
+            yield change
+
+
+def _lane_change(main: Queue, wanted: set[str], there: set[str], live: LiveState
+                 ) -> Change | None:
+    """A live queue's lanes ``there``, the file's ``wanted`` (they differ), no change under
+    way: the ``migrate`` that makes them match, the ``conflict`` that refuses it, or None (a
+    plain queue nothing reaches yet)."""
+    if not there:
+        fed = [b for b in live.bindings if b.destination == main.name
+               and b.destination_type == "queue"
+               and b.source != naming.retry_exchange(main.name)]
+        if not fed:
+            return None  # nothing reaches it yet: ordering it changes no path
+        detail = (f"the file orders it with {len(wanted)} lanes, but it is a plain queue "
+                  "on the broker that messages reach directly; making a live queue ordered "
+                  "is not supported yet: declare a new ordered queue and move publishers")
+    elif not wanted:
+        detail = (f"ordered with {len(there)} lanes on the broker, plain in the file; a "
+                  "live ordered queue cannot be made plain yet")
+    elif (unbound := _not_bound_once(main.name, there, live)):
+        detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
+                  f"file, but {', '.join(unbound)} {'is' if len(unbound) == 1 else 'are'} "
+                  f"not bound to {naming.lanes_exchange(main.name)} once, as apply binds "
+                  f"each lane (an apply that stopped midway?): run apply with a file of "
+                  f"{len(there)} lanes first, then migrate")
+    elif _movable(main.name, there, len(wanted), live):
+        lanes = (len(there), len(wanted))
+        return Change("migrate", "queue", main.name, _lanes_text(*lanes), main, lanes=lanes)
+    else:
+        detail = (f"ordered with {len(there)} lanes on the broker, {len(wanted)} in the "
+                  f"file: the remaining lanes would take some keys while their earlier "
+                  f"messages wait in the others; keep lanes: {len(there)} "
+                  f"({_why_not_fewer(live)})")
+    return Change("conflict", "queue", main.name, detail, main)
 
 
 def _not_bound_once(main: str, there: set[str], live: LiveState) -> list[str]:
@@ -927,9 +934,9 @@ def refusal(changes: Iterable[Change], vhost: str, file: str) -> list[str]:
             "keeps their messages"
         )
     elif any(c.kind == "migrate" for c in changes):
-        ways = {c.lanes[1] < c.lanes[0] for c in changes if c.kind == "migrate" and c.lanes}
-        how = {frozenset({True}): "takes the lanes away", frozenset({False}): "adds the lanes"}.get(
-            frozenset(ways), "adds or takes away the lanes")
+        fewer = {c.lanes[1] < c.lanes[0] for c in changes if c.kind == "migrate" and c.lanes}
+        how = ("adds or takes away the lanes" if len(fewer) > 1 else
+               "takes the lanes away" if True in fewer else "adds the lanes")
         lines.append(f"nothing was changed; `rabbit-retry migrate {file}` {how} and keeps each "
                      "key's order")
     return lines
