@@ -494,19 +494,7 @@ async def _run_steps(
             await run.rebind(hold, bindings, bind=True)
             await run.rebind(name, bindings, bind=False)
         elif step == "drain":
-            copies = await run.peek(hold)
-            before = await run.exact(hold)
-            outcome.drained = await run.move(name, hold, copies, marker=False)
-            # Nothing but us takes from the holding queue: every confirmed copy must be there.
-            if await run.exact(hold) < before + outcome.drained.moved:
-                raise BrokerError(
-                    f"{hold} holds fewer messages than were moved into it; the originals of "
-                    f"unconfirmed copies are still in {name}; run migrate again"
-                )
-            run.say(
-                f"{name}: moved {outcome.drained.moved} messages into {hold}"
-                + (f" ({outcome.drained.dropped} already there)" if outcome.drained.dropped else "")
-            )
+            await _drain(run, name, hold, outcome)
         elif step == "release":
             await _release(run, migration.queue, hold, outcome)
         elif step == "redeclare":
@@ -524,30 +512,54 @@ async def _run_steps(
                 await _mark(run, hold)
                 await run.rebind(hold, held, bind=False)
         elif step == "refill":
-            state = await run.count(name)
-            # What the new queue holds already: messages routed to it and to the holding queue
-            # in the instant before the marker, and copies a killed run moved but never acked.
-            # Not while workers consume it: then such a message may arrive twice
-            # (docs/migrations.md).
-            copies = await run.peek(name) if state is not None and state[1] == 0 else Copies()
-            holding = await run.exact(hold)
-            outcome.refilled = await run.move(hold, name, copies, marker=True)
-            # Unbound, the holding queue only loses messages, and only to us: each one it held
-            # was moved, or dropped as a copy, or was the marker.
-            left = await run.exact(hold)
-            if left or outcome.refilled.moved + outcome.refilled.dropped > holding:
-                raise BrokerError(
-                    f"{hold}: {holding} held, {outcome.refilled.moved} moved, "
-                    f"{outcome.refilled.dropped} dropped, {left} left: the counts disagree; "
-                    "nothing was acked unconfirmed; run migrate again"
-                )
-            await _delete_when_empty(run, hold)
-            run.say(
-                f"{name}: moved {outcome.refilled.moved} messages back from {hold}"
-                + (f", dropped {outcome.refilled.dropped} copies" if outcome.refilled.dropped
-                   else "")
-                + f"; {hold} deleted"
-            )
+            await _refill(run, name, hold, outcome)
+
+
+async def _drain(run: MigrationRun, name: str, hold: str, outcome: Outcome) -> None:
+    """The ``drain`` step: move what ``name`` holds into its holding queue ``hold`` (the copies
+    a stopped run left there recognised), then check that every confirmed copy is there."""
+    copies = await run.peek(hold)
+    before = await run.exact(hold)
+    outcome.drained = await run.move(name, hold, copies, marker=False)
+    # Nothing but us takes from the holding queue: every confirmed copy must be there.
+    if await run.exact(hold) < before + outcome.drained.moved:
+        raise BrokerError(
+            f"{hold} holds fewer messages than were moved into it; the originals of "
+            f"unconfirmed copies are still in {name}; run migrate again"
+        )
+    run.say(
+        f"{name}: moved {outcome.drained.moved} messages into {hold}"
+        + (f" ({outcome.drained.dropped} already there)" if outcome.drained.dropped else "")
+    )
+
+
+async def _refill(run: MigrationRun, name: str, hold: str, outcome: Outcome) -> None:
+    """The ``refill`` step: move everything ``hold`` keeps back into the rebuilt queue
+    ``name`` up to ``route-back``'s marker, check that the counts agree, and delete ``hold``."""
+    state = await run.count(name)
+    # What the new queue holds already: messages routed to it and to the holding queue
+    # in the instant before the marker, and copies a killed run moved but never acked.
+    # Not while workers consume it: then such a message may arrive twice
+    # (docs/migrations.md).
+    copies = await run.peek(name) if state is not None and state[1] == 0 else Copies()
+    holding = await run.exact(hold)
+    outcome.refilled = await run.move(hold, name, copies, marker=True)
+    # Unbound, the holding queue only loses messages, and only to us: each one it held
+    # was moved, or dropped as a copy, or was the marker.
+    left = await run.exact(hold)
+    if left or outcome.refilled.moved + outcome.refilled.dropped > holding:
+        raise BrokerError(
+            f"{hold}: {holding} held, {outcome.refilled.moved} moved, "
+            f"{outcome.refilled.dropped} dropped, {left} left: the counts disagree; "
+            "nothing was acked unconfirmed; run migrate again"
+        )
+    await _delete_when_empty(run, hold)
+    run.say(
+        f"{name}: moved {outcome.refilled.moved} messages back from {hold}"
+        + (f", dropped {outcome.refilled.dropped} copies" if outcome.refilled.dropped
+           else "")
+        + f"; {hold} deleted"
+    )
 
 
 async def _to_refill(run: MigrationRun, name: str, hold: str, *, marked: bool) -> int:
@@ -779,7 +791,27 @@ async def _run_rename(run: MigrationRun, rename: Rename, moving: Moving | None =
     are skipped, and a copy already in a destination nothing consumes is not moved twice.
     ``moving`` is told the exact counts once nothing new reaches ``old``'s queues, before the
     first move: what the moves evict is counted there."""
-    old, total = rename.old, Moved()
+    total = Moved()
+    await _refuse_while_consumed(run, rename)
+    await _targets_there(run, rename)
+    await _unbind_old(run, rename)
+    await _redirect_dead_letters(run, rename)
+    if moving is not None:
+        moving(rename, await _counts_now(run, [q for pair in rename.moves for q in pair]))
+    for source, target in rename.moves:
+        moved = await _move_queue(run, rename, source, target)
+        if moved is None:
+            continue  # moved and deleted by an earlier run
+        total.moved += moved.moved
+        total.dropped += moved.dropped
+        total.by_source[source] = moved.moved
+    await _delete_old_objects(run, rename)
+    return total
+
+
+async def _refuse_while_consumed(run: MigrationRun, rename: Rename) -> None:
+    """Stop while a worker still consumes a queue of ``old``: the messages it holds unacked
+    would go back there after the move. Nothing more is moved."""
     for source, _ in rename.moves:
         state = await run.count(source)
         if state is not None and state[1]:
@@ -788,48 +820,63 @@ async def _run_rename(run: MigrationRun, rename: Rename, moving: Moving | None =
                 f"consuming the old name (their unacked messages go back to {source}), then "
                 "run migrate again; nothing more was moved"
             )
-    await _targets_there(run, rename)
-    own = {naming.retry_exchange(old), naming.lanes_exchange(old)}
-    for source in (old, naming.migrating_queue(old)):
+
+
+async def _unbind_old(run: MigrationRun, rename: Rename) -> None:
+    """Unbind ``old`` and its holding queue from every exchange that routes to them but their
+    own retry and lanes exchanges, so that nothing new reaches them (it reaches the new queue,
+    bound already by ``apply``)."""
+    own = {naming.retry_exchange(rename.old), naming.lanes_exchange(rename.old)}
+    for source in (rename.old, naming.migrating_queue(rename.old)):
         # The default exchange's implicit binding cannot be removed; the old queue's own retry
         # exchange still brings back what its tiers hold until they are moved.
         feeding = [b for b in run.bindings_to(source) if b.source and b.source not in own]
         await run.rebind(source, feeding, bind=False)
         if feeding:
             run.say(f"{source}: unbound from {', '.join(sorted({b.source for b in feeding}))}")
-    await _redirect_dead_letters(run, rename)
-    if moving is not None:
-        counts = {}
-        for queue in dict.fromkeys(q for pair in rename.moves for q in pair):
-            if (state := await run.count(queue)) is not None:
-                counts[queue] = state
-        moving(rename, counts)
-    for source, target in rename.moves:
-        if await run.count(source) is None:
-            continue  # moved and deleted by an earlier run
-        there = await run.count(target)
-        if there is None:
-            raise BrokerError(
-                f"{target} is not on the broker; run apply first: the messages of {source} "
-                "stay where they are"
-            )
-        # What the destination holds already, when nothing consumes it: copies a stopped run
-        # confirmed but never acked the originals of. Not while workers consume it: then such
-        # a message may arrive twice (docs/migrations.md).
-        copies = await run.peek(target) if there[1] == 0 else Copies()
-        try:
-            moved = await run.move(source, target, copies, marker=False)
-        except CopyRefused:
-            raise await _move_refused(run, rename, source, target) from None
-        total.moved += moved.moved
-        total.dropped += moved.dropped
-        total.by_source[source] = moved.moved
-        await _delete_emptied(run, source)
-        run.say(
-            f"{source}: moved {plural(moved.moved, 'message')} into {target}"
-            + (f" ({moved.dropped} already there)" if moved.dropped else "")
-            + f"; {source} deleted"
+
+
+async def _counts_now(run: MigrationRun, queues: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """queue -> (ready, consumers) as the broker counts them now, for each of ``queues`` (once
+    each) that is on the broker."""
+    counts: dict[str, tuple[int, int]] = {}
+    for queue in dict.fromkeys(queues):
+        if (state := await run.count(queue)) is not None:
+            counts[queue] = state
+    return counts
+
+
+async def _move_queue(run: MigrationRun, rename: Rename, source: str, target: str
+                      ) -> Moved | None:
+    """Move the messages of ``source``, a queue of ``old``, into ``target``, then delete it;
+    None when an earlier run did both."""
+    if await run.count(source) is None:
+        return None
+    there = await run.count(target)
+    if there is None:
+        raise BrokerError(
+            f"{target} is not on the broker; run apply first: the messages of {source} "
+            "stay where they are"
         )
+    # What the destination holds already, when nothing consumes it: copies a stopped run
+    # confirmed but never acked the originals of. Not while workers consume it: then such
+    # a message may arrive twice (docs/migrations.md).
+    copies = await run.peek(target) if there[1] == 0 else Copies()
+    try:
+        moved = await run.move(source, target, copies, marker=False)
+    except CopyRefused:
+        raise await _move_refused(run, rename, source, target) from None
+    await _delete_emptied(run, source)
+    run.say(
+        f"{source}: moved {plural(moved.moved, 'message')} into {target}"
+        + (f" ({moved.dropped} already there)" if moved.dropped else "")
+        + f"; {source} deleted"
+    )
+    return moved
+
+
+async def _delete_old_objects(run: MigrationRun, rename: Rename) -> None:
+    """Delete ``old``'s exchanges, then its policy: last, once its queues are gone."""
     channel = await run.channel()
     for exchange in rename.exchanges:
         await channel.exchange_delete(exchange, timeout=TIMEOUT)
@@ -844,7 +891,6 @@ async def _run_rename(run: MigrationRun, rename: Rename, moving: Moving | None =
                 "its queues are gone already, run migrate again"
             )
         run.say(f"policy {rename.policy} deleted")
-    return total
 
 
 async def _move_refused(run: MigrationRun, rename: Rename, source: str,

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -457,8 +457,14 @@ def _evictions_refused(evicted: Sequence[Eviction], accepted: bool) -> str | Non
     if accepted or not evicted:
         return None
     lines = [f"queue {e.queue}: {e.detail}" for e in evicted]
-    return "\n".join([*lines, "nothing was changed; pass --accept-evictions to make "
-                       f"{'this change' if len(evicted) == 1 else 'these changes'}"])
+    return "\n".join([*lines, _nothing_changed(len(evicted) > 1)])
+
+
+def _nothing_changed(many: bool) -> str:
+    """How a refusal to evict ends when ``migrate`` or ``apply`` changed nothing yet: ``many``,
+    more than one queue would evict."""
+    return ("nothing was changed; pass --accept-evictions to make "
+            f"{'these changes' if many else 'this change'}")
 
 
 def _make_room(queues: Iterable[str]) -> str:
@@ -640,65 +646,93 @@ def _migrate(settings: Settings, topology: Topology, file: str, dry_run: bool, y
         confirm(f"Migrate {plural(len(migrations) + len(lanes), 'queue')} in vhost "
                 f"{settings.vhost!r}?")
     routes = dead_letter_routes(compiled, changes, {m.name for m in migrations})
-    # Counted again before anything is changed: messages may have arrived while it asked.
-    recount(compiled, live, _counted(settings, live, [m.name for m in migrations]),
-            accepted=accept_evictions, verb="migrate",
-            then=lambda many: "nothing was changed; pass --accept-evictions to make "
-            f"{'these changes' if many else 'this change'}")
-    for renamed in renames:  # and so, for the same reason, are the queues of each rename
-        _recount_rename(settings, compiled, live, renamed, accept_evictions)
+    _recount_before_changes(settings, compiled, live, migrations, renames, accept_evictions)
     if routes:  # before a queue is refilled under a new limit: what overflows is never cycled
         asyncio.run(apply_changes(settings, routes, live.bindings))
         for change in routes:
             click.echo(f"{'bound' if change.kind == 'create' else 'unbound'} {change.name}"
                        if change.object == "binding" else f"declared {change.name}")
-    evicted: list[Eviction] = []
-    counted: dict[str, Mapping[str, tuple[int, int]]] = {}  # per old queue, before its moves
-
-    def refilling(name: str, ready: int) -> None:
-        """Counted again just before ``name`` takes its messages back: what arrived while it
-        was rebuilt waited in its holding queue and is evicted too."""
-        evicted.extend(recount(
-            compiled, refilled(live, name), {name: (ready, 0)}, accepted=accept_evictions,
-            verb="migrate", then=lambda _: f"{name} is rebuilt and its messages wait in "
-            f"{naming.migrating_queue(name)}; pass --accept-evictions and run migrate again "
-            "to refill it"))
-
-    def moving(renamed: Rename, counts: Mapping[str, tuple[int, int]]) -> None:
-        """Counted again once nothing new reaches the old queue (unbound), just before its
-        messages are moved: what arrived in it until then is moved, and evicts, too."""
-        counted[renamed.old] = counts
-        recount(
-            compiled, live, counts, accepted=accept_evictions, verb="migrate",
-            find=lambda now: moved_in(compiled, now, renamed.old, renamed.moves),
-            then=lambda _: f"{renamed.old} is unbound (new messages reach {renamed.new}) and "
-            "keeps its messages; pass --accept-evictions and run migrate again to move them",
-            stuck=lambda: f"{renamed.old} is unbound (new messages reach {renamed.new}) and "
-            f"keeps its messages; {_make_room([renamed.new])}")
-
+    recounts = _Recounts(compiled, live, accept_evictions)
     moved = _carry_out(settings, compiled, file, migrations, renames,
-                       sorted(set(targets)) or None, guard, lanes, refilling, moving)
-    for renamed, done in zip(renames, moved, strict=True):
-        # What was moved, not what was counted: a message the new queue already held (same
-        # message_id and body: routed to both while both were bound) is not moved again.
-        counts = {**counted.get(renamed.old, {}),
-                  **{source: (done.by_source.get(source, 0), 0) for source, _ in renamed.moves}}
-        evicted += moved_in(compiled, with_exact_counts(live, counts), renamed.old,
-                            renamed.moves)
-    for eviction in evicted:  # accepted with --accept-evictions
+                       sorted(set(targets)) or None, guard, lanes, recounts.refilling,
+                       recounts.moving)
+    recounts.add_moved(renames, moved)
+    for eviction in recounts.evicted:  # accepted with --accept-evictions
         click.echo(eviction.done(f"the messages of {eviction.moved_from} were moved"
                                  if eviction.moved_from else "the queue was refilled"))
 
 
-def _recount_rename(settings: Settings, compiled: Plan, live: LiveState, renamed: Rename,
-                    accepted: bool) -> None:
-    """The evictions of ``renamed`` counted again before ``migrate`` changes anything."""
-    recount(compiled, live, _counted(settings, live, [q for m in renamed.moves for q in m]),
-            accepted=accepted, verb="migrate",
+def _recount_before_changes(settings: Settings, compiled: Plan, live: LiveState,
+                            migrations: Sequence[Migration], renames: Sequence[Rename],
+                            accepted: bool) -> None:
+    """The evictions of the rebuilt queues and of each rename's moves, counted again before
+    ``migrate`` changes anything: messages may have arrived while it asked. Without
+    ``accepted``, one found stops it with nothing changed (as does a new queue that would
+    refuse a rename's moved messages, whatever ``accepted`` says)."""
+    recount(compiled, live, _counted(settings, live, [m.name for m in migrations]),
+            accepted=accepted, verb="migrate", then=_nothing_changed)
+    for renamed in renames:  # and so, for the same reason, are the queues of each rename
+        _recount_moves(compiled, live, renamed,
+                       _counted(settings, live, [q for m in renamed.moves for q in m]),
+                       accepted=accepted, left="nothing was changed", then=_nothing_changed)
+
+
+def _recount_moves(compiled: Plan, live: LiveState, renamed: Rename,
+                   counts: Mapping[str, tuple[int, int]], *, accepted: bool, left: str,
+                   then: Callable[[bool], str]) -> None:
+    """The evictions that moving the messages of ``renamed`` makes, counted again from
+    ``counts`` (``recount``), before ``migrate`` changes anything and again just before the
+    first move. Without ``accepted``, one found stops ``migrate`` (``then`` says how to go
+    on); a new queue that would refuse the moved messages stops it whatever ``accepted``
+    says (``left``: what ``migrate`` has left as it was)."""
+    recount(compiled, live, counts, accepted=accepted, verb="migrate",
             find=lambda now: moved_in(compiled, now, renamed.old, renamed.moves),
-            then=lambda many: "nothing was changed; pass --accept-evictions to make "
-            f"{'these changes' if many else 'this change'}",
-            stuck=lambda: f"nothing was changed; {_make_room([renamed.new])}")
+            then=then, stuck=lambda: f"{left}; {_make_room([renamed.new])}")
+
+
+@dataclass
+class _Recounts:
+    """What ``migrate`` counts again while it runs (its ``refilling`` and ``moving``), from
+    what ``live`` read: what arrived since is evicted too. Without ``accepted``, an eviction
+    found there stops ``migrate``; with it, ``evicted`` gathers them, to be said at the end."""
+
+    compiled: Plan
+    live: LiveState
+    accepted: bool
+    evicted: list[Eviction] = field(default_factory=list)
+    # Per old queue: the counts just before its moves.
+    counted: dict[str, Mapping[str, tuple[int, int]]] = field(default_factory=dict)
+
+    def refilling(self, name: str, ready: int) -> None:
+        """Counted again just before ``name`` takes its messages back: what arrived while it
+        was rebuilt waited in its holding queue and is evicted too."""
+        self.evicted.extend(recount(
+            self.compiled, refilled(self.live, name), {name: (ready, 0)},
+            accepted=self.accepted, verb="migrate",
+            then=lambda _: f"{name} is rebuilt and its messages wait in "
+            f"{naming.migrating_queue(name)}; pass --accept-evictions and run migrate again "
+            "to refill it"))
+
+    def moving(self, renamed: Rename, counts: Mapping[str, tuple[int, int]]) -> None:
+        """Counted again once nothing new reaches the old queue (unbound), just before its
+        messages are moved: what arrived in it until then is moved, and evicts, too."""
+        self.counted[renamed.old] = counts
+        left = (f"{renamed.old} is unbound (new messages reach {renamed.new}) and keeps its "
+                "messages")
+        _recount_moves(self.compiled, self.live, renamed, counts, accepted=self.accepted,
+                       left=left, then=lambda _: f"{left}; pass --accept-evictions and run "
+                       "migrate again to move them")
+
+    def add_moved(self, renames: Sequence[Rename], moved: Sequence[Moved]) -> None:
+        """The evictions of the renames, once done, counted from what was moved, not what was
+        counted: a message the new queue already held (same message_id and body: routed to
+        both while both were bound) is not moved again."""
+        for renamed, done in zip(renames, moved, strict=True):
+            counts = {**self.counted.get(renamed.old, {}),
+                      **{source: (done.by_source.get(source, 0), 0)
+                         for source, _ in renamed.moves}}
+            self.evicted += moved_in(self.compiled, with_exact_counts(self.live, counts),
+                                     renamed.old, renamed.moves)
 
 
 def _held_now(plan: Plan, live: LiveState, changes: Sequence[Change],

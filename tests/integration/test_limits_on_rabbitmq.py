@@ -48,6 +48,18 @@ def _bodies(prefix: str, count: int = N) -> list[bytes]:
     return [f"{prefix}-{i}".encode() for i in range(count)]
 
 
+def _held_then_limited(tmp_path: Path, run_cli: Callable[..., Any], settings: Settings, q: str,
+                       held: int, limit: str) -> str:
+    """Classic queue ``q`` applied without a limit and ``held`` messages published to it; the
+    file that gives it ``limit`` (``policy: {max_length: N}``, ``arguments: {x-max-length: N}``)
+    and parks what does not fit, to plan, apply or migrate."""
+    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
+    _apply(run_cli, settings, plain)
+    blocking(publish(settings, b"x", routing_key=q, count=held))
+    return _write(tmp_path, "version: 1\nqueues:\n" + _queue(
+        q, "classic", f"    {limit}\n    on_full: park\n"), "limited.yml")
+
+
 def test_a_full_classic_queue_parks_or_drops_its_oldest_as_the_file_says_and_none_cycles(
     tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any], management: Management,
 ) -> None:
@@ -166,11 +178,8 @@ def test_lowering_a_live_limit_names_the_evicted_and_applies_only_when_accepted(
     tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any], management: Management,
 ) -> None:
     q = "lim.live"
-    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
-    _apply(run_cli, fresh_vhost, plain)
-    blocking(publish(fresh_vhost, b"x", routing_key=q, count=800))
-    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
-        q, "classic", "    policy: {max_length: 600}\n    on_full: park\n"), "limited.yml")
+    limited = _held_then_limited(tmp_path, run_cli, fresh_vhost, q, 800,
+                                 "policy: {max_length: 600}")
 
     planned = run_cli("plan", limited, settings=fresh_vhost)
     assert planned.code == 0, planned.err
@@ -219,11 +228,8 @@ def test_messages_that_arrive_while_apply_runs_are_counted_before_a_lower_limit_
 
     q = "lim.late"
     held = 150 if accept else 80
-    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
-    _apply(run_cli, fresh_vhost, plain)
-    blocking(publish(fresh_vhost, b"x", routing_key=q, count=held))
-    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
-        q, "classic", "    policy: {max_length: 100}\n    on_full: park\n"), "limited.yml")
+    limited = _held_then_limited(tmp_path, run_cli, fresh_vhost, q, held,
+                                 "policy: {max_length: 100}")
     around_routes = provision.around_routes
 
     def arriving(*args: Any) -> Any:
@@ -274,11 +280,8 @@ def test_migrate_under_a_lower_argument_limit_asks_then_parks_what_does_not_fit(
     tmp_path: Path, fresh_vhost: Settings, run_cli: Callable[..., Any],
 ) -> None:
     q = "lim.rebuilt"
-    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
-    _apply(run_cli, fresh_vhost, plain)
-    blocking(publish(fresh_vhost, b"x", routing_key=q, count=300))
-    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
-        q, "classic", "    arguments: {x-max-length: 200}\n    on_full: park\n"), "limited.yml")
+    limited = _held_then_limited(tmp_path, run_cli, fresh_vhost, q, 300,
+                                 "arguments: {x-max-length: 200}")
     line = (f"queue {q}: x-max-length (migrate) absent -> 200: 100 of its 300 messages leave it "
             f"at once, parked in {q}.parking")
     assert f"evicts    queue    {q}  ({line.split(': ', 1)[1]})" in run_cli(
@@ -319,11 +322,8 @@ def test_messages_that_arrive_while_migrate_runs_are_counted_before_a_refill_evi
 
     q = "lim.rebuilt.late"
     held = 300 if accept else 150
-    plain = _write(tmp_path, "version: 1\nqueues:\n" + _queue(q, "classic", ""), "plain.yml")
-    _apply(run_cli, fresh_vhost, plain)
-    blocking(publish(fresh_vhost, b"x", routing_key=q, count=held))
-    limited = _write(tmp_path, "version: 1\nqueues:\n" + _queue(
-        q, "classic", "    arguments: {x-max-length: 200}\n    on_full: park\n"), "limited.yml")
+    limited = _held_then_limited(tmp_path, run_cli, fresh_vhost, q, held,
+                                 "arguments: {x-max-length: 200}")
     if when == "start":
         routes = provision.dead_letter_routes
 
