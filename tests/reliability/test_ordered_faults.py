@@ -140,10 +140,7 @@ def test_two_workers_one_killed_mid_stream_keep_every_keys_order(
     wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
     first.stop()
     second.stop()
-    handled = _per_key("ok", records)
-    assert {u: sorted(set(s)) for u, s in handled.items()} == {
-        f"u{u}": list(range(1, EVENTS + 1)) for u in range(USERS)}
-    _never_back(records)
+    handled = _every_key_handled_in_order(records)
     print(f"[reliability] ordered, {queue_type}: {len(messages)} messages, {kills} SIGKILLs, "
           f"{sum(len(s) for s in handled.values()) - len(messages)} handled twice")
 
@@ -265,26 +262,10 @@ def test_lanes_added_mid_stream_keep_every_keys_order_through_sigkills(
         worker.start()
     # A parked key keeps its lane from passing, and so the new lanes shut: a held key that
     # moved to one cannot park before the other is replayed.
-    wait_for(lambda: total_depth(fresh_vhost, [f"{Q}.parking"]) >= 1, "a held key parked")
-    (records / "fixed").touch()
-
-    def replayed(enough: int) -> bool:
-        if total_depth(fresh_vhost, [f"{Q}.parking"]):
-            done = cli(fresh_vhost, "parking", "replay", Q, "--yes")
-            assert done.code == 0, done.err
-        return len(ok()) >= enough
-
-    wait_for(lambda: replayed(int(len(messages) * 0.8)), "80% handled")
-    new[0].kill()
-    new[0].start()
-    wait_for(lambda: replayed(len(messages)), "every message handled", within=180)
-    wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
+    _replayed_to_the_end(fresh_vhost, records, len(messages), new)
     for worker in new:
         worker.stop()
-    handled = _per_key("ok", records)
-    assert {u: sorted(set(s)) for u, s in handled.items()} == {
-        f"u{u}": list(range(1, EVENTS + 1)) for u in range(USERS)}
-    _never_back(records)
+    _every_key_handled_in_order(records)
     moved = [line for line in (records / "new1.log").read_text(errors="replace").splitlines()
              + (records / "new2.log").read_text(errors="replace").splitlines()
              if "every lane before it passed" in line]
@@ -331,27 +312,42 @@ def test_lanes_taken_away_mid_stream_keep_every_keys_order_through_sigkills(
     worker_guard.extend(new)
     for worker in new:
         worker.start()
-    wait_for(lambda: total_depth(fresh_vhost, [f"{Q}.parking"]) >= 1, "a held key parked")
-    (records / "fixed").touch()
-
-    def replayed(enough: int) -> bool:
-        if total_depth(fresh_vhost, [f"{Q}.parking"]):
-            done = cli(fresh_vhost, "parking", "replay", Q, "--yes")
-            assert done.code == 0, done.err
-        return len(ok()) >= enough
-
-    wait_for(lambda: replayed(int(len(messages) * 0.8)), "80% handled")
-    new[0].kill()
-    new[0].start()
-    wait_for(lambda: replayed(len(messages)), "every message handled", within=180)
-    wait_for(lambda: total_depth(fresh_vhost, QUEUES) == 0, "nothing left anywhere")
+    _replayed_to_the_end(fresh_vhost, records, len(messages), new)
     again = cli(fresh_vhost, "migrate", str(two), "--yes")  # the removed lanes are done
     assert again.code == 0 and "2 lanes" in again.out, again.out + again.err
     for worker in new:
         worker.stop()
+    _every_key_handled_in_order(records)
+    gone = [depth_sync(fresh_vhost, f"{Q}.lane.{n}{h}") for n in (2, 3) for h in ("", ".held")]
+    assert gone == [None] * 4  # deleted
+
+
+def _replayed_to_the_end(settings: Settings, records: Path, total: int,
+                         new: list[Worker]) -> None:
+    """Once a held key has parked: the handler fixed, the parked messages replayed until every
+    message is handled, the first new worker SIGKILLed and started again at 80%; nothing is
+    left in a lane, a tier or a held queue."""
+    wait_for(lambda: total_depth(settings, [f"{Q}.parking"]) >= 1, "a held key parked")
+    (records / "fixed").touch()
+
+    def replayed(enough: int) -> bool:
+        if total_depth(settings, [f"{Q}.parking"]):
+            done = cli(settings, "parking", "replay", Q, "--yes")
+            assert done.code == 0, done.err
+        return len({m for m, _ in recorded(records, "ok")}) >= enough
+
+    wait_for(lambda: replayed(int(total * 0.8)), "80% handled")
+    new[0].kill()
+    new[0].start()
+    wait_for(lambda: replayed(total), "every message handled", within=180)
+    wait_for(lambda: total_depth(settings, QUEUES) == 0, "nothing left anywhere")
+
+
+def _every_key_handled_in_order(records: Path) -> dict[str, list[int]]:
+    """Every key's events handled, none after a later one of its key succeeded; per key, the
+    events handled (a redelivered one twice)."""
     handled = _per_key("ok", records)
     assert {u: sorted(set(s)) for u, s in handled.items()} == {
         f"u{u}": list(range(1, EVENTS + 1)) for u in range(USERS)}
     _never_back(records)
-    gone = [depth_sync(fresh_vhost, f"{Q}.lane.{n}{h}") for n in (2, 3) for h in ("", ".held")]
-    assert gone == [None] * 4  # deleted
+    return handled

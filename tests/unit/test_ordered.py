@@ -1387,20 +1387,8 @@ async def test_a_release_that_comes_while_the_passed_entry_waits_is_not_lost(
     the release while its passed entry still waits for that. Before, the release found no hold
     and was dropped, and the passed entry then held the key for good (found by a review:
     applied 1, 2 and never 3). The key's held count is one, in the removed lane."""
-    from rabbit_retry.worker.ordered import OrderedLane
-
-    async with broker_for(topology()) as probe:
-        for n in range(24):
-            publish(probe, f"u{n}", 0)
-        user = next(m.headers["user-id"] for m in probe.messages(f"{Q}.lane.{LANES - 1}"))
-    confirmed = asyncio.Event()
-    original = OrderedLane._ack_taken
-
-    async def slow(self: OrderedLane, tag: int) -> None:
-        await original(self, tag)
-        await confirmed.wait()
-
-    monkeypatch.setattr(OrderedLane, "_ack_taken", slow)
+    user = await _a_user_of_the_last_lane()
+    confirmed = _slow_gate_acks(monkeypatch)
     ledger = Ledger({(user, 1): 1})
     async with broker_for(topology()) as broker:
         publish(broker, user, 1)
@@ -1430,20 +1418,8 @@ async def test_a_release_taken_while_the_passed_entry_waits_survives_a_crash_bef
     only once that entry is: the next worker gets both again, in order, and the key goes on
     (found by a review: the release was acked at once, and the next worker held the handed-over
     key again for good, its event 3 never applied)."""
-    from rabbit_retry.worker.ordered import OrderedLane
-
-    async with broker_for(topology()) as probe:
-        for n in range(24):
-            publish(probe, f"u{n}", 0)
-        user = next(m.headers["user-id"] for m in probe.messages(f"{Q}.lane.{LANES - 1}"))
-    confirmed = asyncio.Event()
-    original = OrderedLane._ack_taken
-
-    async def slow(self: OrderedLane, tag: int) -> None:
-        await original(self, tag)
-        await confirmed.wait()
-
-    monkeypatch.setattr(OrderedLane, "_ack_taken", slow)
+    user = await _a_user_of_the_last_lane()
+    confirmed = _slow_gate_acks(monkeypatch)
     first, second = Ledger({(user, 1): 1}), Ledger()
     async with broker_for(topology()) as broker:
         publish(broker, user, 1)
@@ -1472,9 +1448,32 @@ async def test_a_release_taken_while_the_passed_entry_waits_survives_a_crash_bef
             else:
                 confirmed.set()
                 await broker.settle(retries=True)
-        monkeypatch.setattr(OrderedLane, "_ack_taken", original)
+        monkeypatch.undo()  # the next worker's gate acks are taken at once
         if crash:
             async with broker.worker(second):
                 await broker.settle(retries=True)
         assert first.applied[user] + second.applied[user] == [1, 2, 3]
         assert held(broker) == 0
+
+
+async def _a_user_of_the_last_lane() -> str:
+    async with broker_for(topology()) as probe:
+        for n in range(24):
+            publish(probe, f"u{n}", 0)
+        return str(next(m.headers["user-id"]
+                        for m in probe.messages(f"{Q}.lane.{LANES - 1}")))
+
+
+def _slow_gate_acks(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """A gate's ack is taken only once the returned event is set (a loaded broker)."""
+    from rabbit_retry.worker.ordered import OrderedLane
+
+    confirmed = asyncio.Event()
+    original = OrderedLane._ack_taken
+
+    async def slow(self: OrderedLane, tag: int) -> None:
+        await original(self, tag)
+        await confirmed.wait()
+
+    monkeypatch.setattr(OrderedLane, "_ack_taken", slow)
+    return confirmed
