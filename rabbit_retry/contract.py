@@ -62,9 +62,10 @@ ORDERED_HOLD = "ordered-hold"
 # of 4: "2/4"). The copy goes back to that lane, not through the lanes exchange, whose
 # consistent-hash ring RabbitMQ 3.10 and 4.0 rebuild in another order when a node restarts
 # (docs/versions.md, "Ordered keys and a node restart"). A copy written before its queue got more
-# lanes still goes back to its lane, and so does one written on a lane added after the file of
-# the worker that takes it (a live queue's lanes only grow); one naming a lane the broker does
-# not have (the queue made again with fewer) goes through the exchange.
+# lanes still goes back to its lane, and so does one written on a lane past the file of the
+# worker that takes it (a lane ``migrate`` added, or one it is taking away: that lane is deleted
+# only once no key is held for it); one naming a lane the broker does not have (the queue made
+# again with fewer, a lane taken away) goes through the exchange.
 ORDERED_LANE = "ordered-lane"
 # A change of an ordered queue's lanes (``migrate``): on its entries (gate, fence, passed) the
 # lanes they concern, as "0,1,2": the lanes a new lane waits for, those a fence is for, the lane

@@ -99,8 +99,9 @@ def holding_lane(headers: Mapping[str, Any], lanes: int) -> int | None:
     holder's copy, replayed or released, carries it), also when the queue got more lanes since
     (its hold is still there) and when the copy was written by a worker on a file with more
     lanes than ``lanes`` (a worker still on the old file while ``migrate``'s added lanes are
-    taken up: a live queue's lanes only grow, so the writer's lane is on the broker); None
-    (through the lanes exchange): none carried, garbled, or a lane neither knows."""
+    taken up, or a lane ``migrate`` is taking away: deleted only once no key is held for it);
+    None (through the lanes exchange): none carried, garbled, or a lane neither knows (a copy
+    naming a lane deleted meanwhile goes through the exchange too, as an unroutable one)."""
     lane, sep, count = (as_text(headers.get(ORDERED_LANE)) or "").partition("/")
     if not (sep and lane.isdigit() and count.isdigit()):
         return None

@@ -302,8 +302,9 @@ class Session:
                     or as_text(headers.get(ORIGINAL_ROUTING_KEY))
                     or message.delivery.routing_key or "")  # type: ignore[union-attr]
             lane = holding_lane(headers, count)
-            # A lane past this worker's file (migrate added it; the copy's writer had it) is
-            # on the broker unless the queue was made again with fewer: then the ring.
+            # A lane past this worker's file (migrate added it, or is taking it away; the
+            # copy's writer had it) is on the broker unless it is gone (taken away, or the
+            # queue made again with fewer): then the ring.
             direct = None if lane is None else ("", naming.lane_queue(stream.sub.queue, lane))
             await self.publisher.publish_held(
                 *(direct or ring), message.body,
