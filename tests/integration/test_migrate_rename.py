@@ -337,8 +337,8 @@ def test_a_rename_into_a_quorum_queue_that_refuses_the_overflow_keeps_it_in_the_
     are nacked. migrate used to start anyway (3.10.8, 300 into 50 under 200: exit 1 after
     unbinding the old queue, "the broker refused a copy (publisher nack; is 'ren.new' full?)",
     200 left in the old queue and 236 in the new one). Now it refuses before any change,
-    --accept-evictions or not; and a queue filled in the moment before the move (here by 100
-    published to it straight) stops it with one line, nothing lost."""
+    --accept-evictions or not; and a queue filled in the moment before the move (here by 350
+    published to it straight, to its limit) stops it with one line, nothing lost."""
     from rabbit_retry.broker import migrate
     from rabbit_retry.errors import EXIT_CONFLICT
 
@@ -366,7 +366,10 @@ def test_a_rename_into_a_quorum_queue_that_refuses_the_overflow_keeps_it_in_the_
     async def filled_first(run: migrate.MigrationRun, queue: str) -> Any:
         if queue == NEW and not once:
             once.append(queue)
-            await publish_stream(fresh_vhost, NEW, 100,
+            # to its limit (50 + 350 = 400): a quorum queue enforces reject-publish
+            # approximately (3.10.8 once took all 300 copies on top of 100 fills), so the move
+            # starts with the queue full, and its first copies are refused
+            await publish_stream(fresh_vhost, NEW, 350,
                                  lambda i: persistent(b"{}", message_id=f"fill-{i}"))
         return await peek(run, queue)
 
@@ -382,5 +385,5 @@ def test_a_rename_into_a_quorum_queue_that_refuses_the_overflow_keeps_it_in_the_
     # queue confirmed after it refused one, whose originals were not acked).
     assert set(left) | set(kept) == {*(f"main-{i}" for i in range(MAIN)),
                                      *(f"new-{i}" for i in range(IN_NEW)),
-                                     *(f"fill-{i}" for i in range(100))}
+                                     *(f"fill-{i}" for i in range(350))}
     assert f"the copies it did not take stay in {OLD}, nothing is lost" in line, line
